@@ -1,0 +1,224 @@
+"""The `tfmoe` command line: one subcommand per experiment plus the notebook commands.
+
+The CLI only wires: Hydra composes and launches (runner.execute), notebook.py does disk I/O,
+reports.py/failures.py format. torch is imported only when an experiment actually runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+from tfmoe.errors import EXIT_BAD_INPUT, BadInput
+from tfmoe.registry import EXPERIMENTS, Experiment
+
+app = typer.Typer(
+    name="tfmoe",
+    help="A lab notebook for Transformer & MoE claims: every experiment leaves a parquet run directory.",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+failures_app = typer.Typer(help="The failures log (failures.md): add an entry from a run, or list entries.",
+                           no_args_is_help=True)
+app.add_typer(failures_app, name="failures")
+
+
+class DType(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp64 = "fp64"
+
+
+class Format(str, Enum):
+    table = "table"
+    md = "md"
+    json = "json"
+
+
+def fail(message: str) -> typer.Exit:
+    """One clear line on stderr, exit 2."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(EXIT_BAD_INPUT)
+
+
+RUNS_ROOT = typer.Option(Path("runs"), "--runs-root", help="Where the runs live (default: ./runs).")
+
+
+# ------------------------------------------------------------------------------------------ experiments
+def _experiment_command(exp: Experiment):
+    def command(
+        ctx: typer.Context,
+        device: str | None = typer.Option(None, "--device", help="cpu | cuda | cuda:N | mps | auto"),
+        dtype: DType | None = typer.Option(None, "--dtype", help="Floating-point dtype of the run."),
+        seed: int | None = typer.Option(None, "--seed", help="Seed for torch/numpy/random."),
+        multirun: bool = typer.Option(False, "-m", "--multirun", help="Hydra multirun: sweep comma lists / range()."),
+    ) -> None:
+        from tfmoe.launch import run_experiment
+
+        typed = []
+        if device is not None:
+            typed.append(f"device={device}")
+        if dtype is not None:
+            typed.append(f"dtype={dtype.value}")
+        if seed is not None:
+            typed.append(f"seed={seed}")
+        try:
+            code = run_experiment(exp, [*ctx.args, *typed], multirun=multirun)
+        except BadInput as exc:
+            raise fail(str(exc)) from None
+        raise typer.Exit(code)
+
+    command.__doc__ = (
+        f"{exp.help}\n\nConfig: conf/{exp.config}.yaml. Extra arguments are Hydra overrides (key=value); "
+        "Hydra's --cfg job / --info work too."
+    )
+    return command
+
+
+for _exp in EXPERIMENTS.values():
+    app.command(
+        name=_exp.name,
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )(_experiment_command(_exp))
+
+
+@app.command("all")
+def run_all(
+    device: str | None = typer.Option(None, "--device", help="cpu | cuda | cuda:N | mps | auto"),
+    runs_root: Path = RUNS_ROOT,
+) -> None:
+    """Run every registered experiment with its defaults, then print a table of the runs made."""
+    from tfmoe.launch import run_experiment
+    from tfmoe.reports import print_runs_table, worst_exit_code
+
+    codes, made = [], []
+    for exp in EXPERIMENTS.values():
+        typer.echo(f"== tfmoe {exp.name}", err=True)
+        args = [f"run_root={runs_root}"] + ([f"device={device}"] if device else [])
+        try:
+            codes.append(run_experiment(exp, args, multirun=False, quiet=True, made=made))
+        except BadInput as exc:
+            typer.echo(f"error: {exc}", err=True)
+            codes.append(EXIT_BAD_INPUT)
+    print_runs_table(made)
+    raise typer.Exit(worst_exit_code(codes))
+
+
+# ------------------------------------------------------------------------------------------ notebook
+@app.command("runs")
+def runs_cmd(
+    experiment: str | None = typer.Option(None, "--experiment", "-e", help="Only this experiment."),
+    status: str | None = typer.Option(None, "--status", help="ok | failed | error | interrupted | crashed | running"),
+    last: int | None = typer.Option(None, "--last", help="Only the N most recent runs."),
+    fmt: Format = typer.Option(Format.table, "--format"),
+    runs_root: Path = RUNS_ROOT,
+) -> None:
+    """List runs: id, experiment, status, started, wall, device, dtype, overrides."""
+    from tfmoe import reports
+
+    if experiment is not None and experiment not in EXPERIMENTS:
+        raise fail(f"unknown experiment {experiment!r}: choose one of {', '.join(EXPERIMENTS)}")
+    if last is not None and last < 1:
+        raise fail(f"--last {last}: pass a positive number")
+    try:
+        reports.runs(runs_root, experiment, status, last, fmt.value)
+    except BadInput as exc:
+        raise fail(str(exc)) from None
+
+
+@app.command("show")
+def show_cmd(
+    run: str = typer.Argument(..., help="Run path, run id, unique prefix, or 'latest'."),
+    fmt: Format = typer.Option(Format.table, "--format"),
+    runs_root: Path = RUNS_ROOT,
+) -> None:
+    """One run: config, environment, checks, metrics, timings, tensors, plots."""
+    from tfmoe import reports
+
+    try:
+        reports.show(run, runs_root, fmt.value)
+    except BadInput as exc:
+        raise fail(str(exc)) from None
+
+
+@app.command("diff")
+def diff_cmd(
+    a: str = typer.Argument(..., help="Run A (path, id, prefix or 'latest')."),
+    b: str = typer.Argument(..., help="Run B."),
+    all_rows: bool = typer.Option(False, "--all", help="Show everything, not only what differs."),
+    force: bool = typer.Option(False, "--force", help="Compare runs of different experiments."),
+    fmt: Format = typer.Option(Format.table, "--format"),
+    runs_root: Path = RUNS_ROOT,
+) -> None:
+    """What differs between two runs. Exit 0: nothing beyond tolerance (timings excluded); 1: something does."""
+    from tfmoe import reports
+
+    try:
+        code = reports.diff(a, b, runs_root, all_rows, force, fmt.value)
+    except BadInput as exc:
+        raise fail(str(exc)) from None
+    raise typer.Exit(code)
+
+
+@app.command("replay")
+def replay_cmd(
+    run: str = typer.Argument(..., help="Run path, id, prefix or 'latest'."),
+    runs_root: Path = RUNS_ROOT,
+) -> None:
+    """Re-run with the recorded config and seed, then diff the new run against the old one."""
+    from tfmoe.launch import replay
+
+    try:
+        code = replay(run, runs_root)
+    except BadInput as exc:
+        raise fail(str(exc)) from None
+    raise typer.Exit(code)
+
+
+@failures_app.command("add")
+def failures_add(
+    run: str = typer.Argument(..., help="The run that shows the failure (path, id, prefix or 'latest')."),
+    title: str | None = typer.Option(None, "--title"),
+    hypothesis: str = typer.Option("not yet stated", "--hypothesis"),
+    fix: str = typer.Option("not yet fixed", "--fix"),
+    test: str = typer.Option("none yet", "--test", help="The regression test that guards it."),
+    file: Path = typer.Option(Path("failures.md"), "--file", help="The failures log (default ./failures.md)."),
+    runs_root: Path = RUNS_ROOT,
+) -> None:
+    """Append an entry to failures.md: phenomenon, hypothesis, evidence, fix, regression test."""
+    from tfmoe import failures
+
+    try:
+        entry_title = failures.add(run, runs_root, file, title, hypothesis, fix, test)
+    except BadInput as exc:
+        raise fail(str(exc)) from None
+    typer.echo(f"appended to {file}: {entry_title}")
+
+
+@failures_app.command("list")
+def failures_list(file: Path = typer.Option(Path("failures.md"), "--file")) -> None:
+    """List the entries of failures.md."""
+    from tfmoe import failures
+
+    try:
+        failures.list_entries(file)
+    except BadInput as exc:
+        raise fail(str(exc)) from None
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""One module per experiment ("recipe"): ``run(cfg, rec)`` computes and records, never writes files."""

@@ -1,0 +1,227 @@
+"""Starting experiments through Hydra's real `@hydra.main` path (so multirun and launcher plugins work)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tfmoe.errors import BadInput
+from tfmoe.registry import EXPERIMENTS, Experiment
+
+HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                          "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
+
+
+def config_dir() -> Path:
+    """conf/ of this checkout (editable install), the packaged copy, or $TFMOE_CONF."""
+    env = os.environ.get("TFMOE_CONF")
+    if env:
+        return Path(env).resolve()
+    source = Path(__file__).resolve().parents[2] / "conf"
+    if (source / "base.yaml").exists():
+        return source
+    from importlib.resources import files
+
+    return Path(str(files("tfmoe.conf")))
+
+
+def split_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """(overrides, hydra flags) from the extra command-line arguments."""
+    overrides, flags = [], []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("-"):
+            flags.append(a)
+            takes_value = a in HYDRA_FLAGS_WITH_VALUE and a not in {"--info", "-i"}
+            optional_value = a in {"--info", "-i"}
+            if (takes_value or optional_value) and i + 1 < len(args) and "=" not in args[i + 1] \
+                    and not args[i + 1].startswith("-"):
+                flags.append(args[i + 1])
+                i += 1
+        else:
+            if "=" not in a:
+                raise BadInput(f"{a!r} is not an override: write key=value (e.g. seed=1)")
+            overrides.append(a)
+        i += 1
+    return overrides, flags
+
+
+def _type_name(v: Any) -> str:
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a mapping"}.get(type(v), type(v).__name__)
+
+
+def _compatible(default: Any, value: Any) -> bool:
+    if default is None or value is None:
+        return True
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    if isinstance(default, list):
+        return isinstance(value, list)
+    if isinstance(default, dict):
+        return isinstance(value, dict)
+    return True
+
+
+def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
+    """Refuse (BadInput) unknown keys, bad syntax and values whose type differs from the default's,
+    before Hydra starts (Hydra itself would print a multi-line error and exit 1)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    from tfmoe import runner  # registers the run-name resolver
+
+    del runner
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        raise BadInput(f"cannot parse overrides {' '.join(overrides)!r}: {str(exc).splitlines()[0]}") from None
+    first_values, checks = [], []
+    for o in parsed:
+        key = o.key_or_group
+        if o.is_sweep_override():
+            try:
+                values = list(o.sweep_string_iterator())
+            except Exception:
+                values = []
+            text_values = values
+        else:
+            text_values = [o.get_value_element_as_str()]
+        if not text_values:
+            first_values.append(o.input_line)
+            continue
+        prefix = {"ADD": "+", "DEL": "~", "FORCE_ADD": "++"}.get(o.type.name, "")
+        first_values.append(f"{prefix}{key}={text_values[0]}")
+        if not o.is_hydra_override() and "/" not in key and o.type.name == "CHANGE":
+            checks.append((key, text_values))
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            defaults = compose(config_name=exp.config)
+            composed = compose(config_name=exp.config, overrides=first_values)
+    except HydraException as exc:
+        msg = " ".join(str(exc).split())
+        for o in parsed:
+            if f"Could not override '{o.key_or_group}'" in str(exc) or f"Key '{o.key_or_group}'" in str(exc):
+                raise BadInput(f"unknown config key {o.key_or_group!r} for {exp.name}: "
+                               f"`tfmoe {exp.name} --cfg job` lists the keys") from None
+        raise BadInput(f"bad override for {exp.name}: {msg[:300]}") from None
+    except Exception as exc:  # Hydra raises plain ValueErrors for some malformed overrides
+        raise BadInput(f"bad override {' '.join(overrides)!r} for {exp.name}: {' '.join(str(exc).split())[:300]}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    import yaml
+
+    for key, values in checks:
+        default = OmegaConf.select(defaults, key, throw_on_missing=False)
+        if OmegaConf.is_config(default):
+            default = OmegaConf.to_container(default)
+        for text in values:
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                value = text
+            if not _compatible(default, value):
+                raise BadInput(f"{key}={text}: expected {_type_name(default)} like the default "
+                               f"({key}={default!r}): fix the value")
+    return composed
+
+
+def check_writable(run_root: str) -> None:
+    """Refuse an unwritable runs root before any run starts (nothing is lost, nothing half-written)."""
+    import tempfile
+
+    root = Path(run_root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as exc:
+        raise BadInput(f"cannot write runs under {root} ({exc.strerror or exc}): pass run_root=DIR that you "
+                       "can write, or fix the permissions") from None
+
+
+def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, quiet: bool = False,
+                   made: list[Path] | None = None) -> int:
+    """Compose and launch through `@hydra.main`; returns the exit code the runs' statuses call for."""
+    import hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tfmoe import hydra_callbacks, runner
+    from tfmoe.reports import exit_code_of, print_outcome
+
+    overrides, flags = split_args(args)
+    composed = validate_overrides(exp, overrides)
+    if not any(f in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for f in flags):
+        check_writable(str(composed.run_root))
+    if multirun:
+        flags = ["--multirun", *flags]
+    runner.LAST_RUN_DIRS.clear()
+    hydra_callbacks.LAST_SWEEP_DIRS.clear()
+    saved_argv = sys.argv
+    sys.argv = [f"tfmoe {exp.name}", *flags, *overrides]
+    GlobalHydra.instance().clear()
+    main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=exp.config)(runner.execute)
+    try:
+        main()
+    except SystemExit as exc:  # Hydra's own error path (after our validation this is rare)
+        if exc.code not in (0, None):
+            return EXIT_FROM_HYDRA
+    finally:
+        sys.argv = saved_argv
+        GlobalHydra.instance().clear()
+    dirs = list(runner.LAST_RUN_DIRS)
+    for sweep_dir in hydra_callbacks.LAST_SWEEP_DIRS:  # jobs run by other processes (joblib, submitit)
+        dirs += [p.parent for p in sweep_dir.glob("*/run.parquet") if p.parent not in dirs]
+    if made is not None:
+        made.extend(dirs)
+    if not dirs:
+        return 0  # --cfg / --info: Hydra printed and ran nothing
+    if not quiet:
+        print_outcome(dirs, hydra_callbacks.LAST_SWEEP_DIRS)
+    return exit_code_of(dirs)
+
+
+EXIT_FROM_HYDRA = 2
+
+
+def replay(ref: str, runs_root: Path) -> int:
+    """Rerun RUN with its recorded overrides (seed included), then diff new against old."""
+    from tfmoe import reports
+    from tfmoe.notebook import load_run, resolve_run
+
+    old_dir = resolve_run(ref, runs_root)
+    old = load_run(old_dir)
+    exp = EXPERIMENTS.get(str(old.run["experiment"]))
+    if exp is None:
+        raise BadInput(f"{old_dir} is a run of unknown experiment {old.run['experiment']!r}")
+    overrides = [o for o in list(old.run["overrides"]) if not o.startswith("run_root=")]
+    overrides += [f"seed={int(old.run['seed'])}", f"run_root={runs_root}"]
+    before = set(map(str, reports.find_runs_quick(runs_root)))
+    run_experiment(exp, _dedupe(overrides), multirun=False, quiet=True)
+    new_dirs = [p for p in reports.find_runs_quick(runs_root) if str(p) not in before]
+    if len(new_dirs) != 1:
+        raise BadInput("replay could not find the new run directory")
+    code = reports.diff(str(old_dir), str(new_dirs[0]), runs_root, False, False, "table")
+    print("reproduced" if code == 0 else "NOT reproduced: see the differences above")
+    return code
+
+
+def _dedupe(overrides: list[str]) -> list[str]:
+    """Last value of each key wins (Hydra refuses the same key twice)."""
+    seen: dict[str, str] = {}
+    for o in overrides:
+        seen[o.split("=", 1)[0]] = o
+    return list(seen.values())

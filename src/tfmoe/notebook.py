@@ -1,0 +1,404 @@
+"""The notebook layer: the only code that reads and writes run directories.
+
+A run directory (see README, "Run directory contract") holds run.parquet, metrics.parquet, checks.parquet,
+tensors.parquet, timings.parquet, PNG plots, summary.md, Hydra's .hydra/ and the run's log. Every file is
+written atomically (temp file + rename), so a crash or Ctrl-C leaves readable parquet. Reading a run never
+unpickles anything and never instantiates classes named in it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from tfmoe.errors import BadInput
+
+RUN_FILE = "run.parquet"
+TABLE_FILES = {
+    "metrics": "metrics.parquet",
+    "checks": "checks.parquet",
+    "timings": "timings.parquet",
+    "tensors": "tensors.parquet",
+}
+STATUS_EXIT = {"ok": 0, "failed": 1, "error": 2, "interrupted": 130, "crashed": 3, "running": 3}
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def _atomic_replace(path: Path, write: Any) -> None:
+    """Write via ``write(tmp_path)`` into a temp file beside ``path``, then rename over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_parquet(df: pd.DataFrame, path: Path, schema: pa.Schema | None = None) -> None:
+    table = pa.Table.from_pandas(_parquet_safe(df), schema=schema, preserve_index=False)
+    _atomic_replace(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def write_text(path: Path, text: str) -> None:
+    _atomic_replace(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def _parquet_safe(df: pd.DataFrame) -> pd.DataFrame:
+    """Object columns that mix types (e.g. a tag that is an int in some rows, a str in others) become str."""
+    df = df.copy()
+    for col in df.columns:
+        if df[col].dtype == object:
+            kinds = {type(v) for v in df[col] if v is not None and not (isinstance(v, float) and pd.isna(v))}
+            if len(kinds) > 1 and not kinds <= {int, float} and not any(k in (list, tuple, dict) for k in kinds):
+                df[col] = df[col].map(lambda v: None if v is None else str(v))
+    return df
+
+
+METRICS_BASE = ["name", "value", "step"]
+CHECKS_SCHEMA = pa.schema([("check", pa.string()), ("passed", pa.bool_()), ("observed", pa.float64()),
+                           ("threshold", pa.float64()), ("detail", pa.string())])
+TIMINGS_BASE = ["stage", "wall_ms", "device_ms", "repeats", "peak_device_mem_bytes"]
+TENSORS_SCHEMA = pa.schema([
+    ("name", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
+    ("values", pa.list_(pa.float64())), ("numel", pa.int64()), ("summarised", pa.bool_()),
+    ("min", pa.float64()), ("max", pa.float64()), ("mean", pa.float64()), ("std", pa.float64()),
+])
+
+
+def metrics_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    if df.empty:
+        df = pd.DataFrame({"name": pd.Series(dtype="string"), "value": pd.Series(dtype="float64")})
+    df["value"] = df["value"].astype("float64")
+    if "step" in df.columns:
+        df["step"] = df["step"].astype("Int64")
+    return df[[c for c in METRICS_BASE if c in df.columns] + [c for c in df.columns if c not in METRICS_BASE]]
+
+
+def timings_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    df = pd.DataFrame(rows, columns=None if rows else TIMINGS_BASE)
+    for col in ("wall_ms", "device_ms"):
+        df[col] = df[col].astype("float64")
+    for col in ("repeats", "peak_device_mem_bytes"):
+        df[col] = df[col].astype("Int64")
+    return df
+
+
+def tensor_row(name: str, t: Any, max_numel: int) -> dict[str, Any]:
+    """One tensors.parquet row. Values are the tensor flattened in C order as float64 (exact for
+    fp16/bf16/fp32/fp64, bool and integers up to 2**53); tensors above ``max_numel`` keep only stats."""
+    import torch
+
+    flat = t.detach().reshape(-1).to("cpu")
+    as64 = flat.to(torch.float64)
+    numel = flat.numel()
+    finite = as64[torch.isfinite(as64)]
+    stats = (
+        (finite.min().item(), finite.max().item(), finite.mean().item(),
+         finite.std().item() if finite.numel() > 1 else 0.0)
+        if finite.numel() else (None, None, None, None)
+    )
+    summarised = numel > max_numel
+    return {
+        "name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+        "values": None if summarised else as64.tolist(), "numel": numel, "summarised": summarised,
+        "min": stats[0], "max": stats[1], "mean": stats[2], "std": stats[3],
+    }
+
+
+def git_state(start: Path) -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the git checkout holding ``start``, or (None, None) outside one."""
+    try:
+        commit = subprocess.run(["git", "-C", str(start), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=5)
+        if commit.returncode != 0:
+            return None, None
+        dirty = subprocess.run(["git", "-C", str(start), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        return commit.stdout.strip(), bool(dirty.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def environment(device: Any = None) -> dict[str, Any]:
+    """Versions and machine facts recorded in run.parquet."""
+    import hydra
+    import numpy
+    import torch
+
+    commit, dirty = git_state(Path(__file__).resolve().parent)
+    cuda_ok = torch.cuda.is_available()
+    device_name = platform.processor() or platform.machine()
+    if device is not None and getattr(device, "type", None) == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    return {
+        "git_commit": commit, "git_dirty": dirty, "hostname": socket.gethostname(),
+        "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda_ok else None,
+        "cudnn": str(torch.backends.cudnn.version()) if cuda_ok and torch.backends.cudnn.is_available() else None,
+        "numpy": numpy.__version__, "pandas": pd.__version__, "pyarrow": pa.__version__,
+        "hydra": hydra.__version__, "device_name": device_name,
+    }
+
+
+RUN_SCHEMA = pa.schema([
+    ("run_id", pa.string()), ("experiment", pa.string()), ("status", pa.string()),
+    ("started_at", pa.timestamp("us", tz="UTC")), ("finished_at", pa.timestamp("us", tz="UTC")),
+    ("wall_s", pa.float64()), ("seed", pa.int64()), ("argv", pa.list_(pa.string())),
+    ("overrides", pa.list_(pa.string())), ("git_commit", pa.string()), ("git_dirty", pa.bool_()),
+    ("hostname", pa.string()), ("platform", pa.string()), ("python", pa.string()), ("torch", pa.string()),
+    ("cuda", pa.string()), ("cudnn", pa.string()), ("numpy", pa.string()), ("pandas", pa.string()),
+    ("pyarrow", pa.string()), ("hydra", pa.string()), ("device", pa.string()), ("device_name", pa.string()),
+    ("dtype", pa.string()), ("peak_device_mem_bytes", pa.int64()), ("peak_rss_bytes", pa.int64()),
+    ("error", pa.string()), ("exit_code", pa.int64()), ("sweep_dir", pa.string()), ("notes", pa.list_(pa.string())),
+])
+
+
+@dataclass
+class RunWriter:
+    """Writes one run directory: ``start()`` marks it running, ``finish()`` writes every record."""
+
+    run_dir: Path
+    run_id: str
+    experiment: str
+    seed: int
+    argv: list[str]
+    overrides: list[str]
+    device: str
+    dtype: str
+    sweep_dir: str | None = None
+    started_at: dt.datetime = field(default_factory=utcnow)
+    env: dict[str, Any] = field(default_factory=dict)
+
+    def _row(self, status: str, **extra: Any) -> dict[str, Any]:
+        row = {name: None for name in RUN_SCHEMA.names}
+        row.update(self.env)
+        row.update(run_id=self.run_id, experiment=self.experiment, status=status, started_at=self.started_at,
+                   seed=self.seed, argv=self.argv, overrides=self.overrides, device=self.device,
+                   dtype=self.dtype, sweep_dir=self.sweep_dir, notes=[])
+        row.update(extra)
+        return row
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.write_run(self._row("running"))
+
+    def write_run(self, row: dict[str, Any]) -> None:
+        write_parquet(pd.DataFrame([row]), self.run_dir / RUN_FILE, schema=RUN_SCHEMA)
+
+    def finish(self, rec: Any, status: str, exit_code: int, error: str | None,
+               peak_device_mem_bytes: int | None, peak_rss_bytes: int | None, tensor_max_numel: int) -> None:
+        """Write every record the recorder holds (whatever state the run ended in), then run.parquet."""
+        notes: list[str] = []
+        problems: list[str] = []
+        if rec is not None:
+            notes = list(rec.notes)
+            for what, fn in [
+                ("metrics", lambda: write_parquet(metrics_frame(rec.metrics_rows), self.run_dir / TABLE_FILES["metrics"])),
+                ("checks", lambda: self._write_checks(rec)),
+                ("timings", lambda: write_parquet(timings_frame(rec.timings_rows), self.run_dir / TABLE_FILES["timings"])),
+                ("tensors", lambda: notes.extend(self._write_tensors(rec, tensor_max_numel))),
+                ("plots", lambda: self._write_plots(rec)),
+            ]:
+                try:
+                    fn()
+                except Exception as exc:  # keep going: one bad record must not lose the others
+                    problems.append(f"could not write {what}: {type(exc).__name__}: {exc}")
+        if problems:
+            error = "; ".join(([error] if error else []) + problems)
+            if status == "ok":
+                status, exit_code = "crashed", 3
+        finished = utcnow()
+        self.write_run(self._row(
+            status, finished_at=finished, wall_s=(finished - self.started_at).total_seconds(), error=error,
+            exit_code=exit_code, peak_device_mem_bytes=peak_device_mem_bytes, peak_rss_bytes=peak_rss_bytes,
+            notes=notes,
+        ))
+        write_text(self.run_dir / "summary.md", self._summary(rec, status, error, notes))
+
+    def _write_checks(self, rec: Any) -> None:
+        rows = [vars(c) for c in rec.checks_rows]
+        df = pd.DataFrame(rows, columns=CHECKS_SCHEMA.names)
+        write_parquet(df, self.run_dir / TABLE_FILES["checks"], schema=CHECKS_SCHEMA)
+
+    def _write_tensors(self, rec: Any, max_numel: int) -> list[str]:
+        rows = [tensor_row(name, t, max_numel) for name, t in rec.tensors_saved.items()]
+        df = pd.DataFrame(rows, columns=TENSORS_SCHEMA.names)
+        write_parquet(df, self.run_dir / TABLE_FILES["tensors"], schema=TENSORS_SCHEMA)
+        return [f"tensor {r['name']} ({r['numel']} elements > tensor_max_numel={max_numel}) saved as a summary only"
+                for r in rows if r["summarised"]]
+
+    def _write_plots(self, rec: Any) -> None:
+        for name, fig in rec.figures.items():
+            _atomic_replace(self.run_dir / f"{name}.png", lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=110))
+
+    def _summary(self, rec: Any, status: str, error: str | None, notes: list[str]) -> str:
+        lines = [f"# {self.experiment} — {self.run_id}", "",
+                 f"status: **{status}**  ", f"device: {self.device}, dtype: {self.dtype}, seed: {self.seed}  ",
+                 f"overrides: {' '.join(self.overrides) or '(none)'}", ""]
+        if error:
+            lines += [f"error: {error}", ""]
+        if rec is not None and rec.checks_rows:
+            lines += ["| check | passed | observed | threshold |", "|---|---|---|---|"]
+            lines += [f"| {c.check} | {'yes' if c.passed else '**NO**'} | {_fmt(c.observed)} | {_fmt(c.threshold)} |"
+                      for c in rec.checks_rows]
+            lines.append("")
+        lines += [f"- {n}" for n in notes]
+        if rec is not None:
+            lines += ["", *rec.summary_parts]
+        return "\n".join(lines).rstrip() + "\n"
+
+
+def _fmt(x: float | None) -> str:
+    return "" if x is None else f"{x:.4g}"
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+@dataclass
+class RunData:
+    """One run directory, read back with pandas (no pickles, no classes instantiated)."""
+
+    path: Path
+    run: dict[str, Any]
+    metrics: pd.DataFrame
+    checks: pd.DataFrame
+    timings: pd.DataFrame
+    tensor_table: pd.DataFrame
+    config: str  # .hydra/config.yaml text
+
+    @property
+    def tensors(self) -> dict[str, Any]:
+        return tensors_from_frame(self.tensor_table)
+
+    @property
+    def plots(self) -> list[Path]:
+        return sorted(self.path.glob("*.png"))
+
+
+def read_parquet(path: Path) -> pd.DataFrame:
+    try:
+        return pq.read_table(path).to_pandas()
+    except FileNotFoundError:
+        raise BadInput(f"{path} is missing: is this a complete tfmoe run directory?") from None
+    except (pa.ArrowException, OSError) as exc:
+        raise BadInput(f"{path} is not readable parquet ({type(exc).__name__}): the run is corrupt; "
+                       "re-run it with `tfmoe replay`") from None
+
+
+def load_run(path: str | Path) -> RunData:
+    """Read a run directory (pass a path; use :func:`resolve_run` for ids and prefixes)."""
+    path = Path(path)
+    if not (path / RUN_FILE).exists():
+        raise BadInput(f"{path} is not a run directory (no {RUN_FILE}): pass a path under runs/, a run id or `latest`")
+    run = read_parquet(path / RUN_FILE).iloc[0].to_dict()
+    frames = {}
+    for key, fname in TABLE_FILES.items():
+        frames[key] = read_parquet(path / fname) if (path / fname).exists() else pd.DataFrame()
+    cfg_file = path / ".hydra" / "config.yaml"
+    config = cfg_file.read_text(encoding="utf-8") if cfg_file.exists() else ""
+    return RunData(path, run, frames["metrics"], frames["checks"], frames["timings"], frames["tensors"], config)
+
+
+def tensors_from_frame(df: pd.DataFrame) -> dict[str, Any]:
+    """Rebuild every fully saved tensor (bit-identical to what was saved); summarised ones are skipped."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for row in df.itertuples(index=False):
+        if row.summarised:
+            continue
+        dtype = getattr(torch, row.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise BadInput(f"tensor {row.name!r} has unknown dtype {row.dtype!r}: the run is corrupt")
+        values = torch.tensor(list(row.values), dtype=torch.float64)
+        out[row.name] = values.to(dtype).reshape([int(s) for s in row.shape])
+    return out
+
+
+def load_tensors(path: str | Path) -> dict[str, Any]:
+    """All tensors of a run directory as torch tensors."""
+    return tensors_from_frame(read_parquet(Path(path) / TABLE_FILES["tensors"]))
+
+
+def load_tensor(path: str | Path, name: str) -> Any:
+    """One tensor of a run directory, identical (dtype, shape, bits) to what the run saved."""
+    df = read_parquet(Path(path) / TABLE_FILES["tensors"])
+    sel = df[df["name"] == name]
+    if sel.empty:
+        raise BadInput(f"run {path} saved no tensor named {name!r}: saved are {', '.join(df['name'])}")
+    if bool(sel.iloc[0]["summarised"]):
+        raise BadInput(f"tensor {name!r} was saved as a summary only (above tensor_max_numel): re-run with "
+                       "a larger tensor_max_numel=N")
+    return tensors_from_frame(sel)[name]
+
+
+def find_runs(runs_root: Path) -> list[Path]:
+    """Every run directory under ``runs_root`` (single runs and sweep jobs)."""
+    if not runs_root.exists():
+        return []
+    return sorted(p.parent for p in runs_root.rglob(RUN_FILE) if ".hydra" not in p.parts)
+
+
+def run_index(runs_root: Path) -> pd.DataFrame:
+    """One row per run (run.parquet of each run directory) plus its ``path``; unreadable runs are listed as such."""
+    rows = []
+    for p in find_runs(runs_root):
+        try:
+            row = read_parquet(p / RUN_FILE).iloc[0].to_dict()
+        except BadInput as exc:
+            row = {"run_id": p.name, "status": "unreadable", "error": str(exc)}
+        row["path"] = str(p)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def resolve_run(ref: str, runs_root: Path) -> Path:
+    """A run directory from a path, a run id, a unique prefix of one, or ``latest``."""
+    path = Path(ref)
+    if (path / RUN_FILE).exists():
+        return path
+    if path.exists() and path.is_dir():
+        raise BadInput(f"{ref} is not a run directory (no {RUN_FILE}): pass a run path, id or `latest`")
+    index = run_index(runs_root)
+    if index.empty:
+        raise BadInput(f"no runs under {runs_root}: run an experiment first, or pass --runs-root")
+    if ref == "latest":
+        if "started_at" not in index:
+            raise BadInput(f"no readable runs under {runs_root}")
+        return Path(index.sort_values("started_at").iloc[-1]["path"])
+    exact = index[index["run_id"] == ref]
+    if len(exact) == 1:
+        return Path(exact.iloc[0]["path"])
+    matches = index[index["run_id"].astype(str).str.startswith(ref)]
+    if matches.empty:
+        raise BadInput(f"run {ref!r} not found under {runs_root}: `tfmoe runs` lists the run ids")
+    if len(matches) > 1:
+        ids = ", ".join(matches["run_id"].astype(str).head(5))
+        raise BadInput(f"run prefix {ref!r} is ambiguous ({len(matches)} runs: {ids}…): give more characters")
+    return Path(matches.iloc[0]["path"])

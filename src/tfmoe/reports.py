@@ -1,0 +1,332 @@
+"""Read-side formatting for the notebook commands: runs, show, diff, and the outcome of a launch."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from tfmoe.errors import BadInput
+from tfmoe.notebook import STATUS_EXIT, RunData, find_runs, load_run, read_parquet, resolve_run, run_index
+
+console = Console(highlight=False)
+
+EXIT_PRIORITY = [130, 2, 3, 1, 0]
+# Metric rows that are measurements of this machine (speed, memory) are reported by diff but do not make
+# two runs "differ": like timings, they move from run to run.
+MEASURED_NAME = re.compile(r"(^|_)(ms|s|wall|time|times|seconds|per_s|flops_per_s|gflops|tflops|peak_fraction|"
+                           r"rss|throughput|speedup|latency|measured)(_|$)")
+ENV_KEYS = ["device", "device_name", "dtype", "python", "torch", "cuda", "cudnn", "numpy", "pandas", "pyarrow",
+            "hydra", "hostname", "platform", "git_commit", "git_dirty"]
+
+
+def worst_exit_code(codes: list[int]) -> int:
+    for c in EXIT_PRIORITY:
+        if c in codes:
+            return c
+    return max(codes) if codes else 0
+
+
+def exit_code_of(run_dirs: list[Path]) -> int:
+    codes = []
+    for d in run_dirs:
+        run = read_parquet(d / "run.parquet").iloc[0]
+        code = run.get("exit_code")
+        codes.append(int(code) if code is not None and not pd.isna(code) else STATUS_EXIT.get(run["status"], 3))
+    return worst_exit_code(codes)
+
+
+def find_runs_quick(runs_root: Path) -> list[Path]:
+    return find_runs(runs_root)
+
+
+def _runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
+    rows = []
+    for d in run_dirs:
+        data = load_run(d)
+        checks = data.checks
+        n_ok = int(checks["passed"].sum()) if not checks.empty else 0
+        rows.append({"run_id": data.run["run_id"], "experiment": data.run["experiment"],
+                     "status": data.run["status"], "checks": f"{n_ok}/{len(checks)}",
+                     "wall_s": round(float(data.run["wall_s"] or 0.0), 2), "path": str(d)})
+    return pd.DataFrame(rows)
+
+
+def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path]) -> None:
+    df = _runs_frame(run_dirs)
+    table_df = df.drop(columns=["path"])
+    table = Table(title="tfmoe run" if len(df) == 1 else f"tfmoe sweep: {len(df)} jobs")
+    for col in table_df.columns:
+        table.add_column(col, no_wrap=True)
+    for row in table_df.itertuples(index=False):
+        style = {"ok": "green", "failed": "red", "error": "yellow"}.get(row.status, "magenta")
+        table.add_row(*[str(v) for v in row], style=style)
+    console.print(table)
+    if len(df) == 1 and not sweep_dirs:
+        console.print(f"run directory: {df.iloc[0]['path']}", soft_wrap=True)
+    for s in sweep_dirs:
+        console.print(f"sweep: {s}/sweep.parquet", soft_wrap=True)
+
+
+def print_runs_table(run_dirs: list[Path]) -> None:
+    if run_dirs:
+        print_outcome(run_dirs, [])
+
+
+def _emit(df: pd.DataFrame, fmt: str, title: str = "") -> None:
+    if fmt == "json":
+        print(df.to_json(orient="records", date_format="iso", default_handler=str))
+    elif fmt == "md":
+        if title:
+            print(f"\n### {title}\n")
+        print(markdown_table(df) if not df.empty else "(none)")
+    else:
+        table = Table(title=title or None)
+        for col in df.columns:
+            table.add_column(str(col), overflow="fold", no_wrap=col in ("run_id", "started_at", "key", "check"))
+        for row in df.itertuples(index=False):
+            table.add_row(*[_cell(v) for v in row])
+        console.print(table)
+
+
+def markdown_table(df: pd.DataFrame) -> str:
+    head = "| " + " | ".join(map(str, df.columns)) + " |"
+    rule = "|" + "---|" * len(df.columns)
+    body = ["| " + " | ".join(_cell(v).replace("|", "\\|") for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join([head, rule, *body])
+
+
+def _cell(v: Any) -> str:
+    if v is None or v is pd.NA or v is pd.NaT:
+        return ""
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.6g}"
+    if isinstance(v, (list, tuple)) or hasattr(v, "tolist"):
+        return " ".join(map(str, list(v)))
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+
+
+# --------------------------------------------------------------------------------------------- runs
+def runs(runs_root: Path, experiment: str | None, status: str | None, last: int | None, fmt: str) -> None:
+    index = run_index(runs_root)
+    if index.empty:
+        print(f"no runs under {runs_root}")
+        return
+    if experiment:
+        index = index[index["experiment"] == experiment]
+    if status:
+        index = index[index["status"] == status]
+    index = index.sort_values("started_at", na_position="first")
+    if last:
+        index = index.tail(last)
+    cols = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
+    out = index.reindex(columns=cols).copy()
+    out["overrides"] = out["overrides"].map(lambda o: " ".join(o) if o is not None and len(o) else "")
+    out["wall_s"] = out["wall_s"].map(lambda w: "" if pd.isna(w) else f"{w:.2f}")
+    out["started_at"] = out["started_at"].map(lambda t: "" if pd.isna(t) else pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S"))
+    _emit(out, fmt, f"runs under {runs_root}")
+
+
+# --------------------------------------------------------------------------------------------- show
+def show(ref: str, runs_root: Path, fmt: str) -> None:
+    data = load_run(resolve_run(ref, runs_root))
+    if fmt == "json":
+        print(json.dumps({
+            "path": str(data.path), "run": {k: _jsonable(v) for k, v in data.run.items()},
+            "config": data.config, "checks": data.checks.to_dict("records"),
+            "metrics": data.metrics.to_dict("records"), "timings": data.timings.to_dict("records"),
+            "tensors": data.tensor_table.drop(columns=["values"], errors="ignore").to_dict("records"),
+            "plots": [str(p) for p in data.plots],
+        }, default=_jsonable))
+        return
+    run = data.run
+    head = pd.DataFrame([{"key": k, "value": _cell(run.get(k))} for k in
+                         ["run_id", "experiment", "status", "started_at", "wall_s", "seed", "overrides",
+                          "error", "peak_rss_bytes", "peak_device_mem_bytes", "notes", *ENV_KEYS]])
+    _emit(head, fmt, f"run {run['run_id']} ({data.path})")
+    if fmt == "md":
+        print("\n### config\n\n```yaml\n" + data.config + "```")
+    else:
+        console.print("[bold]config[/]\n" + data.config)
+    if not data.checks.empty:
+        _emit(data.checks, fmt, "checks")
+    if not data.metrics.empty:
+        m = data.metrics
+        _emit(m.head(60), fmt, f"metrics ({len(m)} rows{', first 60' if len(m) > 60 else ''})")
+    if not data.timings.empty:
+        _emit(data.timings, fmt, "timings")
+    if not data.tensor_table.empty:
+        t = data.tensor_table.drop(columns=["values"])
+        _emit(t, fmt, "tensors")
+    plots = data.plots
+    if plots:
+        print("plots: " + ", ".join(str(p) for p in plots))
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    if isinstance(v, pd.Timestamp):
+        return v.isoformat()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v
+
+
+# --------------------------------------------------------------------------------------------- diff
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = d
+    return out
+
+
+def _config_dict(data: RunData) -> dict[str, Any]:
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(data.config) or {}
+    except yaml.YAMLError:
+        raise BadInput(f"{data.path}/.hydra/config.yaml is not valid YAML: the run is corrupt") from None
+    flat = _flatten(cfg)
+    flat.pop("run_root", None)
+    return flat
+
+
+def _same(a: Any, b: Any, rtol: float = 1e-9) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        if math.isnan(a) and math.isnan(b):
+            return True
+        return math.isclose(a, b, rel_tol=rtol, abs_tol=0.0)
+    return a == b
+
+
+def dtype_tolerance(dtype_a: str, dtype_b: str) -> float:
+    """Relative tolerance for comparing saved tensors: a few ulps of the coarser dtype (0 for exact types)."""
+    eps = {"float16": 9.77e-4, "bfloat16": 7.81e-3, "float32": 1.19e-7, "float64": 2.22e-16}
+    return 4 * max(eps.get(dtype_a, 0.0), eps.get(dtype_b, 0.0))
+
+
+def _is_measured(metrics_row: pd.Series) -> bool:
+    if "measured" in metrics_row and bool(metrics_row.get("measured") is True):
+        return True
+    return bool(MEASURED_NAME.search(str(metrics_row["name"])))
+
+
+def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]:
+    """Every section of a diff as a DataFrame with a boolean ``differs`` column."""
+    import torch
+
+    sections: dict[str, pd.DataFrame] = {}
+    ca, cb = _config_dict(a), _config_dict(b)
+    sections["config"] = pd.DataFrame([
+        {"key": k, "A": _cell(ca.get(k, "(absent)")), "B": _cell(cb.get(k, "(absent)")),
+         "differs": not _same(ca.get(k, "(absent)"), cb.get(k, "(absent)"))}
+        for k in sorted(set(ca) | set(cb))])
+    sections["environment"] = pd.DataFrame([
+        {"key": k, "A": _cell(a.run.get(k)), "B": _cell(b.run.get(k)), "differs": _cell(a.run.get(k)) != _cell(b.run.get(k))}
+        for k in ENV_KEYS])
+    # metrics: join on name + step + tags
+    ma, mb = a.metrics.copy(), b.metrics.copy()
+    keys = sorted((set(ma.columns) | set(mb.columns)) - {"value", "measured"})
+    for df in (ma, mb):
+        for k in keys:
+            if k not in df:
+                df[k] = None
+            df[k] = df[k].astype(object).where(df[k].notna(), None).map(lambda v: "" if v is None else str(v))
+        df["_dup"] = df.groupby(keys, dropna=False).cumcount() if keys else 0
+    if keys:
+        merged = ma.merge(mb, on=[*keys, "_dup"], how="outer", suffixes=("_A", "_B"))
+        rows = []
+        for r in merged.to_dict("records"):
+            va, vb = r.get("value_A"), r.get("value_B")
+            va = None if va is None or (isinstance(va, float) and math.isnan(va) and "value_A" not in r) else va
+            measured = _is_measured(pd.Series({"name": r["name"], "measured": r.get("measured_A")}))
+            missing = pd.isna(va) and not pd.isna(vb) or pd.isna(vb) and not pd.isna(va)
+            delta = (vb - va) if not (pd.isna(va) or pd.isna(vb)) else None
+            rel = (abs(delta) / abs(va)) if delta is not None and va not in (0, 0.0) else None
+            differs = (missing or not _same(float(va), float(vb))) if not measured else False
+            tags = " ".join(f"{k}={r[k]}" for k in keys if k not in ("name", "step") and r[k] != "")
+            rows.append({"name": r["name"], "step": r.get("step", ""), "tags": tags, "A": va, "B": vb,
+                         "delta": delta, "rel_delta": rel, "measured": measured, "differs": bool(differs)})
+        sections["metrics"] = pd.DataFrame(rows)
+    else:
+        sections["metrics"] = pd.DataFrame(columns=["name", "differs"])
+    # checks whose pass/fail changed
+    cka = dict(zip(a.checks.get("check", []), a.checks.get("passed", []), strict=False))
+    ckb = dict(zip(b.checks.get("check", []), b.checks.get("passed", []), strict=False))
+    sections["checks"] = pd.DataFrame([
+        {"check": k, "A": cka.get(k), "B": ckb.get(k), "differs": cka.get(k) != ckb.get(k)}
+        for k in sorted(set(cka) | set(ckb))])
+    # tensors
+    ta, tb = a.tensor_table, b.tensor_table
+    rows = []
+    names = sorted(set(ta.get("name", [])) | set(tb.get("name", [])))
+    tens_a, tens_b = a.tensors, b.tensors
+    for n in names:
+        ra = ta[ta["name"] == n].iloc[0] if n in set(ta.get("name", [])) else None
+        rb = tb[tb["name"] == n].iloc[0] if n in set(tb.get("name", [])) else None
+        row: dict[str, Any] = {"tensor": n}
+        if ra is None or rb is None:
+            row.update(note="only in " + ("B" if ra is None else "A"), differs=True)
+        elif list(ra["shape"]) != list(rb["shape"]) or ra["dtype"] != rb["dtype"]:
+            row.update(note=f"shape/dtype {list(ra['shape'])} {ra['dtype']} vs {list(rb['shape'])} {rb['dtype']}",
+                       differs=True)
+        elif n not in tens_a or n not in tens_b:
+            same = all(_same(ra[k], rb[k]) for k in ("min", "max", "mean", "std"))
+            row.update(note="summarised: compared min/max/mean/std", differs=not same)
+        else:
+            x, y = tens_a[n].double(), tens_b[n].double()
+            both_nan = torch.isnan(x) & torch.isnan(y)
+            d = torch.where(both_nan, torch.zeros_like(x), (x - y).abs())
+            d = torch.nan_to_num(d, nan=math.inf)
+            max_abs = d.max().item() if d.numel() else 0.0
+            scale = x.abs().max().item() if x.numel() else 0.0
+            max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+            tol = dtype_tolerance(ra["dtype"], rb["dtype"])
+            row.update(max_abs=max_abs, max_rel=max_rel, tolerance=tol, note="", differs=bool(max_rel > tol))
+        rows.append(row)
+    sections["tensors"] = pd.DataFrame(rows, columns=["tensor", "max_abs", "max_rel", "tolerance", "note", "differs"])
+    # timings: ratios only, never "differ"
+    tma, tmb = a.timings, b.timings
+    trows = []
+    if not tma.empty and not tmb.empty:
+        for stage in [s for s in tma["stage"].unique() if s in set(tmb["stage"])]:
+            wa = float(tma[tma["stage"] == stage]["wall_ms"].iloc[0])
+            wb = float(tmb[tmb["stage"] == stage]["wall_ms"].iloc[0])
+            trows.append({"stage": stage, "A_ms": wa, "B_ms": wb, "B/A": wb / wa if wa else math.inf, "differs": False})
+    sections["timings"] = pd.DataFrame(trows)
+    if not all_rows:
+        for k, df in sections.items():
+            if "differs" in df and k != "timings":
+                sections[k] = df[df["differs"]]
+    return sections
+
+
+def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, fmt: str) -> int:
+    a = load_run(resolve_run(ref_a, runs_root))
+    b = load_run(resolve_run(ref_b, runs_root))
+    if a.run["experiment"] != b.run["experiment"] and not force:
+        raise BadInput(f"runs of different experiments ({a.run['experiment']} vs {b.run['experiment']}): "
+                       "pass --force to compare anyway")
+    sections = diff_runs(a, b, all_rows)
+    differs = any(bool(df["differs"].any()) for k, df in sections.items() if k != "timings" and "differs" in df and len(df))
+    if fmt == "json":
+        print(json.dumps({"A": str(a.path), "B": str(b.path), "differs": differs,
+                          **{k: df.to_dict("records") for k, df in sections.items()}}, default=_jsonable))
+    else:
+        print(f"A: {a.path}\nB: {b.path}")
+        for k, df in sections.items():
+            if len(df):
+                _emit(df, fmt, k)
+        print("differ" if differs else "no differences beyond tolerance (timings excluded)")
+    return 1 if differs else 0

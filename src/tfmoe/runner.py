@@ -1,0 +1,180 @@
+"""Runs one experiment inside a Hydra job and hands its records to the notebook layer.
+
+``execute(cfg)`` is the Hydra task function (every launcher calls it, in-process or in a worker).
+It never raises for bad input or failed checks: the outcome is the run's status and exit code in
+run.parquet, which the CLI turns into the process's exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import random
+import re
+import resource
+import sys
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from tfmoe.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput
+from tfmoe.registry import EXPERIMENTS
+
+log = logging.getLogger("tfmoe")
+
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
+DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+|mps|auto)$")
+
+# Filled in-process so the CLI can find what the job(s) produced.
+LAST_RUN_DIRS: list[Path] = []
+
+
+def _run_name() -> str:
+    from tfmoe.notebook import utcnow
+
+    return f"{utcnow():%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+
+
+def register_resolvers() -> None:
+    """``${tfmoe_run_name:}`` -> '<UTC timestamp>-<8 hex>': cached per config, so a sweep's jobs share it."""
+    if not OmegaConf.has_resolver("tfmoe_run_name"):
+        OmegaConf.register_new_resolver("tfmoe_run_name", _run_name, use_cache=True)
+
+
+register_resolvers()
+
+
+def resolve_device(name: str) -> Any:
+    """'cpu' | 'cuda' | 'cuda:N' | 'mps' | 'auto' -> torch.device, refusing devices this machine lacks."""
+    import torch
+
+    name = str(name)
+    if not DEVICE_RE.match(name):
+        raise BadInput(f"device={name!r} is not a device: use cpu, cuda, cuda:N, mps or auto")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise BadInput(f"--device {name} asked for CUDA, but this torch ({torch.__version__}) sees no CUDA "
+                           "device: use --device cpu (or install a CUDA build of torch, see README)")
+        index = int(name.split(":")[1]) if ":" in name else 0
+        if index >= torch.cuda.device_count():
+            raise BadInput(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s): use cuda:0")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise BadInput("--device mps asked for Apple MPS, which is not available here: use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: Any) -> Any:
+    import torch
+
+    if str(name) not in DTYPES:
+        raise BadInput(f"dtype={name!r} is unknown: use one of {', '.join(DTYPES)}")
+    dtype = getattr(torch, DTYPES[str(name)])
+    if device.type == "mps" and dtype == torch.float64:
+        raise BadInput("dtype fp64 is not supported on MPS: use --dtype fp32")
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise BadInput(f"{torch.cuda.get_device_name(device)} cannot do bf16: use --dtype fp16 or fp32")
+    return dtype
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _check_seed(cfg: DictConfig) -> int:
+    seed = cfg.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise BadInput(f"seed={seed!r} is not a non-negative integer: pass e.g. --seed 0")
+    return seed
+
+
+def _peak_rss_bytes() -> int:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kb * (1 if sys.platform == "darwin" else 1024))
+
+
+def _run_id(run_dir: Path, sweep_dir: str | None) -> str:
+    if sweep_dir:
+        return f"{Path(sweep_dir).name.removeprefix('multirun-')}-{run_dir.name}"
+    return run_dir.name
+
+
+def execute(cfg: DictConfig) -> int:
+    """Hydra task function: run ``cfg.experiment`` and record everything. Returns the exit code."""
+    from hydra.core.hydra_config import HydraConfig
+    from rich.console import Console
+
+    from tfmoe.notebook import RunWriter, environment
+    from tfmoe.recorder import Recorder
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    sweep_dir = str(hc.sweep.dir) if hc.mode.name == "MULTIRUN" else None
+    exp = EXPERIMENTS[cfg.experiment]
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    writer = RunWriter(
+        run_dir=run_dir, run_id=_run_id(run_dir, sweep_dir), experiment=exp.name,
+        seed=cfg.seed if isinstance(cfg.get("seed"), int) else -1, argv=list(sys.argv),
+        overrides=list(hc.overrides.task), device=str(cfg.get("device")), dtype=str(cfg.get("dtype")),
+        sweep_dir=sweep_dir,
+    )
+    LAST_RUN_DIRS.append(run_dir)
+    rec = None
+    status, code, error = "ok", EXIT_OK, None
+    device = None
+    try:
+        writer.env = environment()
+        writer.start()
+        seed = _check_seed(cfg)
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        writer.device = str(device)
+        writer.env = environment(device)
+        seed_everything(seed)
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(device)
+        rec = Recorder(cfg=cfg, device=device, dtype=dtype, seed=seed)
+        module = importlib.import_module(f"tfmoe.experiments.{exp.module}")
+        module.run(cfg, rec)
+        if not rec.all_passed:
+            status, code = "failed", EXIT_CHECK_FAILED
+            failed = [c.check for c in rec.checks_rows if not c.passed]
+            err.print(f"[red]{exp.name}: {len(failed)} check(s) failed:[/] {', '.join(failed)}")
+    except BadInput as exc:
+        status, code, error = "error", EXIT_BAD_INPUT, str(exc)
+        err.print(f"error: {exc}", markup=False)
+    except KeyboardInterrupt:
+        status, code, error = "interrupted", EXIT_INTERRUPTED, "interrupted by the user (Ctrl-C)"
+        err.print(f"{exp.name}: interrupted; the records so far are in {run_dir}", markup=False)
+    except Exception as exc:  # a bug: keep the records, point at the log
+        status, code = "crashed", 3
+        error = f"{type(exc).__name__}: {exc}"
+        log.error("run crashed:\n%s", traceback.format_exc())
+        err.print(f"{exp.name} crashed ({error}); traceback in {run_dir}/{exp.name}.log", markup=False)
+    finally:
+        peak_dev = None
+        if device is not None and device.type == "cuda":
+            import torch
+
+            peak_dev = int(torch.cuda.max_memory_allocated(device))
+        writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
+                      int(cfg.get("tensor_max_numel", 1_000_000)))
+        log.info("run %s: %s (exit %d) in %s", writer.run_id, status, code, run_dir)
+    if code == EXIT_INTERRUPTED:
+        raise KeyboardInterrupt  # stop the whole sweep too; the CLI exits 130
+    return code

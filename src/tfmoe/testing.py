@@ -1,0 +1,83 @@
+"""Test helpers: run the CLI in-process, compose configs, make recorders like the runner does."""
+
+from __future__ import annotations
+
+import io
+import os
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+
+@dataclass
+class CliResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    run_dir: Path | None  # the newest run directory under cwd/runs made by this call (None if none)
+
+
+def run_cli(args: list[str], cwd: Path) -> CliResult:
+    """Run `tfmoe ARGS` in-process with cwd as the current directory (runs go to cwd/runs)."""
+    from typer.testing import CliRunner
+
+    from tfmoe.cli import app
+    from tfmoe.notebook import find_runs
+
+    cwd = Path(cwd)
+    before = set(find_runs(cwd / "runs"))
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, args, catch_exceptions=False)
+    finally:
+        os.chdir(old)
+    new = [p for p in find_runs(cwd / "runs") if p not in before]
+    new_abs = sorted((cwd / p if not p.is_absolute() else p for p in new), key=lambda p: p.stat().st_mtime)
+    return CliResult(result.exit_code, result.stdout, result.stderr, new_abs[-1] if new_abs else None)
+
+
+def compose(experiment: str, overrides: list[str] | None = None) -> DictConfig:
+    """The experiment's config as the CLI would compose it (Hydra Compose API, no run directory)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tfmoe import runner
+    from tfmoe.launch import config_dir
+    from tfmoe.registry import EXPERIMENTS
+
+    del runner  # imported for its resolver
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name=EXPERIMENTS[experiment].config, overrides=list(overrides or []))
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+def make_recorder(cfg: DictConfig):
+    """A Recorder with device/dtype resolved and seeds set exactly as the runner does."""
+    from tfmoe.recorder import Recorder
+    from tfmoe.runner import resolve_device, resolve_dtype, seed_everything
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    seed_everything(int(cfg.seed))
+    return Recorder(cfg=cfg, device=device, dtype=dtype, seed=int(cfg.seed))
+
+
+def run_recorded(experiment: str, overrides: list[str] | None = None):
+    """compose + make_recorder + the experiment's run(); returns the Recorder (no files written)."""
+    import importlib
+
+    from tfmoe.registry import EXPERIMENTS
+
+    cfg = compose(experiment, overrides)
+    rec = make_recorder(cfg)
+    importlib.import_module(f"tfmoe.experiments.{EXPERIMENTS[experiment].module}").run(cfg, rec)
+    return rec
+
+
+__all__ = ["CliResult", "run_cli", "compose", "make_recorder", "run_recorded", "io", "redirect_stderr", "redirect_stdout"]
