@@ -1,0 +1,230 @@
+"""tfmoe shift-labels — course §2.5: inputs = sequence[:-1], labels = sequence[1:], padding ignored.
+
+Question: after shifting and padding, does every label name the next token, does no padded position
+contribute to the loss, and is each sequence's loss the same alone as inside a padded batch?
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+
+from tfmoe.components.lm import TinyCausalLM, position_ids_from_mask
+from tfmoe.errors import BadInput
+from tfmoe.recorder import Recorder
+
+PAD_SIDES = ("right", "left")
+
+
+@dataclass
+class ShiftedBatch:
+    sequences: torch.Tensor  # (B, L) padded full sequences
+    mask: torch.Tensor  # (B, L) 1 = real token
+    inputs: torch.Tensor  # (B, L-1) = sequences[:, :-1]
+    labels: torch.Tensor  # (B, L-1) = sequences[:, 1:], ignore_index where no target
+    attention_mask: torch.Tensor  # (B, L-1) 1 = real input token
+    label_mask: torch.Tensor  # (B, L-1) 1 = this position has a label
+
+
+def encode_sequences(sequences: Any, vocab: list[str]) -> list[list[int]]:
+    """Token strings or ids -> ids, refusing what next-token training cannot use."""
+    if not isinstance(sequences, list) or not sequences:
+        raise BadInput("sequences is empty: give at least one sequence, e.g. sequences=[[BOS,我,EOS]]")
+    index = {tok: i for i, tok in enumerate(vocab)}
+    out = []
+    for n, seq in enumerate(sequences):
+        if not isinstance(seq, list) or len(seq) == 0:
+            raise BadInput(f"sequence {n} is empty: every sequence needs at least 2 tokens")
+        if len(seq) == 1:
+            raise BadInput(f"sequence {n} has 1 token: next-token training needs at least 2 (an input and its "
+                           "successor); add a token or drop the sequence")
+        ids = []
+        for tok in seq:
+            if isinstance(tok, bool):
+                raise BadInput(f"sequence {n}: token {tok!r} is not a token string or id")
+            if isinstance(tok, int):
+                if not 0 <= tok < len(vocab):
+                    raise BadInput(f"sequence {n}: id {tok} is outside the vocabulary (0..{len(vocab) - 1}): "
+                                   "use an id in range or add the token to vocab")
+                ids.append(tok)
+            elif str(tok) in index:
+                ids.append(index[str(tok)])
+            else:
+                raise BadInput(f"sequence {n}: token {tok!r} is not in the vocabulary: add it to vocab or fix it")
+        out.append(ids)
+    return out
+
+
+def shift_and_pad(seqs: list[list[int]], pad_id: int, pad_side: str, ignore_index: int = -100) -> ShiftedBatch:
+    """The padded batch, masks, inputs and labels (labels = next token, ignore_index where no target)."""
+    if pad_side not in PAD_SIDES:
+        raise BadInput(f"pad_side={pad_side!r} is unknown: use right or left")
+    B, L = len(seqs), max(len(s) for s in seqs)
+    sequences = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        sl = slice(0, len(s)) if pad_side == "right" else slice(L - len(s), L)
+        sequences[i, sl] = torch.tensor(s)
+        mask[i, sl] = 1
+    inputs, labels = sequences[:, :-1], sequences[:, 1:].clone()  # (B, L-1)
+    label_mask = mask[:, :-1] * mask[:, 1:]  # a target exists only if input and next token are both real
+    labels[label_mask == 0] = ignore_index
+    return ShiftedBatch(sequences, mask, inputs.clone(), labels, mask[:, :-1].clone(), label_mask)
+
+
+def token_losses(model: TinyCausalLM, batch: ShiftedBatch, ignore_index: int = -100,
+                 positions_from_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (B,L-1,V) fp32, per-token loss (B,L-1) fp32 with 0 where ignored)."""
+    pos = position_ids_from_mask(batch.attention_mask) if positions_from_mask else None
+    logits = model(batch.inputs, padding_mask=batch.attention_mask.bool(), position_ids=pos).float()
+    loss = F.cross_entropy(logits.transpose(1, 2), batch.labels, ignore_index=ignore_index, reduction="none")
+    return logits, loss  # cross_entropy puts 0 at ignored positions
+
+
+# ------------------------------------------------------------------------------------------- checks
+def check_labels_are_next_tokens(batch: ShiftedBatch, seqs: list[list[int]], ignore_index: int) -> int:
+    """Mismatches between the batch's (input, label) pairs and each original sequence's (s[t], s[t+1])."""
+    bad = 0
+    for i, s in enumerate(seqs):
+        keep = batch.labels[i] != ignore_index
+        pairs = list(zip(batch.inputs[i][keep].tolist(), batch.labels[i][keep].tolist(), strict=True))
+        expected = list(zip(s[:-1], s[1:], strict=True))
+        bad += sum(p != e for p, e in zip(pairs, expected, strict=False)) + abs(len(pairs) - len(expected))
+    return bad
+
+
+def check_no_label_on_padding(batch: ShiftedBatch, ignore_index: int) -> int:
+    """Labels present at a position whose input or target is padding (from the padding mask)."""
+    has_label = batch.labels != ignore_index
+    padded = (batch.mask[:, :-1] == 0) | (batch.mask[:, 1:] == 0)
+    return int((has_label & padded).sum())
+
+
+def manual_mean_ce(logits: torch.Tensor, batch: ShiftedBatch) -> torch.Tensor:
+    """Mean of -log p(label) over the positions the padding mask says have a target, in fp64."""
+    logp = torch.log_softmax(logits.double(), dim=-1)  # (B,L-1,V)
+    valid = batch.label_mask.bool()
+    targets = batch.sequences[:, 1:]  # the true next tokens, independent of the ignore_index labels
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B,L-1)
+    return -(picked[valid]).mean()
+
+
+def per_sequence_losses(model: TinyCausalLM, seqs: list[list[int]], pad_id: int, pad_side: str,
+                        ignore_index: int, positions_from_mask: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each sequence's per-token losses and logits at its valid positions, from a padded batch."""
+    batch = shift_and_pad(seqs, pad_id, pad_side, ignore_index)
+    logits, loss = token_losses(model, batch, ignore_index, positions_from_mask)
+    valid = batch.label_mask.bool()
+    return [loss[i][valid[i]] for i in range(len(seqs))], [logits[i][valid[i]] for i in range(len(seqs))]
+
+
+def invariance_tolerance(dtype: torch.dtype) -> float:
+    """Batch-vs-alone differences come only from reduction order: a few dozen ulps of the compute dtype."""
+    return 64 * torch.finfo(dtype).eps
+
+
+def max_abs_diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(xs, ys, strict=True))
+
+
+# --------------------------------------------------------------------------------------------- run
+def validate(cfg: DictConfig) -> tuple[list[list[int]], list[str], int]:
+    vocab = [str(v) for v in OmegaConf.to_container(cfg.vocab)]
+    if str(cfg.pad_token) not in vocab:
+        raise BadInput(f"pad_token={cfg.pad_token!r} is not in vocab: add it to vocab")
+    if cfg.pad_side not in PAD_SIDES:
+        raise BadInput(f"pad_side={cfg.pad_side!r} is unknown: use pad_side=right or pad_side=left")
+    if not isinstance(cfg.ignore_index, int) or 0 <= cfg.ignore_index < len(vocab):
+        raise BadInput(f"ignore_index={cfg.ignore_index!r} collides with a vocabulary id: use a negative "
+                       "integer such as -100")
+    m = cfg.model
+    if m.d_model % m.n_heads != 0:
+        raise BadInput(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}: "
+                       "choose d_model as a multiple of n_heads")
+    seqs = encode_sequences(OmegaConf.to_container(cfg.sequences), vocab)
+    return seqs, vocab, vocab.index(str(cfg.pad_token))
+
+
+def run(cfg: DictConfig, rec: Recorder) -> None:
+    seqs, vocab, pad_id = validate(cfg)
+    ignore = int(cfg.ignore_index)
+    batch = shift_and_pad(seqs, pad_id, cfg.pad_side, ignore)
+    model = TinyCausalLM(len(vocab), cfg.model.d_model, cfg.model.n_heads, cfg.model.n_layers,
+                         max_len=max(len(s) for s in seqs)).to(rec.device, rec.dtype).eval()
+
+    # the per-position table
+    table = Table(title=f"shift-labels ({cfg.pad_side} padding, ignore_index={ignore})")
+    for col in ("seq", "pos", "input", "label", "attn", "label_mask"):
+        table.add_column(col)
+    md = ["| seq | pos | input | label | attention_mask | label_mask |", "|---|---|---|---|---|---|"]
+    for i in range(batch.inputs.shape[0]):
+        for t in range(batch.inputs.shape[1]):
+            lab = int(batch.labels[i, t])
+            cells = [str(i), str(t), vocab[int(batch.inputs[i, t])], "−100 (ignored)" if lab == ignore else vocab[lab],
+                     str(int(batch.attention_mask[i, t])), str(int(batch.label_mask[i, t]))]
+            table.add_row(*cells)
+            md.append("| " + " | ".join(cells) + " |")
+    rec.print(table)
+    rec.summary("## Per-position table\n\n" + "\n".join(md))
+
+    # checks on the labels themselves
+    rec.check("labels_are_next_tokens", check_labels_are_next_tokens(batch, seqs, ignore) == 0,
+              check_labels_are_next_tokens(batch, seqs, ignore), 0,
+              "every kept (input, label) pair equals (s[t], s[t+1]) of the original sequence")
+    n_bad = check_no_label_on_padding(batch, ignore)
+    rec.check("no_label_on_padding", n_bad == 0, n_bad, 0, "labels where input or target is padding")
+    n_labels = int((batch.labels != ignore).sum())
+    expected = sum(len(s) - 1 for s in seqs)
+    rec.check("label_count", n_labels == expected, n_labels, expected, "kept labels == Σ(len(s) − 1)")
+
+    # loss: torch's ignore_index vs a manual mean over valid positions
+    with torch.no_grad():
+        batch_dev = ShiftedBatch(*(t.to(rec.device) for t in vars(batch).values()))
+        logits, tok_loss = token_losses(model, batch_dev, ignore)
+        torch_ce = F.cross_entropy(logits.transpose(1, 2), batch_dev.labels, ignore_index=ignore)
+        manual = manual_mean_ce(logits, batch_dev)
+        ce_diff = abs(torch_ce.double().item() - manual.item())
+        ce_tol = 8 * torch.finfo(torch.float32).eps * max(1.0, abs(manual.item()))  # CE itself runs in fp32
+        rec.check_le("ce_ignore_index_matches_manual", ce_diff, ce_tol,
+                     "F.cross_entropy(ignore_index) vs fp64 mean of -log p over label_mask positions")
+        rec.metric("loss", torch_ce)
+        rec.metric("loss_manual_fp64", manual)
+        rec.metric("valid_labels", n_labels)
+
+        # padding invariance: alone vs in the batch, and left vs right
+        tol = invariance_tolerance(rec.dtype)
+        alone_loss, alone_logits = [], []
+        for s in seqs:
+            lo, lg = per_sequence_losses(model, [s], pad_id, cfg.pad_side, ignore)
+            alone_loss += lo
+            alone_logits += lg
+        batch_loss, batch_logits = per_sequence_losses(model, seqs, pad_id, cfg.pad_side, ignore)
+        other = "left" if cfg.pad_side == "right" else "right"
+        other_loss, _ = per_sequence_losses(model, seqs, pad_id, other, ignore)
+        d_loss, d_logits = max_abs_diff(alone_loss, batch_loss), max_abs_diff(alone_logits, batch_logits)
+        d_side = max_abs_diff(batch_loss, other_loss)
+        scale = max(1.0, max(x.abs().max().item() for x in alone_logits))
+        rec.check_le("padding_invariance_loss", d_loss, tol * scale,
+                     "max |token loss alone − token loss in the padded batch|")
+        rec.check_le("padding_invariance_logits", d_logits, tol * scale,
+                     "max |logits alone − logits in the padded batch| at valid positions")
+        rec.check_le("left_right_same_token_loss", d_side, tol * scale,
+                     f"max |token loss with {cfg.pad_side} padding − with {other} padding|")
+        rec.metric("padding_invariance_max_abs", d_loss)
+        rec.metric("left_right_max_abs", d_side)
+        for i, losses in enumerate(batch_loss):
+            rec.metric("sequence_loss", losses.double().mean(), sequence=i)
+
+    rec.tensor("sequences", batch.sequences)
+    rec.tensor("inputs", batch.inputs)
+    rec.tensor("labels", batch.labels)
+    rec.tensor("attention_mask", batch.attention_mask)
+    rec.tensor("label_mask", batch.label_mask)
+    rec.tensor("token_loss", tok_loss.cpu())
+    rec.summary(f"loss (mean over {n_labels} valid labels) = {torch_ce.item():.6f}; padding invariance max |Δ| = "
+                f"{d_loss:.3g} (tolerance {tol * scale:.3g}); {cfg.pad_side} vs {other} padding max |Δ| = {d_side:.3g}")
