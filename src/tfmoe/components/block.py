@@ -23,8 +23,13 @@ NORMS = ("layernorm", "rmsnorm")
 FFNS = ("gelu", "swiglu")
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 -> fp32 for a norm's statistics; fp32 and fp64 stay as they are (fp64 must not drop to fp32)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · g over the hidden axis; no mean subtraction; computed in fp32."""
+    """x / sqrt(mean(x²) + eps) · g over the hidden axis; no mean subtraction; computed in (at least) fp32."""
 
     def __init__(self, d: int, eps: float = 1e-5):
         super().__init__()
@@ -32,18 +37,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32 = upcast(x)
         y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(x32.dtype)).to(x.dtype)
 
 
 class LayerNorm32(nn.LayerNorm):
-    """LayerNorm computed in fp32 and cast back (stable in fp16/bf16)."""
+    """LayerNorm computed in (at least) fp32 and cast back (stable in fp16/bf16, exact in fp64)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else self.weight.float()
-        b = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+        x32 = upcast(x)
+        w = None if self.weight is None else self.weight.to(x32.dtype)
+        b = None if self.bias is None else self.bias.to(x32.dtype)
+        return F.layer_norm(x32, self.normalized_shape, w, b, self.eps).to(x.dtype)
 
 
 def make_norm(kind: str, d: int, eps: float = 1e-5) -> nn.Module:
@@ -118,3 +124,68 @@ class TransformerBlock(nn.Module):
         t["resid2"] = t["norm1"] + t["ffn_out"]
         t["norm2"] = self.norm2(t["resid2"])
         return t["norm2"]
+
+
+class TransformerStack(nn.Module):
+    """ids (B,T) -> logits (B,T,V): token embedding + sinusoidal positions + ``n_layers`` blocks
+    + final norm + LM head. Built to look inside: ``hidden(x, taps)`` fills one taps dict per block.
+
+    ``final_norm`` defaults to True for Pre-Norm and False for Post-Norm (a Post-Norm block already ends
+    in a norm; this is the layout of Xiong et al. 2020).
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int, n_layers: int,
+                 norm_position: str = "pre", norm: str = "layernorm", ffn: str = "gelu", eps: float = 1e-5,
+                 causal: bool = True, dropout: float = 0.0, final_norm: bool | None = None):
+        super().__init__()
+        self.d_model = d_model
+        self.tok_emb = nn.Embedding(vocab_size, d_model)  # V x D
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d_model, n_heads, norm_position=norm_position, norm=norm, ffn=ffn,
+                             causal=causal, dropout=dropout, eps=eps)
+            for _ in range(n_layers)
+        )
+        final_norm = (norm_position == "pre") if final_norm is None else final_norm
+        self.norm_f = make_norm(norm, d_model, eps) if final_norm else nn.Identity()
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B,T) -> token embedding + sinusoidal position (B,T,D)."""
+        from tfmoe.components.lm import sinusoidal_positions  # lm imports this module
+
+        x = self.tok_emb(idx)  # (B,T,D)
+        return x + sinusoidal_positions(idx.shape[1], self.d_model).to(x.device, x.dtype)
+
+    def hidden(self, x: torch.Tensor, taps: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
+        """x (B,T,D) -> final hidden states (B,T,D). ``taps`` receives one stage dict per block."""
+        for block in self.blocks:
+            t: dict[str, torch.Tensor] | None = None
+            if taps is not None:
+                t = {}
+                taps.append(t)
+            x = block(x, taps=t)
+        return self.norm_f(x)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(self.embed(idx)))  # (B,T,V)
+
+
+def xavier_init_(stack: nn.Module) -> None:
+    """Xiong et al. 2020's initialisation: Xavier-uniform weight matrices (W_Q, W_K, W_V each on its own
+    (D,D) slice of the fused qkv), zero biases, unit/zero norm affine, N(0,1) token embeddings."""
+    for module in stack.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm | RMSNorm):
+            nn.init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, 1.0)
+    for module in stack.modules():  # second pass: the fused qkv is three (D,D) matrices
+        if isinstance(module, MultiHeadSelfAttention):
+            with torch.no_grad():
+                for w in module.qkv.weight.split(module.d_model, dim=0):  # (D,D) each
+                    nn.init.xavier_uniform_(w)
