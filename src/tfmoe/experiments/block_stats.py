@@ -594,6 +594,7 @@ def sweep_plots(df: Any) -> dict[str, Any]:
     figs["sweep_grad_norm_per_layer"] = fig
 
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     fig = Figure(figsize=(5.5, 4), layout="constrained")
     ax = fig.subplots()
@@ -609,6 +610,8 @@ def sweep_plots(df: Any) -> dict[str, Any]:
         ax.plot(xs, [v0 * math.sqrt(d0 / x) for x in xs], "k--", lw=1, label="1/sqrt(L) reference")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(depths, [str(d) for d in depths])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("number of layers L")
     ax.set_ylabel("last layer ||dL/dW2||")
     ax.set_title("Xiong et al. 2020: last-layer gradient vs depth")
