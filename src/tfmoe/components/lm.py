@@ -28,18 +28,21 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class TinyCausalLM(nn.Module):
-    """ids (B,T) -> logits (B,T,V): token embedding + learned positions + n_layers blocks + final norm + head."""
+    """ids (B,T) -> logits (B,T,V): token embedding + learned positions + n_layers blocks + final norm + head.
+
+    ``causal=False`` exists only to plant a bug (a "decoder" whose positions see the future)."""
 
     def __init__(self, vocab_size: int, d_model: int = 32, n_heads: int = 4, n_layers: int = 2,
                  max_len: int = 128, norm_position: str = "pre", norm: str = "layernorm", ffn: str = "gelu",
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, causal: bool = True):
         super().__init__()
         self.vocab_size, self.max_len = vocab_size, max_len
+        self.d_model, self.n_layers = d_model, n_layers
         self.tok_emb = nn.Embedding(vocab_size, d_model)  # V x D parameters
         self.pos_emb = nn.Embedding(max_len, d_model)
         self.blocks = nn.ModuleList(
             TransformerBlock(d_model, n_heads, norm_position=norm_position, norm=norm, ffn=ffn,
-                             causal=True, dropout=dropout)
+                             causal=causal, dropout=dropout)
             for _ in range(n_layers)
         )
         self.norm_f = make_norm(norm, d_model)
@@ -50,10 +53,16 @@ class TinyCausalLM(nn.Module):
                 caches: list[KVCache] | None = None) -> torch.Tensor:
         """idx (B,T) -> logits (B,T,V). With ``caches`` (one per block) idx holds only new tokens."""
         B, T = idx.shape
+        offset = caches[0].length if caches else 0
+        if offset + T > self.max_len and position_ids is None:
+            raise ValueError(f"sequence of {offset + T} tokens exceeds max_len={self.max_len}")
         if position_ids is None:
-            offset = caches[0].length if caches else 0
             position_ids = torch.arange(offset, offset + T, device=idx.device).expand(B, T)
         x = self.tok_emb(idx) + self.pos_emb(position_ids)  # (B,T,D)
         for i, block in enumerate(self.blocks):
             x = block(x, padding_mask, cache=None if caches is None else caches[i])
         return self.head(self.norm_f(x))  # (B,T,V)
+
+    def new_caches(self) -> list[KVCache]:
+        """One empty KV cache per block, for incremental decoding."""
+        return [KVCache() for _ in self.blocks]
