@@ -1,0 +1,690 @@
+"""`tfmoe complexity`: parameters, FLOPs and memory of a Transformer block — analytic, counted, measured (§2.7).
+
+For each (T, D) group: the analytic model (:mod:`tfmoe.complexity_model`) against what PyTorch reports for the
+package's own :class:`~tfmoe.components.block.TransformerBlock`: parameter count, FlopCounterMode FLOPs
+(forward and forward+backward), KV-cache bytes, bytes saved for backward; then the time of every component,
+its FLOP/s as a fraction of this machine's measured matmul peak, prefill vs decode per token, and the peak
+memory of a training step next to the estimate.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from tfmoe import complexity_model as cm
+from tfmoe.components.attention import KVCache
+from tfmoe.components.block import TransformerBlock
+from tfmoe.errors import BadInput
+from tfmoe.recorder import Recorder
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+# Components timed per group: name -> the analytic FLOPs it performs (None: not a FLOP-bound op).
+TIMED = ("layernorm", "qkv", "scores", "softmax", "attn_v", "out_proj", "ffn_fc1", "gelu", "ffn_fc2", "ffn")
+
+
+@dataclass(frozen=True)
+class Settings:
+    groups: list[tuple[int, int]]
+    H: int
+    d_ff: int | None
+    B: int
+    n_layers: int
+    vocab: int
+    n_experts: int
+    top_k: int
+    repeats: int
+    warmup: int
+    peak_matmul_n: int
+    memory_fraction: float
+    threads: int | None
+
+    def shape(self, T: int, D: int) -> cm.BlockShape:
+        return cm.BlockShape(B=self.B, T=T, D=D, H=self.H, d_ff=self.d_ff)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A check's verdict before it is recorded: ``observed`` vs ``threshold`` and a one-line ``detail``."""
+
+    passed: bool
+    observed: float
+    threshold: float
+    detail: str
+
+
+# ------------------------------------------------------------------------------------------ input
+def _positive_int(cfg: DictConfig, key: str, allow_zero: bool = False) -> int:
+    value = cfg.get(key)
+    low = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise BadInput(f"{key}={value!r} must be an integer >= {low}: pass e.g. {key}={max(low, 1)}")
+    return value
+
+
+def settings_from(cfg: DictConfig) -> Settings:
+    """Validate the config (BadInput names the problem and the fix)."""
+    if str(cfg.get("dtype")) not in cm.DTYPE_BYTES:
+        raise BadInput(f"dtype={cfg.get('dtype')!r} is unknown: use one of {', '.join(cm.DTYPE_BYTES)}")
+    T, D = cfg.get("T"), cfg.get("D")
+    if (T is None) != (D is None):
+        raise BadInput(f"T={T} and D={D}: give both T and D for one group, or neither to run `groups`")
+    raw = [(T, D)] if T is not None else [tuple(g) for g in (cfg.get("groups") or [])]
+    if not raw:
+        raise BadInput("no (T, D) group to measure: pass T=... D=... or a non-empty groups list")
+    H = _positive_int(cfg, "n_heads")
+    groups: list[tuple[int, int]] = []
+    for g in raw:
+        if len(g) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in g):
+            raise BadInput(f"group {list(g)} is not a pair of integers [T, D]: write e.g. [512, 256]")
+        t, d = g
+        if t <= 0:
+            raise BadInput(f"T={t} must be a positive number of tokens: pass e.g. T=512")
+        if d <= 0:
+            raise BadInput(f"D={d} must be a positive model width: pass e.g. D=256")
+        if d % H:
+            raise BadInput(f"D={d} is not divisible by n_heads={H}: pick D a multiple of {H} or change n_heads")
+        groups.append((t, d))
+    d_ff = cfg.get("d_ff")
+    if d_ff is not None and (isinstance(d_ff, bool) or not isinstance(d_ff, int) or d_ff <= 0):
+        raise BadInput(f"d_ff={d_ff!r} must be a positive integer or null (= 4·D): pass e.g. d_ff=1024")
+    n_experts = _positive_int(cfg, "n_experts")
+    top_k = _positive_int(cfg, "top_k")
+    if top_k > n_experts:
+        raise BadInput(f"top_k={top_k} is larger than n_experts={n_experts}: pass top_k between 1 and {n_experts}")
+    fraction = cfg.get("memory_fraction")
+    if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise BadInput(f"memory_fraction={fraction!r} must be in (0, 1]: pass e.g. memory_fraction=0.8")
+    threads = cfg.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise BadInput(f"threads={threads!r} must be a positive integer or null (torch's default): pass threads=1")
+    return Settings(threads=threads, groups=groups, H=H, d_ff=d_ff, B=_positive_int(cfg, "B"), n_layers=_positive_int(cfg, "n_layers"),
+                    vocab=_positive_int(cfg, "vocab"), n_experts=n_experts, top_k=top_k,
+                    repeats=_positive_int(cfg, "repeats"), warmup=_positive_int(cfg, "warmup", allow_zero=True),
+                    peak_matmul_n=_positive_int(cfg, "peak_matmul_n"), memory_fraction=float(fraction))
+
+
+def estimated_run_bytes(shape: cm.BlockShape, dtype_bytes: int, peak_matmul_n: int) -> int:
+    """What one group needs at most: the block, a training step (saved activations, grads, score-sized
+    temporaries), two extra fp32 score matrices of the timing inputs, and the peak-matmul operands."""
+    return (cm.block_params(shape)["total"] * dtype_bytes + cm.training_peak_estimate_bytes(shape, dtype_bytes)
+            + 2 * cm.score_elements(shape) * cm.FP32_BYTES + 3 * peak_matmul_n ** 2 * dtype_bytes)
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def refuse_oversized(settings: Settings, dtype_bytes: int, available: int) -> None:
+    """BadInput (with the estimate) when a group would not fit in ``memory_fraction`` of ``available``."""
+    budget = settings.memory_fraction * available
+    for T, D in settings.groups:
+        need = estimated_run_bytes(settings.shape(T, D), dtype_bytes, settings.peak_matmul_n)
+        if need > budget:
+            raise BadInput(f"T={T} D={D} needs about {need / 2**30:.2f} GiB (estimate) but only "
+                           f"{budget / 2**30:.2f} GiB ({settings.memory_fraction:.0%} of available) is free: "
+                           f"lower T, D or B")
+
+
+# -------------------------------------------------------------------------------- counted FLOPs
+def build_block(shape: cm.BlockShape, dtype: torch.dtype, device: torch.device | str) -> TransformerBlock:
+    """The package's block for ``shape`` (pre-norm, LayerNorm, GELU, causal), in ``dtype`` on ``device``."""
+    with torch.device(device):
+        block = TransformerBlock(shape.D, shape.H, d_ff=shape.d_ff, causal=True)
+    return block.to(dtype)
+
+
+def counted_flops(block: torch.nn.Module, x: torch.Tensor, backward: bool = False,
+                  custom_mapping: dict[Any, Any] | None = None) -> int:
+    """FlopCounterMode's total for ``block(x)`` (and its backward when ``backward``)."""
+    with FlopCounterMode(display=False, custom_mapping=custom_mapping) as counter:
+        y = block(x)
+        if backward:
+            y.float().sum().backward()
+    return int(counter.get_total_flops())
+
+
+def counted_block_flops(shape: cm.BlockShape, dtype: torch.dtype, backward: bool) -> int:
+    """Count on the meta device: the same module and ops, shapes only, no arithmetic (counts need no data)."""
+    block = build_block(shape, dtype, "meta")
+    x = torch.empty(shape.B, shape.T, shape.D, device="meta", dtype=dtype, requires_grad=backward)
+    return counted_flops(block, x, backward)
+
+
+class _OpLog(TorchDispatchMode):
+    """Records the aten op packets a piece of code dispatches to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(func.overloadpacket)
+        return func(*args, **(kwargs or {}))
+
+
+def sdpa_forward_flops(q_shape: Any, k_shape: Any, v_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """custom_mapping formula (FlopCounterMode passes shapes): QKᵀ + weights·V, every (query, key) pair."""
+    return flop_counter.sdpa_flop_count(q_shape, k_shape, v_shape)
+
+
+def sdpa_backward_flops(grad_shape: Any, q_shape: Any, k_shape: Any, v_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """custom_mapping formula for the backward kernel: 5 matmuls (the scores are recomputed)."""
+    return flop_counter.sdpa_backward_flop_count(grad_shape, q_shape, k_shape, v_shape)
+
+
+def sdpa_custom_mapping(ops: Iterable[Any]) -> dict[Any, Callable[..., int]]:
+    """FLOP formulas for the SDPA kernels in ``ops`` that FlopCounterMode does not know (and their backward)."""
+    mapping: dict[Any, Callable[..., int]] = {}
+    for op in ops:
+        name = op.__name__
+        if "scaled_dot_product" not in name or op in flop_counter.flop_registry:
+            continue
+        if name.endswith("_backward"):
+            mapping[op] = sdpa_backward_flops
+            continue
+        mapping[op] = sdpa_forward_flops
+        backward = getattr(torch.ops.aten, f"{name}_backward", None)
+        if backward is not None:
+            mapping[backward] = sdpa_backward_flops
+    return mapping
+
+
+def sdpa_flop_report(device: torch.device, dtype: torch.dtype,
+                     mapping: dict[Any, Callable[..., int]] | None = None) -> dict[str, Any]:
+    """What FlopCounterMode reports for F.scaled_dot_product_attention here, without and with a custom mapping.
+
+    ``mapping=None`` builds one for the uncounted kernels SDPA dispatched to (:func:`sdpa_custom_mapping`).
+    """
+    B, H, T, Dh = 1, 2, 8, 4
+    q, k, v = (torch.randn(B, H, T, Dh, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    log = _OpLog()
+    with log:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    kernels = [op for op in dict.fromkeys(log.ops) if "scaled_dot_product" in op.__name__]
+    mapping = sdpa_custom_mapping(kernels) if mapping is None else mapping
+    counts = {}
+    for label, cmap in (("default", None), ("mapped", mapping)):
+        with FlopCounterMode(display=False, custom_mapping=cmap) as fc:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        forward = int(fc.get_total_flops())
+        with FlopCounterMode(display=False, custom_mapping=cmap) as fc:
+            out.sum().backward()
+        counts[label] = (forward, int(fc.get_total_flops()))
+    analytic = 2 * 2 * B * T * T * H * Dh  # QKᵀ + weights·V
+    return {"kernels": [op.__name__ for op in kernels], "registered": [op.__name__ for op in mapping],
+            "default_forward": counts["default"][0], "default_backward": counts["default"][1],
+            "mapped_forward": counts["mapped"][0], "mapped_backward": counts["mapped"][1], "analytic": analytic}
+
+
+# ------------------------------------------------------------------------------ measured memory
+def saved_activation_bytes(block: torch.nn.Module, x: torch.Tensor, backward: bool = False) -> int:
+    """Bytes of the distinct storages autograd saves for backward during ``block(x)`` (parameters excluded);
+    with ``backward``, the backward pass runs too (a whole training step)."""
+    param_ptrs = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in param_ptrs:
+            storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = block(x)
+    if backward:
+        y.float().sum().backward()
+    return sum(storages.values())
+
+
+def step_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes allocated while ``fn`` runs, above what was allocated before.
+
+    CUDA: max_memory_allocated. CPU: torch.profiler's memory events (profile_memory=True), each op's own
+    allocations minus frees taken in the order the ops end, the running sum's maximum.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.end):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return int(peak)
+
+
+# ------------------------------------------------------------------------------------- checks
+def exact_outcome(what: str, analytic: int, observed: int) -> Outcome:
+    """analytic == observed exactly; ``observed`` is the difference."""
+    diff = observed - analytic
+    return Outcome(diff == 0, float(diff), 0.0, f"{what}: analytic {analytic:,} vs observed {observed:,}")
+
+
+def params_outcome(block: torch.nn.Module, shape: cm.BlockShape) -> Outcome:
+    return exact_outcome("parameters", cm.block_params(shape)["total"], sum(p.numel() for p in block.parameters()))
+
+
+def kv_cache_outcome(block: TransformerBlock, shape: cm.BlockShape, x: torch.Tensor,
+                     formula: Callable[..., int] = cm.kv_cache_bytes) -> tuple[Outcome, KVCache]:
+    """Prefill ``x`` through ``block`` with a fresh KV cache; its tensors' bytes vs the formula."""
+    cache = KVCache()
+    with torch.inference_mode():
+        block(x, cache=cache)
+    return exact_outcome("KV-cache bytes", formula(shape, x.shape[1], x.element_size()), cache.nbytes()), cache
+
+
+def timings_outcome(times_ms: dict[str, float]) -> Outcome:
+    """Every measured time is finite and > 0."""
+    bad = {k: v for k, v in times_ms.items() if not (math.isfinite(v) and v > 0)}
+    worst = min(times_ms.values(), default=float("nan"), key=lambda v: v if math.isfinite(v) else -math.inf)
+    return Outcome(not bad and bool(times_ms), float(worst), 0.0,
+                   f"{len(times_ms)} timings; not finite or <= 0: {bad or 'none'}")
+
+
+def moe_outcome(shape: cm.BlockShape, n_experts: int, top_k: int,
+                params_fn: Callable[..., dict[str, int]] = cm.moe_block_params) -> Outcome:
+    """active < total when top_k < n_experts (active == total when every expert is used)."""
+    p = params_fn(shape, n_experts, top_k)
+    passed = p["active"] < p["total"] if top_k < n_experts else p["active"] == p["total"]
+    return Outcome(passed, p["active"] / p["total"], 1.0,
+                   f"E={n_experts}, k={top_k}: active {p['active']:,} of total {p['total']:,} parameters")
+
+
+def sdpa_outcome(report: dict[str, Any]) -> Outcome:
+    """With the custom mapping, FlopCounterMode's SDPA forward count equals QKᵀ + weights·V."""
+    return exact_outcome(f"SDPA forward FLOPs (kernels {report['kernels']}, registered {report['registered']})",
+                         report["analytic"], report["mapped_forward"])
+
+
+# ------------------------------------------------------------------------------------- timing
+def time_fn(rec: Recorder, stage: str, fn: Callable[[], Any], repeats: int, warmup: int,
+            **tags: Any) -> tuple[float, float]:
+    """Median and best wall ms of ``fn`` over ``repeats`` calls after ``warmup``; one timings row
+    (``wall_ms`` = median, column ``best_ms``). The best-of is the one less disturbed by other processes."""
+    sync = (lambda: torch.cuda.synchronize(rec.device)) if rec.device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    med, best = statistics.median(walls), min(walls)
+    rec.timing(stage, med, repeats=repeats, best_ms=best, **tags)
+    return med, best
+
+
+def peak_matmul_flops(rec: Recorder, n: int, repeats: int, warmup: int, **tags: Any) -> tuple[float, float]:
+    """FLOP/s (median, best) of an n x n @ n x n matmul in the run's dtype: the machine's practical peak."""
+    a = torch.randn(n, n, device=rec.device, dtype=rec.dtype)
+    b = torch.randn(n, n, device=rec.device, dtype=rec.dtype)
+    med, best = time_fn(rec, "peak_matmul", lambda: a @ b, max(repeats, 5), max(1, warmup), n=n, **tags)
+    return 2 * n ** 3 / (med / 1e3), 2 * n ** 3 / (best / 1e3)
+
+
+def component_inputs(block: TransformerBlock, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensor each component consumes in the block's own forward (inference mode)."""
+    attn = block.attn
+    with torch.inference_mode():
+        h = block.norm1(x)  # (B,T,D)
+        q, k, v = (attn.split_heads(t) for t in attn.qkv(h).split(x.shape[-1], dim=-1))  # (B,H,T,Dh)
+        q32, k32 = q.float(), k.float()
+        scores = (q32 @ k32.transpose(-2, -1)) / math.sqrt(attn.d_head)  # (B,H,T,T) fp32
+        weights = torch.softmax(scores, dim=-1).to(v.dtype)
+        ctx = attn.merge_heads(weights @ v)  # (B,T,D)
+        h2 = block.norm2(x + attn.out(ctx))
+        u = block.ffn.fc1(h2)  # (B,T,d_ff)
+        g = F.gelu(u)
+    return {"x": x, "h": h, "q32": q32, "k32": k32, "v": v, "scores": scores, "weights": weights, "ctx": ctx,
+            "h2": h2, "u": u, "g": g}
+
+
+def component_fns(block: TransformerBlock, i: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
+    ffn = block.ffn
+    return {
+        "layernorm": lambda: block.norm1(i["x"]),
+        "qkv": lambda: block.attn.qkv(i["h"]),
+        "scores": lambda: i["q32"] @ i["k32"].transpose(-2, -1),
+        "softmax": lambda: torch.softmax(i["scores"], dim=-1),
+        "attn_v": lambda: i["weights"] @ i["v"],
+        "out_proj": lambda: block.attn.out(i["ctx"]),
+        "ffn_fc1": lambda: ffn.fc1(i["h2"]),
+        "gelu": lambda: F.gelu(i["u"]),
+        "ffn_fc2": lambda: ffn.fc2(i["g"]),
+        "ffn": lambda: ffn(i["h2"]),
+    }
+
+
+def component_flops(shape: cm.BlockShape) -> dict[str, int | None]:
+    f = cm.forward_flops(shape)
+    half_ffn = f["ffn"] // 2
+    return {"layernorm": None, "qkv": f["qkv"], "scores": f["scores"], "softmax": f["softmax"],
+            "attn_v": f["attn_v"], "out_proj": f["out_proj"], "ffn_fc1": half_ffn, "gelu": None,
+            "ffn_fc2": half_ffn, "ffn": f["ffn"], "prefill": f["matmul"]}
+
+
+# ----------------------------------------------------------------------------------------- run
+def run(cfg: DictConfig, rec: Recorder) -> None:
+    import psutil
+
+    s = settings_from(cfg)
+    e = cm.DTYPE_BYTES[str(cfg.dtype)]
+    refuse_oversized(s, e, available_bytes(rec.device))
+    dtype_name = DTYPE_NAMES.get(rec.dtype, str(cfg.dtype))
+    load_before = psutil.getloadavg()[0]
+    threads_before = torch.get_num_threads()
+    if s.threads is not None:
+        torch.set_num_threads(s.threads)
+    try:
+        _run_groups(rec, s, e, dtype_name, load_before)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run_groups(rec: Recorder, s: Settings, e: int, dtype_name: str, load_before: float) -> None:
+    import psutil
+
+    # SDPA: what FlopCounterMode sees, and the custom mapping that fixes it.
+    sdpa = sdpa_flop_report(rec.device, rec.dtype)
+    tags0 = {"T": s.groups[0][0], "D": s.groups[0][1]}
+    for key in ("default_forward", "default_backward", "mapped_forward", "mapped_backward", "analytic"):
+        rec.metric(f"flops_sdpa_probe_{key}", sdpa[key], **tags0)
+    rec.note(f"SDPA on {rec.device} dispatches to {sdpa['kernels']}; FlopCounterMode counts "
+             f"{sdpa['default_forward']} forward FLOPs for it (analytic {sdpa['analytic']}); registered via "
+             f"custom_mapping: {sdpa['registered'] or 'nothing needed'} -> {sdpa['mapped_forward']}. "
+             "The block's own FLOPs are counted on its explicit-matmul attention path (no SDPA).")
+    o = sdpa_outcome(sdpa)
+    rec.check("sdpa_counted_with_custom_mapping", o.passed, o.observed, o.threshold, o.detail)
+
+    rows = []
+    for T, D in rec.progress(s.groups, total=len(s.groups), description="groups"):
+        rows.append(measure_group(rec, s, cm.BlockShape(B=s.B, T=T, D=D, H=s.H, d_ff=s.d_ff), e))
+
+    load_after = psutil.getloadavg()[0]
+    for row in rows:
+        rec.metric("load_average_1min", load_before, when="start", T=row["T"], D=row["D"])
+        rec.metric("load_average_1min", load_after, when="end", T=row["T"], D=row["D"])
+    rec.note(f"{torch.get_num_threads()} torch threads on {psutil.cpu_count()} CPUs; 1-min load average "
+             f"{load_before:.1f} at start, {load_after:.1f} at end (other processes share the CPUs: compare "
+             "best_ms with wall_ms in timings.parquet)")
+    rec.plot("complexity_groups", groups_figure(rows))
+    rec.summary(summary_markdown(rows, s, dtype_name, sdpa, (load_before, load_after)))
+    rec.print(rich_table(rows))
+
+
+def measure_group(rec: Recorder, s: Settings, shape: cm.BlockShape, e: int) -> dict[str, Any]:
+    """All analytic, counted and measured numbers for one (T, D) group."""
+    T, D = shape.T, shape.D
+    tag = {"T": T, "D": D}
+    suffix = f".T{T}_D{D}"
+
+    def check(name: str, o: Outcome) -> None:
+        rec.check(name + suffix, o.passed, o.observed, o.threshold, o.detail)
+
+    # analytic
+    f = cm.forward_flops(shape)
+    params = cm.block_params(shape)
+    for comp in cm.COMPONENTS:
+        rec.metric("flops_forward", f[comp], component=comp, growth=cm.GROWTH[comp], **tag)
+    rec.metric("flops_forward_block", f["matmul"], **tag)
+    rec.metric("flops_backward_block", cm.backward_matmul_flops(shape), **tag)
+    rec.metric("flops_softmax_block", f["softmax"], **tag)
+    rec.metric("flops_bias_block", f["bias"], **tag)
+    rec.metric("params_block", params["total"], **tag)
+    rec.metric("params_block_weights", params["weights"], **tag)
+    rec.metric("crossover_T", cm.crossover_T(shape), **tag)
+    rec.metric("crossover_T_all_linear", cm.crossover_T_all_linear(shape), **tag)
+    rec.metric("score_elements", cm.score_elements(shape), **tag)
+    for name, nbytes in cm.score_bytes(shape).items():
+        rec.metric("score_bytes", nbytes, dtype=name, **tag)
+    kv_per_token = cm.kv_cache_bytes_per_token(shape, e, s.n_layers) // shape.B
+    rec.metric("kv_cache_bytes_per_token", kv_per_token, n_layers=s.n_layers, **tag)
+    model = cm.model_params(shape, s.n_layers, s.vocab)
+    rec.metric("params_model", model["total"], n_layers=s.n_layers, **tag)
+    rec.metric("params_model_bytes", model["total"] * e, n_layers=s.n_layers, **tag)
+    rec.metric("kv_cache_bytes_model", cm.kv_cache_bytes(shape, T, e, s.n_layers), n_layers=s.n_layers, **tag)
+    rec.metric("flops_forward_per_token_model", cm.model_forward_flops_per_token(shape, s.n_layers, s.vocab),
+               n_layers=s.n_layers, **tag)
+    rec.metric("flops_forward_per_token_kaplan",
+               cm.kaplan_forward_flops_per_token(model["non_embedding_weights"], s.n_layers, T, D),
+               n_layers=s.n_layers, **tag)
+    moe = cm.moe_block_params(shape, s.n_experts, s.top_k)
+    rec.metric("params_moe_total", moe["total"], n_experts=s.n_experts, top_k=s.top_k, **tag)
+    rec.metric("params_moe_active", moe["active"], n_experts=s.n_experts, top_k=s.top_k, **tag)
+    check("moe_active_lt_total", moe_outcome(shape, s.n_experts, s.top_k))
+
+    # counted
+    fwd = counted_block_flops(shape, rec.dtype, backward=False)
+    fwd_bwd = counted_block_flops(shape, rec.dtype, backward=True)
+    rec.metric("flops_counted_forward_block", fwd, **tag)
+    rec.metric("flops_counted_fwd_bwd_block", fwd_bwd, **tag)
+    check("flops_forward_match", exact_outcome("forward matmul FLOPs", f["matmul"], fwd))
+    check("flops_fwd_bwd_match", exact_outcome("forward+backward matmul FLOPs", 3 * f["matmul"], fwd_bwd))
+
+    torch.manual_seed(rec.seed)
+    block = build_block(shape, rec.dtype, rec.device)
+    x = torch.randn(shape.B, T, D, device=rec.device, dtype=rec.dtype)
+    check("params_match", params_outcome(block, shape))
+    kv, cache = kv_cache_outcome(block, shape, x)
+    check("kv_cache_bytes_match", kv)
+    rec.metric("kv_cache_bytes", cache.nbytes(), **tag)
+    del cache
+    saved_box: list[int] = []
+
+    def train_step() -> None:
+        saved_box.append(saved_activation_bytes(block, x, backward=True))
+
+    peak_mem = step_peak_bytes(train_step, rec.device)
+    block.zero_grad(set_to_none=True)
+    saved = saved_box[0]
+    act = cm.training_activation_bytes(shape, e)
+    rec.metric("activation_bytes_saved_measured", saved, **tag)
+    rec.metric("activation_bytes_analytic", act, **tag)
+    check("activation_bytes_match", exact_outcome("bytes saved for backward", act, saved))
+    estimate = cm.training_peak_estimate_bytes(shape, e) - params["total"] * e  # params existed before
+    rec.metric("memory_peak_step_measured_bytes", peak_mem, **tag)
+    rec.metric("memory_peak_step_estimate_bytes", estimate, **tag)
+    rec.metric("params_bytes", params["total"] * e, **tag)
+
+    # measured: the machine's peak (before and after the components; the faster window counts, as other
+    # processes can only slow a measurement down), every component (median and best-of), prefill, decode
+    peak_med, peak_best = peak_matmul_flops(rec, s.peak_matmul_n, s.repeats, s.warmup, when="before", **tag)
+    inputs = component_inputs(block, x)
+    flops_of = component_flops(shape)
+    times: dict[str, tuple[float, float]] = {}
+    with torch.inference_mode():
+        fns = component_fns(block, inputs)
+        fns["prefill"] = lambda: block(x, cache=KVCache())
+        base = KVCache()
+        block(x[:, :-1], cache=base)
+        fns["decode"] = lambda: block(x[:, -1:], cache=KVCache(base.k, base.v))
+        for comp, fn in fns.items():
+            times[comp] = time_fn(rec, f"component.{comp}", fn, s.repeats, s.warmup, component=comp, **tag)
+    flops_of["decode"] = cm.forward_flops(cm.BlockShape(shape.B, 1, D, shape.H, shape.d_ff), T_k=T)["matmul"]
+    after_med, after_best = peak_matmul_flops(rec, s.peak_matmul_n, s.repeats, s.warmup, when="after", **tag)
+    peak_med, peak_best = max(peak_med, after_med), max(peak_best, after_best)
+    rec.metric("matmul_peak_flops", peak_med, stat="median", n=s.peak_matmul_n, **tag)
+    rec.metric("matmul_peak_flops", peak_best, stat="best", n=s.peak_matmul_n, **tag)
+    for comp, (med, best) in times.items():
+        rec.metric("time_ms", med, component=comp, stat="median", **tag)
+        rec.metric("time_ms", best, component=comp, stat="best", **tag)
+        if flops_of.get(comp) is not None:
+            rec.metric("flops_per_s", flops_of[comp] / (med / 1e3), component=comp, stat="median", **tag)
+            rec.metric("peak_fraction", flops_of[comp] / (med / 1e3) / peak_med, component=comp, stat="median",
+                       **tag)
+            rec.metric("peak_fraction", flops_of[comp] / (best / 1e3) / peak_best, component=comp, stat="best",
+                       **tag)
+    rec.metric("time_per_token_ms", times["prefill"][0] / T, mode="prefill", **tag)
+    rec.metric("time_per_token_ms", times["decode"][0], mode="decode", cache_len=T - 1, **tag)
+    check("timings_valid", timings_outcome({f"{k}.{i}": v[i] for k, v in times.items() for i in (0, 1)}))
+
+    return {"T": T, "D": D, "shape": shape, "flops": f, "params": params["total"], "counted": fwd,
+            "times": times, "peak": (peak_med, peak_best), "flops_of": flops_of, "kv_per_token": kv_per_token,
+            "saved": saved, "act": act, "peak_mem": peak_mem, "estimate": estimate, "moe": moe}
+
+
+# ------------------------------------------------------------------------------------ reports
+def _attn_sq(f: dict[str, int]) -> int:
+    return f["scores"] + f["attn_v"]
+
+
+def _fraction(r: dict[str, Any], comp: str, stat: int = 0) -> float:
+    """Achieved FLOP/s of ``comp`` over the matmul peak, from medians (stat 0) or best-ofs (stat 1)."""
+    return r["flops_of"][comp] / (r["times"][comp][stat] / 1e3) / r["peak"][stat]
+
+
+def rich_table(rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="complexity: one block per (T, D) group")
+    for col in ("T", "D", "params", "fwd GFLOP", "T² share", "xover T", "prefill ms/tok", "decode ms/tok",
+                "FFN %peak", "peak MiB (est)"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        f = r["flops"]
+        table.add_row(str(r["T"]), str(r["D"]), f"{r['params']:,}", f"{f['matmul'] / 1e9:.2f}",
+                      f"{_attn_sq(f) / f['matmul']:.0%}", f"{cm.crossover_T(r['shape']):.0f}",
+                      f"{r['times']['prefill'][0] / r['T']:.3f}", f"{r['times']['decode'][0]:.3f}",
+                      f"{_fraction(r, 'ffn'):.0%}", f"{r['peak_mem'] / 2**20:.0f} ({r['estimate'] / 2**20:.0f})")
+    return table
+
+
+def summary_markdown(rows: list[dict[str, Any]], s: Settings, dtype_name: str, sdpa: dict[str, Any],
+                     load: tuple[float, float]) -> str:
+    lines = [
+        f"Block: B={s.B}, H={s.H}, d_ff={'4·D' if s.d_ff is None else s.d_ff}, {dtype_name}; "
+        f"timings: median (best) of {s.repeats} after {s.warmup} warm-up; 1-min load average {load[0]:.1f} -> "
+        f"{load[1]:.1f}. SDPA kernels {sdpa['kernels']}: FlopCounterMode counts {sdpa['default_forward']} "
+        f"forward FLOPs by default, {sdpa['mapped_forward']} with custom_mapping (analytic {sdpa['analytic']}).",
+        "",
+        "| T | D | params | fwd matmul FLOPs (analytic = counted) | T² attn share | crossover T | softmax FLOPs "
+        "| bias FLOPs | score elems | KV B/token (L layers) | prefill ms/token | decode ms/token "
+        "| saved act. MiB | step peak MiB (estimate) |",
+        "|" + "---|" * 14,
+    ]
+    for r in rows:
+        f = r["flops"]
+        same = "=" if r["counted"] == f["matmul"] else f"≠ {r['counted']:,}"
+        lines.append(
+            f"| {r['T']} | {r['D']} | {r['params']:,} | {f['matmul']:,} {same} | {_attn_sq(f) / f['matmul']:.1%} "
+            f"| {cm.crossover_T(r['shape']):.0f} | {f['softmax']:,} | {f['bias']:,} "
+            f"| {cm.score_elements(r['shape']):,} | {r['kv_per_token']:,} "
+            f"| {r['times']['prefill'][0] / r['T']:.4f} | {r['times']['decode'][0]:.3f} "
+            f"| {r['saved'] / 2**20:.2f} | {r['peak_mem'] / 2**20:.1f} ({r['estimate'] / 2**20:.1f}) |")
+    comps = [c for c in TIMED if c != "block"] + ["prefill", "decode"]
+    lines += ["", "Median ms per component [fraction of the matmul peak, median / best-of]:", "",
+              "| T | D | peak GFLOP/s | " + " | ".join(comps) + " |", "|" + "---|" * (len(comps) + 3)]
+    for r in rows:
+        cells = []
+        for comp in comps:
+            med = r["times"][comp][0]
+            frac = "" if r["flops_of"].get(comp) is None else \
+                f" [{_fraction(r, comp):.0%} / {_fraction(r, comp, 1):.0%}]"
+            cells.append(f"{med:.3f}{frac}")
+        lines.append(f"| {r['T']} | {r['D']} | {r['peak'][0] / 1e9:.0f} / {r['peak'][1] / 1e9:.0f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def groups_figure(rows: list[dict[str, Any]]) -> Any:
+    """Share of analytic forward FLOPs vs share of measured time per component, one bar pair per group."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 4.5))
+    ax_f, ax_t = fig.subplots(1, 2, sharey=True)
+    parts = [("qkv", ("qkv",)), ("QKᵀ", ("scores",)), ("softmax", ("softmax",)), ("·V", ("attn_v",)),
+             ("out proj", ("out_proj",)), ("FFN", ("ffn",))]
+    labels = [f"T={r['T']}\nD={r['D']}" for r in rows]
+    for ax, source, title in ((ax_f, "flops", "analytic forward FLOPs"), (ax_t, "times", "measured time")):
+        bottoms = [0.0] * len(rows)
+        for name, comps in parts:
+            vals = []
+            for r in rows:
+                d = r["flops"] if source == "flops" else {c: v[0] for c, v in r["times"].items()}
+                total = sum(d[c] for _, cs in parts for c in cs)
+                vals.append(sum(d[c] for c in comps) / total)
+            ax.bar(labels, vals, bottom=bottoms, label=name)
+            bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+        ax.set_title(title)
+        ax.set_ylim(0, 1)
+    ax_f.set_ylabel("share of the block")
+    ax_t.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.suptitle("Where a block's work goes: T² attention terms grow past the FFN at T > d_ff")
+    fig.tight_layout()
+    return fig
+
+
+def sweep_plots(df: Any) -> dict[str, Any]:
+    """Attention-score FLOPs (QKᵀ + ·V) vs FFN FLOPs against T, one colour per D, crossover marked,
+    measured median times (right axis, dashed) overlaid."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    df = df[df["T"].notna() & df["D"].notna()]
+    flops = df[df["name"] == "flops_forward"].pivot_table(index=["D", "T"], columns="component", values="value")
+    timed = df[(df["name"] == "time_ms") & (df["stat"] == "median")]
+    times = timed.pivot_table(index=["D", "T"], columns="component", values="value")
+    cross = df[df["name"] == "crossover_T"].groupby("D")["value"].first()
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    ax_t = ax.twinx()
+    colors = {d: f"C{i}" for i, d in enumerate(sorted(flops.index.get_level_values("D").unique()))}
+    t_all = flops.index.get_level_values("T")
+    for D, color in colors.items():
+        sub = flops.loc[D].sort_index()
+        T0 = float(sub.index[0])
+        attn0 = float(sub["scores"].iloc[0] + sub["attn_v"].iloc[0])
+        ffn0 = float(sub["ffn"].iloc[0])
+        x_T = float(cross.get(D, np.nan))
+        lo = min(float(t_all.min()), x_T if math.isfinite(x_T) else np.inf) / 1.5
+        hi = max(float(t_all.max()), x_T if math.isfinite(x_T) else 0) * 1.5
+        grid = np.geomspace(lo, hi, 100)
+        ax.plot(grid, attn0 * (grid / T0) ** 2, color=color, lw=2, label=f"D={int(D)} attention QKᵀ+·V (T²)")
+        ax.plot(grid, ffn0 * grid / T0, color=color, lw=1, ls=":", label=f"D={int(D)} FFN (T)")
+        ax.scatter(sub.index, sub["scores"] + sub["attn_v"], color=color, zorder=3)
+        ax.scatter(sub.index, sub["ffn"], color=color, marker="s", zorder=3)
+        if math.isfinite(x_T):
+            ax.plot([x_T], [ffn0 * x_T / T0], marker="*", ms=14, color=color, mec="k", zorder=4)
+            ax.annotate(f"T={x_T:.0f}", (x_T, ffn0 * x_T / T0), textcoords="offset points", xytext=(6, -12),
+                        fontsize=8)
+        if D in times.index.get_level_values("D"):
+            tsub = times.loc[D].sort_index()
+            attn_ms = tsub[["scores", "softmax", "attn_v"]].sum(axis=1)
+            ax_t.plot(tsub.index, attn_ms, color=color, ls="--", marker="o", mfc="none", alpha=0.7)
+            ax_t.plot(tsub.index, tsub["ffn"], color=color, ls="-.", marker="s", mfc="none", alpha=0.7)
+    for a in (ax, ax_t):
+        a.set_xscale("log")
+        a.set_yscale("log")
+    ax.set_xlabel("T (tokens)")
+    ax.set_ylabel("forward FLOPs (analytic; dots = sweep jobs)")
+    ax_t.set_ylabel("measured ms (dashed: attention QKᵀ+softmax+·V, dash-dot: FFN)")
+    ax.set_title("Attention T² FLOPs vs FFN FLOPs; ★ = crossover T = d_ff")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return {"sweep_attention_vs_ffn": fig}
+
