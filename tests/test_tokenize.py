@@ -193,6 +193,13 @@ def test_trained_tokenizers_are_reproducible(texts):
         assert a.encode_batch(texts + BOUNDARY) == b.encode_batch(texts + BOUNDARY), name
 
 
+def test_unigram_vocab_smaller_than_its_alphabet_is_bad_input(texts):
+    """Regression: a sweep with train.vocab_size=300 crashed (exit 3) inside HF's UnigramTrainer."""
+    with pytest.raises(BadInput, match=r"train.vocab_size=300 .* pass train.vocab_size=364"):
+        lab.load_tokenizer("unigram", texts, 300)
+    assert lab.load_tokenizer("unigram", texts, 364).vocab_size >= 364
+
+
 def test_wordpiece_vocab_marks_word_inner_pieces():
     vocab = lab.wordpiece_vocab(["cats", "cats", "cat", "dogs"], 40)
     assert {"c", "##a", "##t", "##s", "[UNK]"} <= set(vocab)
@@ -371,6 +378,21 @@ def test_premium_skipped_with_a_note_when_not_parallel(cl100k):
     totals = tk.record_aggregates(rec, samples, enc, ["zh", "en"], [])
     assert tk.record_premium(rec, samples, enc, totals, "zh", "en") == {}
     assert any("not a parallel corpus" in n for n in rec.notes)
+
+
+def test_sweep_plots_picks_the_swept_key():
+    import pandas as pd
+
+    rows = [{"job": str(j), "run_id": f"r-{j}", "status": "ok", "name": "premium", "value": v, "tokenizer": t,
+             "train.vocab_size": vs, "tokenizers": "[bpe,wordpiece]"}
+            for j, (vs, t, v) in enumerate([(300, "bpe", 1.2), (1000, "bpe", 0.9), (300, "wordpiece", 1.0),
+                                             (1000, "wordpiece", 0.95)])]
+    df = pd.DataFrame(rows + [{"name": "tokens", "value": 3.0, "tokenizer": "bpe", "job": "0"}])
+    figs = tk.sweep_plots(df)
+    assert list(figs) == ["premium_sweep"]
+    ax = figs["premium_sweep"].axes[0]
+    assert ax.get_xlabel() == "train.vocab_size" and len(ax.lines) == 2 + 1  # two tokenizers + the 1.0 line
+    assert tk.sweep_plots(df[df["name"] == "tokens"]) == {}
 
 
 # ------------------------------------------------------------------------------------- whole run

@@ -303,8 +303,16 @@ def train_unigram(texts: Sequence[str], vocab_size: int) -> HFAdapter:
     tok = Tokenizer(models.Unigram())
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(list(texts), trainers.UnigramTrainer(
-        vocab_size=vocab_size, unk_token="<unk>", special_tokens=["<unk>"], show_progress=False))
+    try:
+        tok.train_from_iterator(list(texts), trainers.UnigramTrainer(
+            vocab_size=vocab_size, unk_token="<unk>", special_tokens=["<unk>"], show_progress=False))
+    except Exception as exc:  # "The vocabulary is not large enough to contain all chars"
+        if "not large enough" not in str(exc):
+            raise
+        need = len(set("".join(texts).replace(" ", "▁")) | {"▁"})
+        raise BadInput(f"train.vocab_size={vocab_size} is smaller than the {need} distinct characters the unigram "
+                       f"tokenizer must keep: pass train.vocab_size={need} or more (or train on fewer "
+                       "categories)") from None
     learned = json.loads(tok.to_str())["model"]["vocab"]
     vocab = [("<unk>", 0.0)] + sorted((p, s) for p, s in learned if p != "<unk>")
     stable = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=False))

@@ -410,8 +410,10 @@ def digit_chart(rows: dict[str, list[int]]):
 
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
-    for name, counts in rows.items():
-        ax.plot(range(1, len(counts) + 1), counts, marker=".", label=name)
+    styles = ["-", "--", "-.", ":"]
+    for k, (name, counts) in enumerate(rows.items()):  # wide-to-thin lines keep coinciding ones visible
+        ax.plot(range(1, len(counts) + 1), counts, ls=styles[k % len(styles)], lw=max(1.0, 4.0 - 0.45 * k),
+                marker=".", label=name)
     ax.set_xlabel("digits in the run (prefixes of pi)")
     ax.set_ylabel("tokens")
     ax.set_title("How digit runs are split")
@@ -459,23 +461,30 @@ def summary_markdown(samples: list[Sample], encoded: list[Encoded], categories: 
 
 
 def sweep_plots(df) -> dict[str, Any]:
-    """After a multirun: the premium of each tokenizer against the first swept key."""
+    """After a multirun: the premium of each tokenizer against the first override key that varies."""
+    import pandas as pd
     from matplotlib.figure import Figure
 
     known = {"name", "value", "step", "tokenizer", "category", "sample", "ids", "pieces", "numerator",
-             "denominator", "job"}
-    keys = [c for c in df.columns if c not in known]
+             "denominator", "job", "run_id", "status"}
     prem = df[df["name"] == "premium"] if "name" in df.columns else df.iloc[0:0]
+    keys = [c for c in df.columns if c not in known and prem[c].astype(str).nunique() > 1]
     if not keys or prem.empty:
         return {}
     key = keys[0]
+    numeric = pd.to_numeric(prem[key], errors="coerce")
+    x = numeric if numeric.notna().all() else prem[key].astype(str)
     fig = Figure(figsize=(6, 4))
     ax = fig.subplots()
-    for name, part in prem.groupby("tokenizer"):
-        part = part.sort_values(key)
-        ax.plot(part[key].astype(str), part["value"], marker="o", label=str(name))
+    for name, part in prem.assign(_x=x).groupby("tokenizer"):
+        part = part.sort_values("_x")
+        ax.plot(part["_x"], part["value"], marker="o", label=str(name))
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     ax.set_xlabel(key)
-    ax.set_ylabel("premium")
+    if {"numerator", "denominator"} <= set(prem.columns):
+        ax.set_ylabel(f"premium ({prem['numerator'].iloc[0]} tokens / {prem['denominator'].iloc[0]} tokens)")
+    else:
+        ax.set_ylabel("premium")
     ax.set_title(f"Tokenization premium vs {key}")
     ax.legend(fontsize=7)
     fig.tight_layout()
