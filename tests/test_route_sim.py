@@ -1,0 +1,540 @@
+"""tfmoe route-sim: MoE router, capacity, two dispatches, balancing losses, and the experiment's checks.
+
+Every check of the experiment has a test below that plants a real bug and sees that check fail.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from tfmoe.components import moe
+from tfmoe.errors import BadInput
+from tfmoe.experiments import route_sim as rs
+from tfmoe.testing import compose, make_recorder, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["steps=6", "train_tokens=64", "strategies=[none,aux_loss,z_loss,noisy_topk,aux_free]"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread avoids spinning against other processes on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def small_cfg():
+    return compose("route-sim", SMALL)
+
+
+def _params(cfg, **changes):
+    merged = OmegaConf.merge(cfg, OmegaConf.create(changes))
+    return rs.params_from_cfg(merged), merged
+
+
+def _check(rec, name):
+    rows = [c for c in rec.checks_rows if c.check == name]
+    assert rows, f"no check {name}; have {[c.check for c in rec.checks_rows]}"
+    return rows[-1]
+
+
+def _course(cfg, **changes):
+    p, merged = _params(cfg, **changes)
+    rec = make_recorder(merged)
+    rs.course_case(p, rec)
+    return rec
+
+
+# ------------------------------------------------------------------------ router & stats
+def test_router_softmax_topk_weights_renormalised():
+    torch.manual_seed(0)
+    router = moe.Router(16, 8, 2)
+    x = torch.randn(50, 16)
+    r = router(x)
+    assert r.probs.shape == (50, 8) and r.topk_idx.shape == (50, 2)
+    torch.testing.assert_close(r.probs.sum(-1), torch.ones(50))
+    torch.testing.assert_close(r.topk_weight.sum(-1), torch.ones(50))
+    assert (r.topk_idx[:, 0] != r.topk_idx[:, 1]).all()
+    # the chosen experts are the two largest probabilities, best first
+    torch.testing.assert_close(r.probs.gather(1, r.topk_idx), r.probs.topk(2, dim=-1).values)
+    ref = F.softmax(x @ router.gate.weight.t(), -1).topk(2, -1).values
+    torch.testing.assert_close(r.topk_weight, ref / ref.sum(-1, keepdim=True))
+
+
+def test_router_sigmoid_scores_normalised_probs():
+    torch.manual_seed(1)
+    router = moe.Router(8, 6, 3, score_func="sigmoid")
+    r = router(torch.randn(20, 8))
+    torch.testing.assert_close(r.scores, r.logits.sigmoid())
+    torch.testing.assert_close(r.probs.sum(-1), torch.ones(20))
+    chosen = r.scores.gather(1, r.topk_idx)
+    torch.testing.assert_close(r.topk_weight, chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_selection_bias_changes_choice_not_weights():
+    torch.manual_seed(2)
+    router = moe.Router(8, 4, 2)
+    x = torch.randn(30, 8)
+    router.selection_bias[3] = 10.0  # expert 3 always selected...
+    r = router(x)
+    assert (r.topk_idx == 3).any(dim=-1).all()
+    chosen = r.probs.gather(1, r.topk_idx)  # ...but weighted by its unbiased probability
+    torch.testing.assert_close(r.topk_weight, chosen / chosen.sum(-1, keepdim=True))
+
+
+def test_noisy_router_noise_only_in_training():
+    torch.manual_seed(3)
+    router = moe.Router(8, 4, 1, noisy=True)
+    x = torch.randn(10, 8)
+    clean = F.linear(x, router.gate.weight)
+    router.eval()
+    torch.testing.assert_close(router(x).logits, clean)
+    router.train()
+    noisy = router(x, torch.Generator().manual_seed(0)).logits
+    assert not torch.allclose(noisy, clean)
+    again = router(x, torch.Generator().manual_seed(0)).logits
+    assert torch.equal(noisy, again)
+
+
+@pytest.mark.parametrize("kwargs", [dict(n_experts=0, top_k=1), dict(n_experts=4, top_k=0),
+                                    dict(n_experts=4, top_k=5), dict(n_experts=4, top_k=2, score_func="relu")])
+def test_router_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        moe.Router(8, **kwargs)
+
+
+def test_load_cv_maxvio_against_numpy():
+    load = torch.tensor([18, 24, 25, 32, 29, 25, 28, 19])
+    ref = load.numpy().astype(np.float64)
+    assert float(moe.load_cv(load)) == pytest.approx(ref.std() / ref.mean(), rel=1e-14)
+    assert float(moe.load_maxvio(load)) == pytest.approx((32 - 25) / 25, rel=1e-14)
+    balanced = torch.full((8,), 25)
+    assert float(moe.load_cv(balanced)) == 0.0 and float(moe.load_maxvio(balanced)) == 0.0
+    assert float(moe.load_cv(torch.tensor([7]))) == 0.0  # one expert: trivially balanced
+
+
+def test_expert_load_counts_every_choice():
+    idx = torch.tensor([[0, 1], [0, 2], [3, 0]])
+    assert moe.expert_load(idx, 5).tolist() == [3, 1, 1, 1, 0]
+
+
+def test_router_entropy_uniform_and_onehot():
+    assert float(moe.router_entropy(torch.full((4, 8), 1 / 8))) == pytest.approx(math.log(8))
+    assert float(moe.router_entropy(torch.eye(4))) == 0.0
+
+
+# ------------------------------------------------------------------------------ capacity
+def test_expert_capacity_exact_rational():
+    assert moe.expert_capacity(100, 2, 8, 1.0) == 25
+    assert moe.expert_capacity(100, 2, 8, 1.25) == 32  # ceil(31.25)
+    # regression: 100*2/4*1.1 = 55.00000000000001 in floats -> ceil 56; the exact capacity is 55
+    assert math.ceil(100 * 2 / 4 * 1.1) == 56
+    assert moe.expert_capacity(100, 2, 4, 1.1) == 55
+    assert moe.expert_capacity(1, 1, 8, 0.01) == 1  # never 0 for a positive factor
+    assert moe.expert_capacity(100, 2, 8, None) is None
+    with pytest.raises(ValueError):
+        moe.expert_capacity(100, 2, 8, 0.0)
+
+
+def test_capacity_keep_priority_first_choices_then_token_order():
+    idx = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    keep = moe.capacity_keep(idx, 3, 2)
+    # expert 0 queue: t0 1st, t1 1st, t2 1st, t3 2nd -> keeps t0, t1; expert 1: t3 1st, t0 2nd, t2 2nd
+    assert keep.tolist() == [[True, True], [True, True], [False, False], [True, False]]
+    assert moe.capacity_keep(idx, 3, None).all()
+    kept_per_expert = torch.bincount(idx[keep], minlength=3)
+    assert (kept_per_expert <= 2).all()
+
+
+# ------------------------------------------------------------------------------ dispatch
+def _layer(E=8, k=2, cf=None, d=16, h=32, seed=0):
+    torch.manual_seed(seed)
+    return moe.MoELayer(d, h, E, k, cf)
+
+
+@pytest.mark.parametrize("cf", [None, 1.0, 0.5])
+def test_loop_and_sorted_dispatch_bit_identical_fp32(cf):
+    layer = _layer(cf=cf)
+    x = torch.randn(100, 16)
+    with torch.no_grad():
+        a, b = layer(x, dispatch="loop"), layer(x, dispatch="sorted")
+        ref = rs.dense_mixture(x, a.routing.topk_idx, a.routing.topk_weight, a.keep, layer.experts,
+                               torch.float64)
+    assert torch.equal(a.out, b.out)
+    assert torch.equal(a.processed, b.processed)
+    torch.testing.assert_close(b.out.double(), ref, rtol=1e-5, atol=1e-6)
+    if cf is not None:
+        assert int(b.processed.max()) <= a.capacity
+
+
+def test_dispatch_bf16_tiny_agrees():
+    layer = _layer(E=4, k=2, cf=1.0, d=8, h=8).to(torch.bfloat16)
+    x = torch.randn(12, 8).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(layer(x, dispatch="loop").out, layer(x, dispatch="sorted").out)
+
+
+def test_dropped_tokens_get_zero_output_and_shape_kept():
+    layer = _layer(E=4, k=1, cf=0.25)  # capacity ceil(20/4*0.25) = 2 per expert
+    x = torch.randn(2, 10, 16)
+    with torch.no_grad():
+        res = layer(x)
+    assert res.out.shape == (2, 10, 16) and res.capacity == 2
+    dropped_tokens = ~res.keep.any(dim=-1)
+    assert dropped_tokens.sum() == 20 - int(res.processed.sum()) > 0
+    assert (res.out.reshape(20, 16)[dropped_tokens] == 0).all()
+
+
+def test_single_expert_top1_is_the_dense_ffn():
+    layer = _layer(E=1, k=1)
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        out = layer(x).out
+        assert torch.equal(out, layer.experts[0](x))
+
+
+def test_unknown_dispatch_rejected():
+    with pytest.raises(ValueError):
+        moe.MoELayer(8, 8, 2, 1, dispatch="grouped")
+
+
+# ------------------------------------------------------------------------ balancing losses
+def test_switch_aux_loss_formula_balanced_and_hf_relation():
+    probs, idx = rs.uniform_routing(8, 2)
+    assert float(moe.switch_aux_loss(probs, idx, coef=0.01)) == pytest.approx(0.01, rel=1e-6)
+    torch.manual_seed(0)
+    probs = torch.randn(50, 8).softmax(-1)
+    idx = probs.topk(2, -1).indices
+    f = torch.bincount(idx.flatten(), minlength=8).double() / 100
+    expected = 0.01 * 8 * (f * probs.double().mean(0)).sum()
+    assert float(moe.switch_aux_loss(probs, idx, 0.01)) == pytest.approx(float(expected), rel=1e-6)
+    hf_form = 8 * (torch.bincount(idx.flatten(), minlength=8).double() / 50 * probs.double().mean(0)).sum()
+    assert float(hf_form) == pytest.approx(2 * float(moe.switch_aux_loss(probs, idx, 1.0)), rel=1e-6)
+
+
+def test_aux_loss_gradient_flows_through_probs_only():
+    logits = torch.randn(20, 4, requires_grad=True)
+    probs = logits.softmax(-1)
+    moe.switch_aux_loss(probs, probs.topk(2, -1).indices, 1.0).backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_router_z_loss_formula():
+    logits = torch.randn(30, 8)
+    expected = 1e-3 * (torch.logsumexp(logits, -1) ** 2).mean()
+    torch.testing.assert_close(moe.router_z_loss(logits, 1e-3), expected)
+
+
+def test_update_selection_bias_sign_rule():
+    bias = torch.zeros(4)
+    moe.update_selection_bias(bias, torch.tensor([10, 2, 4, 4]), 0.001)  # mean 5
+    torch.testing.assert_close(bias, torch.tensor([-0.001, 0.001, 0.001, 0.001]))
+    moe.update_selection_bias(bias, torch.tensor([5, 5, 5, 5]), 0.001)  # balanced: unchanged
+    torch.testing.assert_close(bias, torch.tensor([-0.001, 0.001, 0.001, 0.001]))
+
+
+# --------------------------------------------------------------------------- config
+@pytest.mark.parametrize("change, message", [
+    (dict(top_k=0), "top_k=0"), (dict(top_k=9), "top_k=9"), (dict(n_experts=0), "n_experts=0"),
+    (dict(tokens=0), "tokens=0"), (dict(capacity_factor=0), "capacity_factor=0"),
+    (dict(capacity_factor=-1.5), "capacity_factor=-1.5"), (dict(strategies=["none", "magic"]), "magic"),
+    (dict(strategies=[]), "strategies"), (dict(aux_loss_coef=-0.01), "aux_loss_coef=-0.01"),
+    (dict(z_loss_coef=-1), "z_loss_coef=-1"), (dict(bias_update_rate=-0.001), "bias_update_rate"),
+    (dict(steps=-1), "steps=-1"), (dict(tokens=2.5), "tokens=2.5"), (dict(score_func="tanh"), "tanh"),
+    (dict(dispatch="grouped"), "grouped"), (dict(strategies=["none", "none"]), "twice"),
+])
+def test_bad_config_raises_bad_input(small_cfg, change, message):
+    with pytest.raises(BadInput, match=message.replace("[", r"\[")):
+        _params(small_cfg, **change)
+
+
+def test_good_config_boundaries(small_cfg):
+    p, _ = _params(small_cfg, top_k=8, n_experts=8, capacity_factor=None, tokens=1, steps=0)
+    assert p.top_k == 8 and p.capacity_factor is None and p.steps == 0
+    p, _ = _params(small_cfg, strategies="aux_free")
+    assert p.strategies == ("aux_free",)
+
+
+# --------------------------------------------------------------- the course case & checks
+def test_course_case_all_checks_pass_and_tensors_named(small_cfg):
+    rec = _course(small_cfg)
+    assert all(c.passed for c in rec.checks_rows), [c for c in rec.checks_rows if not c.passed]
+    t = rec.tensors_saved
+    assert t["router_probs"].shape == (100, 8) and t["topk_idx"].shape == (100, 2)
+    assert t["topk_weight"].shape == (100, 2) and t["expert_load"].shape == (8,)
+    assert int(t["expert_load"].sum()) == 200
+    names = {c.check for c in rec.checks_rows}
+    assert {"dispatch_agree.capacity", "dispatch_agree.dropless", "dispatch_vs_dense.capacity"} <= names
+    cv = [r for r in rec.metrics_rows if r["name"] == "cv"][0]
+    assert cv["strategy"] == "none" and "step" not in cv
+    assert _check(rec, "dispatch_agree.capacity").observed == 0.0
+
+
+def test_course_case_dropless_and_tiny_bf16(small_cfg):
+    rec = _course(small_cfg, capacity_factor=None)
+    assert all(c.passed for c in rec.checks_rows)
+    assert "dispatch_agree.capacity" not in {c.check for c in rec.checks_rows}
+    rec = _course(small_cfg, dtype="bf16", tokens=12, n_experts=4, d_model=8, d_hidden=8)
+    assert all(c.passed for c in rec.checks_rows), [c for c in rec.checks_rows if not c.passed]
+
+
+def test_planted_bug_load_counts_only_first_choice(small_cfg, monkeypatch):
+    monkeypatch.setattr(moe, "expert_load", lambda idx, n: torch.bincount(idx[:, 0], minlength=n))
+    rec = _course(small_cfg)
+    assert not _check(rec, "loads_sum").passed
+    assert not _check(rec, "cv_maxvio_recomputed").passed  # recomputed from the saved assignments
+
+
+def test_planted_bug_cv_with_sample_std(small_cfg, monkeypatch):
+    monkeypatch.setattr(moe, "load_cv", lambda load: load.double().std() / load.double().mean())
+    rec = _course(small_cfg)
+    assert not _check(rec, "cv_maxvio_recomputed").passed
+    assert _check(rec, "loads_sum").passed
+
+
+def test_planted_bug_maxvio_uses_min(small_cfg, monkeypatch):
+    monkeypatch.setattr(moe, "load_maxvio", lambda load: (load.max() - load.min()).double() / load.double().mean())
+    assert not _check(_course(small_cfg), "cv_maxvio_recomputed").passed
+
+
+_REAL_SORTED = moe.dispatch_sorted
+
+
+def _dispatch_ignoring_capacity(x, topk_idx, topk_weight, keep, experts):
+    """A real bug: capacity computed (keep mask, dropped count) but the dispatch runs every assignment."""
+    return _REAL_SORTED(x, topk_idx, topk_weight, torch.ones_like(keep), experts)
+
+
+def test_planted_bug_capacity_computed_but_not_applied(small_cfg, monkeypatch):
+    monkeypatch.setattr(moe, "dispatch_sorted", _dispatch_ignoring_capacity)
+    rec = _course(small_cfg)
+    assert not _check(rec, "capacity_respected.sorted").passed
+    assert not _check(rec, "dropped_plus_kept.sorted").passed
+    assert _check(rec, "capacity_respected.loop").passed
+
+
+def test_planted_bug_capacity_off_by_one(small_cfg, monkeypatch):
+    real = moe.capacity_keep
+    monkeypatch.setattr(moe, "capacity_keep", lambda idx, n, cap: real(idx, n, None if cap is None else cap + 1))
+    rec = _course(small_cfg)
+    assert not _check(rec, "capacity_respected.loop").passed
+    assert not _check(rec, "capacity_respected.sorted").passed
+
+
+def _hf_aux_loss(probs, topk_idx, coef=0.01):
+    n, e = probs.shape
+    f = moe.expert_load(topk_idx, e).to(probs.dtype) / n  # sums to k: HF Mixtral's normalisation
+    return coef * e * (f * probs.mean(0)).sum()
+
+
+def test_planted_bug_aux_loss_other_normalisation(small_cfg, monkeypatch):
+    monkeypatch.setattr(moe, "switch_aux_loss", _hf_aux_loss)
+    rec = _course(small_cfg)
+    assert not _check(rec, "aux_loss_formula").passed
+    assert not _check(rec, "aux_loss_balanced_value").passed
+
+
+def test_planted_bug_aux_loss_uses_topk_weights_not_probs(small_cfg, monkeypatch):
+    real = moe.switch_aux_loss
+
+    def from_weights(probs, topk_idx, coef=0.01):
+        sparse = torch.zeros_like(probs).scatter(1, topk_idx, probs.gather(1, topk_idx))
+        return real(sparse, topk_idx, coef)
+
+    monkeypatch.setattr(moe, "switch_aux_loss", from_weights)
+    assert not _check(_course(small_cfg), "aux_loss_formula").passed
+
+
+def test_check_aux_balanced_fails_without_expert_factor():
+    rec = make_recorder(compose("route-sim", SMALL))
+    assert not rs.check_aux_balanced(rec, "b", 8, 2, lambda p, i, coef: moe.switch_aux_loss(p, i, coef) / 8)
+    assert rs.check_aux_balanced(rec, "ok", 8, 2)
+
+
+def test_planted_bug_sorted_dispatch_weights_unsorted(small_cfg, monkeypatch):
+    def buggy(x, topk_idx, topk_weight, keep, experts):
+        k = topk_idx.shape[1]
+        flat_e, flat_t = topk_idx.reshape(-1)[keep.reshape(-1)], torch.arange(x.shape[0]).repeat_interleave(k)
+        flat_t, flat_w = flat_t[keep.reshape(-1)], topk_weight.reshape(-1)[keep.reshape(-1)]
+        order = torch.argsort(flat_e, stable=True)
+        counts = torch.bincount(flat_e, minlength=len(experts))
+        out, start = torch.zeros_like(x), 0
+        for e, end in enumerate(counts.cumsum(0).tolist()):
+            tok = flat_t[order][start:end]
+            out.index_add_(0, tok, experts[e](x[tok]) * flat_w[start:end, None])  # bug: w not sorted
+            start = end
+        return out, counts
+
+    monkeypatch.setattr(moe, "dispatch_sorted", buggy)
+    rec = _course(small_cfg)
+    assert not _check(rec, "dispatch_agree.capacity").passed
+    assert not _check(rec, "dispatch_agree.dropless").passed
+    assert not _check(rec, "dispatch_vs_dense.capacity").passed
+
+
+def test_planted_bug_both_dispatches_forget_weights(small_cfg, monkeypatch):
+    for name in ("dispatch_loop", "dispatch_sorted"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda x, i, w, k, ex, real=real: real(x, i, torch.ones_like(w), k, ex))
+    rec = _course(small_cfg)
+    assert _check(rec, "dispatch_agree.capacity").passed  # they agree with each other...
+    assert not _check(rec, "dispatch_vs_dense.capacity").passed  # ...but not with the reference
+    assert not _check(rec, "dispatch_vs_dense.dropless").passed
+
+
+def test_check_dispatch_agree_tolerance_off_cpu_is_relative():
+    rec = make_recorder(compose("route-sim", SMALL))
+    a = torch.ones(3, 2)
+    assert rs.check_dispatch_agree(rec, "same", a, a.clone())
+    assert not rs.check_dispatch_agree(rec, "ulp", a, a + torch.finfo(torch.float32).eps)
+
+
+# ---------------------------------------------------------------- training simulation
+def test_training_checks_pass_and_metrics_per_step(small_cfg):
+    p, cfg = _params(small_cfg)
+    rec = make_recorder(cfg)
+    traces = rs.train_strategies(p, rec)
+    rs.check_training(p, rec, traces)
+    assert all(c.passed for c in rec.checks_rows), [c for c in rec.checks_rows if not c.passed]
+    df = pd.DataFrame(rec.metrics_rows)
+    for name in ("cv", "maxvio", "dropped_fraction", "balance_loss", "router_entropy"):
+        sub = df[df["name"] == name]
+        assert sorted(sub["strategy"].unique()) == sorted(p.strategies)
+        assert sub.groupby("strategy")["step"].apply(list).map(lambda s: s == list(range(6))).all()
+    applied = df[df["name"] == "applied_loss"].groupby("strategy")["value"].max()
+    assert applied["none"] == 0 and applied["aux_free"] == 0 and applied["aux_loss"] > 0 and applied["z_loss"] > 0
+    assert set(rs._training_plots(p, traces)) == {"cv_maxvio", "train_cost", "final_loads"}
+
+
+def test_identical_init_and_data_across_strategies(small_cfg):
+    """Step 0 happens before any update: strategies without noise see the same routing."""
+    p, cfg = _params(small_cfg, steps=1)
+    rec = make_recorder(cfg)
+    traces = rs.train_strategies(p, rec)
+    first = {s: t.history["cv"][0] for s, t in traces.items()}
+    assert first["none"] == first["aux_loss"] == first["z_loss"] == first["aux_free"]
+
+
+def test_same_seed_bit_identical(small_cfg):
+    p, cfg = _params(small_cfg, steps=3)
+    rows = []
+    for _ in range(2):
+        rec = make_recorder(cfg)
+        rs.train_strategies(p, rec)
+        rows.append(rec.metrics_rows)
+    assert rows[0] == rows[1]
+
+
+def test_training_planted_bugs(small_cfg, monkeypatch):
+    monkeypatch.setitem(moe.DISPATCH, "sorted", _dispatch_ignoring_capacity)
+    monkeypatch.setattr(moe, "expert_load", lambda idx, n: torch.bincount(idx[:, 0], minlength=n))
+    p, cfg = _params(small_cfg, steps=3, strategies=["none"], capacity_factor=0.5)
+    rec = make_recorder(cfg)
+    rs.check_training(p, rec, rs.train_strategies(p, rec))
+    assert not _check(rec, "train.capacity_respected.none").passed
+    assert not _check(rec, "train.dropped_plus_kept.none").passed
+    assert not _check(rec, "train.loads_sum.none").passed
+    assert not _check(rec, "train.cv_maxvio_recomputed.none").passed
+
+
+def test_interrupt_keeps_steps_done_so_far(small_cfg):
+    p, cfg = _params(small_cfg, steps=1000)
+    rec = make_recorder(cfg)
+
+    def stop_after_five(strategy, step):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        rs.train_strategies(p, rec, on_step=stop_after_five)
+    cv = [r for r in rec.metrics_rows if r["name"] == "cv"]
+    assert [r["step"] for r in cv] == [0, 1, 2, 3, 4] and {r["strategy"] for r in cv} == {"none"}
+
+
+def test_thread_count_restored_after_interrupt():
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(KeyboardInterrupt), rs._one_thread(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+            raise KeyboardInterrupt
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_sweep_plots():
+    df = pd.DataFrame({"name": ["cv"] * 4, "value": [1.0, 0.5, 0.9, 0.4], "step": [9, 9, 9, 9],
+                       "strategy": ["none", "aux_free"] * 2, "job": [0, 0, 1, 1]})
+    assert set(rs.sweep_plots(df)) == {"sweep_final_cv"}
+    assert rs.sweep_plots(pd.DataFrame({"name": []})) == {}
+
+
+# ------------------------------------------------------------------------------- CLI
+def test_cli_run_bad_input_and_interrupt(tmp_path, monkeypatch):
+    from tfmoe.notebook import load_run
+
+    res = run_cli(["route-sim", "steps=5", "train_tokens=64"], tmp_path)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    run = load_run(res.run_dir)
+    assert run.checks["passed"].all()
+    assert {"router_probs", "topk_idx", "topk_weight", "expert_load"} <= set(run.tensors)
+    m = run.metrics
+    assert {"cv", "maxvio", "dropped_fraction", "balance_loss"} <= set(m["name"])
+    course = m[(m["name"] == "cv") & m["step"].isna()]
+    assert len(course) == 1 and course["strategy"].iloc[0] == "none"
+    assert (res.run_dir / "cv_maxvio.png").exists() and (res.run_dir / "course_loads.png").exists()
+
+    assert run_cli(["route-sim", "top_k=9"], tmp_path).exit_code == 2
+    assert run_cli(["route-sim", "strategies=[none,magic]"], tmp_path).exit_code == 2
+
+    calls = {"n": 0}
+    real = moe.router_z_loss
+
+    def interrupting_z_loss(*args, **kwargs):  # called once by the course case, then once per step
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe, "router_z_loss", interrupting_z_loss)
+    res = run_cli(["route-sim", "steps=1000", "train_tokens=64"], tmp_path)
+    assert res.exit_code == 130
+    run = load_run(res.run_dir)
+    assert run.run["status"] == "interrupted"
+    steps = run.metrics[(run.metrics["name"] == "cv") & run.metrics["step"].notna()]["step"]
+    assert sorted(steps.astype(int)) == list(range(7))
+
+
+@pytest.mark.slow
+def test_real_ctrl_c_stops_fast(tmp_path):
+    """A real SIGINT to a long run: exits 130 within 2 s with the steps done so far readable."""
+    from tfmoe.notebook import find_runs, load_run
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "tfmoe.cli", "route-sim", "steps=100000"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(12)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    assert time.monotonic() - t0 < 2.0
+    assert proc.returncode == 130, proc.stdout.read().decode()
+    run = load_run(tmp_path / find_runs(tmp_path / "runs")[-1])
+    assert run.run["status"] == "interrupted"
+    assert (run.metrics["name"] == "cv").sum() > 10
