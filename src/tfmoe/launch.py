@@ -87,7 +87,10 @@ def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
-        raise BadInput(f"cannot parse overrides {' '.join(overrides)!r}: {str(exc).splitlines()[0]}") from None
+        hint = ""
+        if any(not ch.isascii() for o in overrides for ch in o):
+            hint = " (Hydra's override grammar needs non-ASCII text quoted, e.g. 'sequences=[[BOS,\"我\",EOS]]')"
+        raise BadInput(f"cannot parse overrides {' '.join(overrides)!r}: {str(exc).splitlines()[0]}{hint}") from None
     first_values, checks = [], []
     for o in parsed:
         key = o.key_or_group

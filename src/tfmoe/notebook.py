@@ -9,6 +9,7 @@ unpickles anything and never instantiates classes named in it.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import platform
 import socket
@@ -130,6 +131,7 @@ def tensor_row(name: str, t: Any, max_numel: int) -> dict[str, Any]:
     }
 
 
+@functools.lru_cache(maxsize=8)
 def git_state(start: Path) -> tuple[str | None, bool | None]:
     """(commit, dirty) of the git checkout holding ``start``, or (None, None) outside one."""
     try:

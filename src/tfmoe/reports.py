@@ -319,7 +319,9 @@ def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, f
         raise BadInput(f"runs of different experiments ({a.run['experiment']} vs {b.run['experiment']}): "
                        "pass --force to compare anyway")
     sections = diff_runs(a, b, all_rows)
-    differs = any(bool(df["differs"].any()) for k, df in sections.items() if k != "timings" and "differs" in df and len(df))
+    # environment and timings are context: shown, but a replay on a newer commit can still "reproduce"
+    differs = any(bool(df["differs"].any()) for k, df in sections.items()
+                  if k not in ("timings", "environment") and "differs" in df and len(df))
     if fmt == "json":
         print(json.dumps({"A": str(a.path), "B": str(b.path), "differs": differs,
                           **{k: df.to_dict("records") for k, df in sections.items()}}, default=_jsonable))
@@ -328,5 +330,5 @@ def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, f
         for k, df in sections.items():
             if len(df):
                 _emit(df, fmt, k)
-        print("differ" if differs else "no differences beyond tolerance (timings excluded)")
+        print("differ" if differs else "no differences beyond tolerance (environment and timings are context only)")
     return 1 if differs else 0

@@ -123,6 +123,30 @@ def per_sequence_losses(model: TinyCausalLM, seqs: list[list[int]], pad_id: int,
     return [loss[i][valid[i]] for i in range(len(seqs))], [logits[i][valid[i]] for i in range(len(seqs))]
 
 
+def ce_mismatch(logits: torch.Tensor, batch: ShiftedBatch, ignore_index: int) -> tuple[float, float, float]:
+    """(|torch CE with ignore_index − manual fp64 mean over label_mask|, torch CE, manual CE)."""
+    torch_ce = F.cross_entropy(logits.float().transpose(1, 2), batch.labels, ignore_index=ignore_index)
+    manual = manual_mean_ce(logits, batch)
+    return abs(torch_ce.double().item() - manual.item()), torch_ce.item(), manual.item()
+
+
+def padding_invariance(model: Any, seqs: list[list[int]], pad_id: int, pad_side: str, ignore_index: int,
+                       positions_from_mask: bool = True) -> tuple[float, float, float, float]:
+    """(max |Δ token loss| alone vs batch, max |Δ logits| alone vs batch, max |Δ token loss| this side vs the
+    other padding side, logit scale) — all at valid positions only."""
+    alone_loss, alone_logits = [], []
+    for s in seqs:
+        lo, lg = per_sequence_losses(model, [s], pad_id, pad_side, ignore_index, positions_from_mask)
+        alone_loss += lo
+        alone_logits += lg
+    batch_loss, batch_logits = per_sequence_losses(model, seqs, pad_id, pad_side, ignore_index, positions_from_mask)
+    other = "left" if pad_side == "right" else "right"
+    other_loss, _ = per_sequence_losses(model, seqs, pad_id, other, ignore_index, positions_from_mask)
+    scale = max(1.0, max(x.abs().max().item() for x in alone_logits))
+    return (max_abs_diff(alone_loss, batch_loss), max_abs_diff(alone_logits, batch_logits),
+            max_abs_diff(batch_loss, other_loss), scale)
+
+
 def invariance_tolerance(dtype: torch.dtype) -> float:
     """Batch-vs-alone differences come only from reduction order: a few dozen ulps of the compute dtype."""
     return 64 * torch.finfo(dtype).eps
@@ -186,10 +210,8 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     with torch.no_grad():
         batch_dev = ShiftedBatch(*(t.to(rec.device) for t in vars(batch).values()))
         logits, tok_loss = token_losses(model, batch_dev, ignore)
-        torch_ce = F.cross_entropy(logits.transpose(1, 2), batch_dev.labels, ignore_index=ignore)
-        manual = manual_mean_ce(logits, batch_dev)
-        ce_diff = abs(torch_ce.double().item() - manual.item())
-        ce_tol = 8 * torch.finfo(torch.float32).eps * max(1.0, abs(manual.item()))  # CE itself runs in fp32
+        ce_diff, torch_ce, manual = ce_mismatch(logits, batch_dev, ignore)
+        ce_tol = 8 * torch.finfo(torch.float32).eps * max(1.0, abs(manual))  # CE itself runs in fp32
         rec.check_le("ce_ignore_index_matches_manual", ce_diff, ce_tol,
                      "F.cross_entropy(ignore_index) vs fp64 mean of -log p over label_mask positions")
         rec.metric("loss", torch_ce)
@@ -198,17 +220,8 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
 
         # padding invariance: alone vs in the batch, and left vs right
         tol = invariance_tolerance(rec.dtype)
-        alone_loss, alone_logits = [], []
-        for s in seqs:
-            lo, lg = per_sequence_losses(model, [s], pad_id, cfg.pad_side, ignore)
-            alone_loss += lo
-            alone_logits += lg
-        batch_loss, batch_logits = per_sequence_losses(model, seqs, pad_id, cfg.pad_side, ignore)
+        d_loss, d_logits, d_side, scale = padding_invariance(model, seqs, pad_id, cfg.pad_side, ignore)
         other = "left" if cfg.pad_side == "right" else "right"
-        other_loss, _ = per_sequence_losses(model, seqs, pad_id, other, ignore)
-        d_loss, d_logits = max_abs_diff(alone_loss, batch_loss), max_abs_diff(alone_logits, batch_logits)
-        d_side = max_abs_diff(batch_loss, other_loss)
-        scale = max(1.0, max(x.abs().max().item() for x in alone_logits))
         rec.check_le("padding_invariance_loss", d_loss, tol * scale,
                      "max |token loss alone − token loss in the padded batch|")
         rec.check_le("padding_invariance_logits", d_logits, tol * scale,
@@ -216,9 +229,11 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
         rec.check_le("left_right_same_token_loss", d_side, tol * scale,
                      f"max |token loss with {cfg.pad_side} padding − with {other} padding|")
         rec.metric("padding_invariance_max_abs", d_loss)
+        rec.metric("padding_invariance_logits_max_abs", d_logits)
         rec.metric("left_right_max_abs", d_side)
-        for i, losses in enumerate(batch_loss):
-            rec.metric("sequence_loss", losses.double().mean(), sequence=i)
+        valid = batch.label_mask.bool()
+        for i in range(len(seqs)):
+            rec.metric("sequence_loss", tok_loss[i][valid[i].to(tok_loss.device)].double().mean(), sequence=i)
 
     rec.tensor("sequences", batch.sequences)
     rec.tensor("inputs", batch.inputs)
@@ -226,5 +241,5 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     rec.tensor("attention_mask", batch.attention_mask)
     rec.tensor("label_mask", batch.label_mask)
     rec.tensor("token_loss", tok_loss.cpu())
-    rec.summary(f"loss (mean over {n_labels} valid labels) = {torch_ce.item():.6f}; padding invariance max |Δ| = "
+    rec.summary(f"loss (mean over {n_labels} valid labels) = {torch_ce:.6f}; padding invariance max |Δ| = "
                 f"{d_loss:.3g} (tolerance {tol * scale:.3g}); {cfg.pad_side} vs {other} padding max |Δ| = {d_side:.3g}")

@@ -1,0 +1,37 @@
+"""Shared fixtures: a throw-away working directory and a registered fake experiment."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def fake_experiment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Registers `fake` (tests/fake_experiment.py) with its own conf dir; returns the Experiment."""
+    import fake_experiment as module
+
+    from tfmoe import registry
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    shutil.copy(REPO / "conf" / "base.yaml", conf / "base.yaml")
+    (conf / "fake.yaml").write_text("defaults:\n  - base\n  - _self_\nexperiment: fake\nmode: ok\nsteps: 5\n")
+    exp = registry.Experiment("fake", "fake", "fake", "a test experiment")
+    monkeypatch.setitem(registry.EXPERIMENTS, "fake", exp)
+    monkeypatch.setitem(sys.modules, "tfmoe.experiments.fake", module)
+    monkeypatch.setenv("TFMOE_CONF", str(conf))
+    monkeypatch.chdir(tmp_path)
+    return exp

@@ -1,0 +1,28 @@
+"""A tiny experiment for testing the notebook core's promises (statuses, exit codes, crash/interrupt safety).
+
+``mode`` picks the behaviour: ok | fail_check | crash | interrupt | bad_input.
+"""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+
+from tfmoe.errors import BadInput
+from tfmoe.recorder import Recorder
+
+
+def run(cfg: DictConfig, rec: Recorder) -> None:
+    x = torch.randn(3, 4, dtype=rec.dtype, device=rec.device)  # seeded by the runner
+    rec.tensor("x", x)
+    for step in range(cfg.steps):
+        rec.metric("loss", float(x.double().abs().mean()) / (step + 1), step=step, variant="a")
+        if cfg.mode == "interrupt" and step == 2:
+            raise KeyboardInterrupt
+        if cfg.mode == "crash" and step == 2:
+            raise RuntimeError("planted crash")
+    if cfg.mode == "bad_input":
+        raise BadInput("mode=bad_input was asked for: pick another mode")
+    rec.check("always_true_for_ok", cfg.mode != "fail_check", 1.0, 0.0, "planted failure when mode=fail_check",
+              evidence={"x": x})
+    rec.time("sum", lambda: x.sum(), repeats=3)

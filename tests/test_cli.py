@@ -1,0 +1,211 @@
+"""The CLI: help without torch, typed options, overrides, bad input (exit 2, one line), sweeps on real Hydra
+launchers, diff/replay/show/runs, concurrent processes and concurrent failures appends."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from tfmoe import failures, notebook
+from tfmoe.registry import EXPERIMENTS
+from tfmoe.testing import run_cli
+
+TFMOE = [sys.executable, "-m", "tfmoe.cli"]
+
+
+def test_help_lists_every_command_without_importing_torch() -> None:
+    code = ("import sys\nfrom tfmoe import cli\nsys.argv=['tfmoe','--help']\ntry:\n    cli.main()\n"
+            "except SystemExit:\n    pass\nassert 'torch' not in sys.modules, 'tfmoe --help imported torch'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in [*EXPERIMENTS, "runs", "show", "diff", "replay", "failures", "all"]:
+        assert name in out.stdout
+
+
+def test_shift_labels_run_with_typed_options_and_override(workdir: Path) -> None:
+    r = run_cli(["shift-labels", "--seed", "3", "--dtype", "fp64", "pad_side=left"], workdir)
+    assert r.exit_code == 0, r.stderr
+    run = notebook.load_run(r.run_dir).run
+    assert run["seed"] == 3 and run["dtype"] == "fp64" and "pad_side=left" in list(run["overrides"])
+    assert notebook.load_tensors(r.run_dir)["token_loss"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["shift-labels", "nosuchkey=1"], "unknown config key 'nosuchkey'"),
+    (["shift-labels", "seed=abc"], "expected an integer"),
+    (["shift-labels", "seed"], "not an override"),
+    (["shift-labels", "=3"], "bad override"),
+    (["shift-labels", "pad_side=middle"], "pad_side='middle' is unknown"),
+    (["shift-labels", "--device", "tpu"], "is not a device"),
+    (["shift-labels", 'sequences=[[BOS,"我"]]', "vocab=[PAD,BOS]"], "not in the vocabulary"),
+    (["shift-labels", "sequences=[[BOS,我]]"], "needs non-ASCII text quoted"),
+])
+def test_bad_input_exits_2_with_one_line(workdir: Path, args: list[str], needle: str) -> None:
+    r = run_cli(args, workdir)
+    assert r.exit_code == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_says_use_cpu(workdir: Path) -> None:
+    r = run_cli(["shift-labels", "--device", "cuda"], workdir)
+    assert r.exit_code == 2 and "--device cpu" in r.stderr
+    assert notebook.load_run(r.run_dir).run["status"] == "error"  # the run directory says what happened
+
+
+def test_unknown_experiment_and_bad_dtype_exit_2(workdir: Path) -> None:
+    assert run_cli(["nosuch"], workdir).exit_code == 2
+    assert run_cli(["shift-labels", "--dtype", "fp8"], workdir).exit_code == 2
+
+
+def test_unwritable_runs_root_exits_2_before_running(workdir: Path) -> None:
+    blocker = workdir / "file"
+    blocker.write_text("x")
+    r = run_cli(["shift-labels", f"run_root={blocker}/runs"], workdir)
+    assert r.exit_code == 2 and "cannot write runs" in r.stderr
+
+
+def test_hydra_cfg_job_prints_config_and_runs_nothing(workdir: Path) -> None:
+    r = run_cli(["shift-labels", "--cfg", "job", "pad_side=left"], workdir)
+    assert r.exit_code == 0 and "pad_side: left" in r.stdout and r.run_dir is None
+
+
+def test_multirun_basic_launcher_writes_sweep_parquet(workdir: Path) -> None:
+    r = run_cli(["shift-labels", "-m", "pad_side=left,right", "seed=0,1"], workdir)
+    assert r.exit_code == 0, r.stderr
+    sweep = next((workdir / "runs" / "shift-labels").glob("multirun-*"))
+    df = pd.read_parquet(sweep / "sweep.parquet")
+    assert set(df["job"]) == {"0", "1", "2", "3"}
+    assert set(zip(df["pad_side"], df["seed"], strict=True)) == {("left", 0), ("left", 1), ("right", 0), ("right", 1)}
+    assert (df["status"] == "ok").all()
+    for job in range(4):  # one complete run directory per job
+        assert notebook.load_run(sweep / str(job)).run["status"] == "ok"
+    loss = df[df["name"] == "loss"].set_index(["pad_side", "seed"])["value"]
+    assert loss[("left", 0)] == pytest.approx(loss[("right", 0)], rel=1e-6)  # padding side does not change the loss
+
+
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
+def test_multirun_on_real_launcher_plugins(workdir: Path, launcher: str) -> None:
+    r = run_cli(["shift-labels", "-m", "pad_side=left,right", f"hydra/launcher={launcher}"], workdir)
+    assert r.exit_code == 0, r.stderr
+    sweep = next((workdir / "runs" / "shift-labels").glob("multirun-*"))
+    df = pd.read_parquet(sweep / "sweep.parquet")
+    assert sorted(set(df["pad_side"])) == ["left", "right"] and (df["status"] == "ok").all()
+
+
+def test_multirun_exit_code_is_the_worst_job(workdir: Path) -> None:
+    r = run_cli(["shift-labels", "-m", "pad_side=left,middle"], workdir)
+    assert r.exit_code == 2
+
+
+def test_runs_show_diff_replay(workdir: Path) -> None:
+    a = run_cli(["shift-labels"], workdir).run_dir
+    b = run_cli(["shift-labels"], workdir).run_dir
+    c = run_cli(["shift-labels", "--dtype", "fp64"], workdir).run_dir
+    listing = run_cli(["runs", "--format", "json"], workdir)
+    assert listing.exit_code == 0 and len(json.loads(listing.stdout)) == 3
+    assert len(json.loads(run_cli(["runs", "--last", "1", "--format", "json"], workdir).stdout)) == 1
+    shown = run_cli(["show", "latest", "--format", "json"], workdir)
+    assert json.loads(shown.stdout)["run"]["run_id"] == c.name
+    assert run_cli(["show", a.name, "--format", "md"], workdir).exit_code == 0
+    # identical seed and config: nothing differs
+    same = run_cli(["diff", str(a), str(b), "--format", "json"], workdir)
+    assert same.exit_code == 0, same.stdout
+    # a different dtype: the config differs; fp64-model token losses (computed in fp32) stay within
+    # a few fp32 ulps of the fp32 run's, so the dtype-aware tensor comparison does not flag them
+    moved = run_cli(["diff", str(a), str(c), "--format", "json"], workdir)
+    body = json.loads(moved.stdout)
+    assert moved.exit_code == 1 and {r["key"] for r in body["config"]} == {"dtype"}
+    assert "token_loss" not in {r["tensor"] for r in body["tensors"]}
+    # replay reproduces bit for bit
+    rep = run_cli(["replay", str(a)], workdir)
+    assert rep.exit_code == 0 and "reproduced" in rep.stdout
+
+
+def test_diff_catches_a_planted_tensor_change_and_metric_change(workdir: Path) -> None:
+    a = run_cli(["shift-labels"], workdir).run_dir
+    b = workdir / "copy"
+    shutil.copytree(a, b)
+    df = pd.read_parquet(b / "tensors.parquet")
+    i = df.index[df["name"] == "token_loss"][0]
+    vals = list(df.at[i, "values"])
+    vals[0] += 1e-3  # far above fp32 tolerance
+    df.at[i, "values"] = vals
+    notebook.write_parquet(df, b / "tensors.parquet", schema=notebook.TENSORS_SCHEMA)
+    r = run_cli(["diff", str(a), str(b), "--format", "json"], workdir)
+    assert r.exit_code == 1 and [t["tensor"] for t in json.loads(r.stdout)["tensors"]] == ["token_loss"]
+    m = pd.read_parquet(a / "metrics.parquet")
+    m.loc[m["name"] == "loss", "value"] += 1e-6
+    notebook.write_parquet(m, b / "metrics.parquet")
+    df.at[i, "values"] = list(pd.read_parquet(a / "tensors.parquet").at[i, "values"])
+    notebook.write_parquet(df, b / "tensors.parquet", schema=notebook.TENSORS_SCHEMA)
+    r = run_cli(["diff", str(a), str(b), "--format", "json"], workdir)
+    assert r.exit_code == 1 and [m["name"] for m in json.loads(r.stdout)["metrics"]] == ["loss"]
+
+
+def test_diff_and_show_bad_input(workdir: Path) -> None:
+    a = run_cli(["shift-labels"], workdir).run_dir
+    other = workdir / "other"
+    shutil.copytree(a, other)
+    run = pd.read_parquet(other / "run.parquet")
+    run["experiment"] = "route-sim"
+    notebook.write_parquet(run, other / "run.parquet", schema=notebook.RUN_SCHEMA)
+    r = run_cli(["diff", str(a), str(other)], workdir)
+    assert r.exit_code == 2 and "different experiments" in r.stderr
+    assert run_cli(["diff", str(a), str(other), "--force"], workdir).exit_code in (0, 1)
+    (other / "metrics.parquet").write_bytes(b"garbage")
+    r = run_cli(["show", str(other)], workdir)
+    assert r.exit_code == 2 and "not readable parquet" in r.stderr
+    assert run_cli(["show", "missing-run"], workdir).exit_code == 2
+    assert run_cli(["show", str(workdir)], workdir).exit_code == 2  # a folder that is not a run
+
+
+def _add_failure(args: tuple[str, str, str]) -> str:
+    run, root, file = args
+    return failures.add(run, Path(root), Path(file), None, "h", "f", "tests/x.py::test_y")
+
+
+def test_failures_add_is_append_only_and_safe_concurrently(workdir: Path) -> None:
+    bad = run_cli(["shift-labels", "sequences=[[BOS,EOS]]", "ignore_index=1"], workdir)
+    assert bad.exit_code == 2  # ignore_index collides with an id: an `error` run
+    log = workdir / "failures.md"
+    log.write_text("# Failures log\n\nhand-written entry that must survive\n")
+    before = log.read_text()
+    r = run_cli(["failures", "add", str(bad.run_dir), "--hypothesis", "typo", "--test", "tests/t.py::test"], workdir)
+    assert r.exit_code == 0, r.stderr
+    text = log.read_text()
+    assert text.startswith(before) and "## F-1:" in text and "**Hypothesis**: typo" in text
+    assert "**Regression test**: tests/t.py::test" in text and str(bad.run_dir) in text
+    with ProcessPoolExecutor(4) as pool:
+        list(pool.map(_add_failure, [(str(bad.run_dir), "runs", str(log))] * 8))
+    numbers = sorted(int(n) for n, _ in failures.ENTRY_RE.findall(log.read_text()))
+    assert numbers == list(range(1, 10))
+    listed = run_cli(["failures", "list"], workdir)
+    assert listed.exit_code == 0 and listed.stdout.count("F-") == 9
+
+
+def test_failures_add_refuses_a_passing_run(workdir: Path) -> None:
+    ok = run_cli(["shift-labels"], workdir)
+    r = run_cli(["failures", "add", str(ok.run_dir)], workdir)
+    assert r.exit_code == 2 and "no failure to log" in r.stderr and not (workdir / "failures.md").exists()
+
+
+def test_concurrent_processes_get_separate_complete_runs(tmp_path: Path) -> None:
+    env = {**os.environ, "COLUMNS": "120"}
+    procs = [subprocess.Popen([*TFMOE, "shift-labels", f"seed={i}"], cwd=tmp_path, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for i in range(3)]
+    for p in procs:
+        assert p.wait(timeout=180) == 0, p.stderr.read()
+    runs = notebook.find_runs(tmp_path / "runs")
+    assert len(runs) == 3
+    assert sorted(notebook.load_run(p).run["seed"] for p in runs) == [0, 1, 2]

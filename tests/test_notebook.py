@@ -1,0 +1,159 @@
+"""The run-directory contract: tensors round-trip exactly, writes are atomic, runs resolve, crashes keep records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from tfmoe import launch, notebook, runner
+from tfmoe.errors import BadInput
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensor_roundtrip_is_bit_identical(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    t = (torch.randn(3, 5, 2, generator=g) * 100).to(dtype)  # not zeros
+    assert t.to(torch.float64).abs().sum() > 0
+    df = pd.DataFrame([notebook.tensor_row("t", t, max_numel=1000)])
+    back = notebook.tensors_from_frame(df)["t"]
+    assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_tensor_roundtrip_through_parquet_keeps_nan_inf_and_scalars(tmp_path: Path) -> None:
+    t = torch.tensor([1.5, float("nan"), float("inf"), -float("inf")], dtype=torch.float16)
+    s = torch.tensor(3.25)  # 0-d
+    df = pd.DataFrame([notebook.tensor_row("t", t, 100), notebook.tensor_row("s", s, 100)])
+    notebook.write_parquet(df, tmp_path / "tensors.parquet", schema=notebook.TENSORS_SCHEMA)
+    back = notebook.load_tensors(tmp_path)
+    assert torch.equal(back["t"].isnan(), t.isnan()) and back["t"][0] == 1.5 and back["t"][2] == float("inf")
+    assert back["s"].shape == () and back["s"].item() == 3.25
+
+
+def test_large_tensor_is_summarised_and_refuses_exact_load(tmp_path: Path) -> None:
+    t = torch.arange(1, 11, dtype=torch.float32)
+    df = pd.DataFrame([notebook.tensor_row("big", t, max_numel=5)])
+    row = df.iloc[0]
+    assert bool(row["summarised"]) and row["values"] is None and row["max"] == 10.0 and row["numel"] == 10
+    notebook.write_parquet(df, tmp_path / "tensors.parquet", schema=notebook.TENSORS_SCHEMA)
+    assert notebook.load_tensors(tmp_path) == {}
+    with pytest.raises(BadInput, match="summary only"):
+        notebook.load_tensor(tmp_path, "big")
+
+
+def test_atomic_write_keeps_old_file_when_writing_fails(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.parquet"
+    notebook.write_parquet(pd.DataFrame({"name": ["a"], "value": [1.0]}), path)
+
+    def explode(tmp: str) -> None:
+        Path(tmp).write_text("half a file")
+        raise OSError("disk full (planted)")
+
+    with pytest.raises(OSError):
+        notebook._atomic_replace(path, explode)
+    assert pd.read_parquet(path)["value"].tolist() == [1.0]
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.parquet"]  # no temp file left behind
+
+
+def test_mixed_type_tag_column_is_written_as_strings(tmp_path: Path) -> None:
+    df = notebook.metrics_frame([{"name": "a", "value": 1, "tag": 3}, {"name": "b", "value": 2, "tag": "x"}])
+    notebook.write_parquet(df, tmp_path / "m.parquet")
+    assert pd.read_parquet(tmp_path / "m.parquet")["tag"].tolist() == ["3", "x"]
+
+
+def test_corrupt_parquet_is_bad_input_not_traceback(tmp_path: Path) -> None:
+    (tmp_path / "run.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(BadInput, match="not readable parquet"):
+        notebook.load_run(tmp_path)
+
+
+def _run_fake(exp, *args: str) -> tuple[int, Path]:
+    code = launch.run_experiment(exp, list(args), quiet=True)
+    return code, runner.LAST_RUN_DIRS[-1]
+
+
+def test_fake_ok_run_writes_the_whole_contract(fake_experiment) -> None:
+    code, run_dir = _run_fake(fake_experiment)
+    assert code == 0
+    for name in ["run.parquet", "metrics.parquet", "checks.parquet", "tensors.parquet", "timings.parquet",
+                 "summary.md", ".hydra/config.yaml", ".hydra/overrides.yaml", ".hydra/hydra.yaml", "fake.log"]:
+        assert (run_dir / name).exists(), name
+    run = pd.read_parquet(run_dir / "run.parquet").iloc[0]
+    expected_cols = ("run_id experiment status started_at finished_at wall_s seed argv overrides git_commit git_dirty "
+                     "hostname platform python torch cuda cudnn numpy pandas pyarrow hydra device device_name dtype "
+                     "peak_device_mem_bytes peak_rss_bytes error").split()
+    assert set(expected_cols) <= set(run.index)
+    assert run["status"] == "ok" and run["seed"] == 0 and run["torch"] == torch.__version__
+    assert run["peak_rss_bytes"] > 0 and pd.isna(run["peak_device_mem_bytes"])
+    timings = pd.read_parquet(run_dir / "timings.parquet")
+    assert timings.iloc[0]["stage"] == "sum" and timings.iloc[0]["wall_ms"] > 0
+    checks = pd.read_parquet(run_dir / "checks.parquet")
+    assert checks.dtypes["passed"] == bool and checks["passed"].all()
+
+
+@pytest.mark.parametrize(("mode", "code", "status"), [("fail_check", 1, "failed"), ("bad_input", 2, "error"),
+                                                      ("crash", 3, "crashed")])
+def test_exit_codes_and_statuses(fake_experiment, mode: str, code: int, status: str) -> None:
+    got, run_dir = _run_fake(fake_experiment, f"mode={mode}")
+    data = notebook.load_run(run_dir)
+    assert got == code and data.run["status"] == status
+    if mode == "crash":  # the steps done before the crash are readable
+        assert data.metrics["step"].tolist() == [0, 1, 2] and "planted crash" in data.run["error"]
+    if mode == "fail_check":  # failing evidence saved for `tfmoe failures add`
+        assert "failing.always_true_for_ok.x" in data.tensors
+
+
+def test_interrupt_records_steps_so_far_and_propagates(fake_experiment) -> None:
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_experiment(fake_experiment, ["mode=interrupt"], quiet=True)
+    run_dir = runner.LAST_RUN_DIRS[-1]
+    data = notebook.load_run(run_dir)
+    assert data.run["status"] == "interrupted" and data.run["exit_code"] == 130
+    assert data.metrics["step"].tolist() == [0, 1, 2]
+
+
+def test_same_seed_bit_identical_and_different_seed_differs(fake_experiment) -> None:
+    _, a = _run_fake(fake_experiment, "seed=7")
+    _, b = _run_fake(fake_experiment, "seed=7")
+    _, c = _run_fake(fake_experiment, "seed=8")
+    ta, tb, tc = (notebook.load_tensors(p)["x"] for p in (a, b, c))
+    assert torch.equal(ta, tb) and not torch.equal(ta, tc)
+    ma, mb = (pd.read_parquet(p / "metrics.parquet") for p in (a, b))
+    pd.testing.assert_frame_equal(ma, mb)
+
+
+def test_two_runs_in_the_same_second_get_distinct_directories(fake_experiment) -> None:
+    dirs = {_run_fake(fake_experiment)[1] for _ in range(3)}
+    assert len(dirs) == 3
+
+
+def test_resolve_run_by_path_id_prefix_latest_and_errors(fake_experiment) -> None:
+    _, a = _run_fake(fake_experiment)
+    _, b = _run_fake(fake_experiment)
+    root = Path("runs")
+    assert notebook.resolve_run(str(a), root) == a
+    assert notebook.resolve_run(b.name, root).resolve() == b
+    assert notebook.resolve_run(b.name[:-3], root).resolve() == b  # unique prefix
+    assert notebook.resolve_run("latest", root).resolve() == b
+    with pytest.raises(BadInput, match="ambiguous"):
+        notebook.resolve_run(a.name[:4], root)
+    with pytest.raises(BadInput, match="not found"):
+        notebook.resolve_run("nope", root)
+    with pytest.raises(BadInput, match="not a run directory"):
+        notebook.resolve_run(str(root), root)
+    with pytest.raises(BadInput, match="no runs"):
+        notebook.resolve_run("latest", Path("elsewhere"))
+
+
+def test_atomic_write_uses_the_usual_file_mode(tmp_path: Path) -> None:
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    path = tmp_path / "x.parquet"
+    notebook.write_parquet(pd.DataFrame({"name": ["a"], "value": [1.5]}), path)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask

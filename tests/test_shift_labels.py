@@ -1,0 +1,126 @@
+"""shift-labels: each check has a planted bug that makes it fail; boundaries and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tfmoe.components.lm import TinyCausalLM
+from tfmoe.errors import BadInput
+from tfmoe.experiments import shift_labels as sl
+from tfmoe.testing import run_recorded
+
+SEQS = [[1, 3, 4, 5, 2], [1, 5, 7, 2], [1, 6, 2]]  # BOS 我 爱 猫 EOS / BOS 猫 睡 EOS / BOS 狗 EOS
+PAD, IGN = 0, -100
+
+
+def model(seed: int = 0) -> TinyCausalLM:
+    torch.manual_seed(seed)
+    return TinyCausalLM(12, 32, 4, 2, max_len=8).eval()
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_shift_and_pad_normal(side: str) -> None:
+    b = sl.shift_and_pad(SEQS, PAD, side, IGN)
+    assert b.sequences.shape == (3, 5) and b.inputs.shape == b.labels.shape == (3, 4)
+    assert sl.check_labels_are_next_tokens(b, SEQS, IGN) == 0
+    assert sl.check_no_label_on_padding(b, IGN) == 0
+    assert int((b.labels != IGN).sum()) == sum(len(s) - 1 for s in SEQS)
+    # the shortest sequence: right padding puts its pads last, left padding first
+    assert b.attention_mask[2].tolist() == ([1, 1, 1, 0] if side == "right" else [0, 0, 1, 1])
+
+
+def test_boundary_equal_lengths_and_two_token_sequences() -> None:
+    b = sl.shift_and_pad([[1, 2], [3, 4]], PAD, "right", IGN)
+    assert b.labels.tolist() == [[2], [4]] and b.label_mask.tolist() == [[1], [1]]
+
+
+def test_planted_unshifted_labels_fail_next_token_check() -> None:
+    b = sl.shift_and_pad(SEQS, PAD, "right", IGN)
+    b.labels = torch.where(b.labels == IGN, b.labels, b.inputs)  # bug: labels = inputs, no shift
+    assert sl.check_labels_are_next_tokens(b, SEQS, IGN) > 0
+
+
+def test_planted_unmasked_padding_fails_padding_check() -> None:
+    b = sl.shift_and_pad(SEQS, PAD, "right", IGN)
+    b.labels = b.sequences[:, 1:].clone()  # bug: pads keep their PAD label
+    assert sl.check_no_label_on_padding(b, IGN) > 0
+
+
+def test_planted_pad_id_labels_fail_cross_entropy_check() -> None:
+    m = model()
+    b = sl.shift_and_pad(SEQS, PAD, "right", IGN)
+    logits, _ = sl.token_losses(m, b, IGN)
+    ok, _, _ = sl.ce_mismatch(logits, b, IGN)
+    assert ok < 1e-6
+    b.labels = b.sequences[:, 1:].clone()  # bug: padding labelled with the PAD id instead of ignore_index
+    bad, _, _ = sl.ce_mismatch(logits, b, IGN)
+    assert bad > 1e-3
+
+
+class NoPaddingMaskLM(torch.nn.Module):
+    """Planted bug: forgets to pass the padding mask to attention."""
+
+    def __init__(self, inner: TinyCausalLM) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx, padding_mask=None, position_ids=None, caches=None):
+        return self.inner(idx, None, position_ids)
+
+
+def test_padding_invariance_holds_for_the_real_model_both_sides() -> None:
+    for side in ("right", "left"):
+        d_loss, d_logits, d_side, scale = sl.padding_invariance(model(), SEQS, PAD, side, IGN)
+        tol = sl.invariance_tolerance(torch.float32) * scale
+        assert d_loss <= tol and d_logits <= tol and d_side <= tol
+
+
+def test_planted_missing_padding_mask_fails_invariance_with_left_padding() -> None:
+    buggy = NoPaddingMaskLM(model())
+    d_loss, d_logits, d_side, scale = sl.padding_invariance(buggy, SEQS, PAD, "left", IGN)
+    assert d_loss > 1e-3 and d_logits > 1e-3 and d_side > 1e-3
+    # with right padding the causal mask alone already hides the pads (a finding, not a bug)
+    d_loss_r, *_ = sl.padding_invariance(buggy, SEQS, PAD, "right", IGN)
+    assert d_loss_r <= sl.invariance_tolerance(torch.float32) * scale
+
+
+def test_planted_absolute_positions_fail_invariance_with_left_padding() -> None:
+    d_loss, d_logits, _, _ = sl.padding_invariance(model(), SEQS, PAD, "left", IGN, positions_from_mask=False)
+    assert d_loss > 1e-3 and d_logits > 1e-3
+
+
+@pytest.mark.parametrize(("seqs", "needle"), [
+    ([], "sequences is empty"), ([[]], "is empty"), ([["BOS"]], "has 1 token"),
+    ([["BOS", 99]], "outside the vocabulary"), ([["BOS", "zebra"]], "not in the vocabulary"),
+    ([["BOS", True]], "not a token"),
+])
+def test_encode_sequences_bad_input(seqs, needle: str) -> None:
+    with pytest.raises(BadInput, match=needle):
+        sl.encode_sequences(seqs, ["PAD", "BOS", "EOS"])
+
+
+def test_unknown_pad_side_is_bad_input() -> None:
+    with pytest.raises(BadInput, match="pad_side"):
+        sl.shift_and_pad(SEQS, PAD, "middle", IGN)
+
+
+def test_run_records_the_named_tensors_and_is_bit_identical() -> None:
+    a, b = run_recorded("shift-labels"), run_recorded("shift-labels")
+    assert a.all_passed and {c.check for c in a.checks_rows} >= {
+        "labels_are_next_tokens", "no_label_on_padding", "ce_ignore_index_matches_manual",
+        "padding_invariance_loss", "padding_invariance_logits", "left_right_same_token_loss"}
+    names = {"sequences", "inputs", "labels", "attention_mask", "token_loss"}
+    assert names <= set(a.tensors_saved)
+    assert a.tensors_saved["labels"].shape == a.tensors_saved["inputs"].shape == (3, 4)
+    tl, lab = a.tensors_saved["token_loss"], a.tensors_saved["labels"]
+    assert (tl[lab == -100] == 0).all() and (tl[lab != -100] > 0).all()
+    for n in names:
+        assert torch.equal(a.tensors_saved[n], b.tensors_saved[n])
+    loss = [r["value"] for r in a.metrics_rows if r["name"] == "loss"]
+    assert loss == [r["value"] for r in b.metrics_rows if r["name"] == "loss"] and loss[0] > 0
+
+
+def test_low_precision_run_passes_with_dtype_tolerances() -> None:
+    rec = run_recorded("shift-labels", ["dtype=bf16", "model.n_layers=1"])
+    assert rec.all_passed, [(c.check, c.observed, c.threshold) for c in rec.checks_rows if not c.passed]
