@@ -31,6 +31,7 @@ from tfmoe.recorder import Recorder
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 # Components timed per group: name -> the analytic FLOPs it performs (None: not a FLOP-bound op).
+STATS = ("median", "best", "cpu")  # wall-clock median, wall-clock best-of, process-CPU-clock median
 TIMED = ("layernorm", "qkv", "scores", "softmax", "attn_v", "out_proj", "ffn_fc1", "gelu", "ffn_fc2", "ffn")
 
 
@@ -321,30 +322,39 @@ def sdpa_outcome(report: dict[str, Any]) -> Outcome:
 
 # ------------------------------------------------------------------------------------- timing
 def time_fn(rec: Recorder, stage: str, fn: Callable[[], Any], repeats: int, warmup: int,
-            **tags: Any) -> tuple[float, float]:
-    """Median and best wall ms of ``fn`` over ``repeats`` calls after ``warmup``; one timings row
-    (``wall_ms`` = median, column ``best_ms``). The best-of is the one less disturbed by other processes."""
-    sync = (lambda: torch.cuda.synchronize(rec.device)) if rec.device.type == "cuda" else (lambda: None)
+            **tags: Any) -> tuple[float, float, float]:
+    """Median wall ms, best wall ms and median process-CPU ms of ``fn`` over ``repeats`` calls after ``warmup``.
+
+    One timings row: ``wall_ms`` = median, plus ``best_ms`` and ``cpu_ms``. On a CPU shared with other
+    processes the wall clock also counts the time this process waits for a core; the CPU clock
+    (time.process_time, all threads) does not. On CUDA ``cpu_ms`` is NaN.
+    """
+    is_cuda = rec.device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(rec.device)) if is_cuda else (lambda: None)
     for _ in range(warmup):
         fn()
     sync()
-    walls = []
+    walls, cpus = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         sync()
         walls.append((time.perf_counter() - t0) * 1e3)
+        cpus.append((time.process_time() - c0) * 1e3)
     med, best = statistics.median(walls), min(walls)
-    rec.timing(stage, med, repeats=repeats, best_ms=best, **tags)
-    return med, best
+    cpu = float("nan") if is_cuda else statistics.median(cpus)
+    rec.timing(stage, med, repeats=repeats, best_ms=best, cpu_ms=cpu, **tags)
+    return med, best, cpu
 
 
-def peak_matmul_flops(rec: Recorder, n: int, repeats: int, warmup: int, **tags: Any) -> tuple[float, float]:
-    """FLOP/s (median, best) of an n x n @ n x n matmul in the run's dtype: the machine's practical peak."""
+def peak_matmul_flops(rec: Recorder, n: int, repeats: int, warmup: int,
+                      **tags: Any) -> tuple[float, float, float]:
+    """FLOP/s (median wall, best wall, median CPU clock) of an n x n @ n x n matmul in the run's dtype:
+    the machine's practical peak."""
     a = torch.randn(n, n, device=rec.device, dtype=rec.dtype)
     b = torch.randn(n, n, device=rec.device, dtype=rec.dtype)
-    med, best = time_fn(rec, "peak_matmul", lambda: a @ b, max(repeats, 5), max(1, warmup), n=n, **tags)
-    return 2 * n ** 3 / (med / 1e3), 2 * n ** 3 / (best / 1e3)
+    times = time_fn(rec, "peak_matmul", lambda: a @ b, max(repeats, 5), max(1, warmup), n=n, **tags)
+    return tuple(2 * n ** 3 / (ms / 1e3) for ms in times)  # type: ignore[return-value]
 
 
 def component_inputs(block: TransformerBlock, x: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -513,10 +523,10 @@ def measure_group(rec: Recorder, s: Settings, shape: cm.BlockShape, e: int) -> d
 
     # measured: the machine's peak (before and after the components; the faster window counts, as other
     # processes can only slow a measurement down), every component (median and best-of), prefill, decode
-    peak_med, peak_best = peak_matmul_flops(rec, s.peak_matmul_n, s.repeats, s.warmup, when="before", **tag)
+    before = peak_matmul_flops(rec, s.peak_matmul_n, s.repeats, s.warmup, when="before", **tag)
     inputs = component_inputs(block, x)
     flops_of = component_flops(shape)
-    times: dict[str, tuple[float, float]] = {}
+    times: dict[str, tuple[float, float, float]] = {}
     with torch.inference_mode():
         fns = component_fns(block, inputs)
         fns["prefill"] = lambda: block(x, cache=KVCache())
@@ -526,25 +536,23 @@ def measure_group(rec: Recorder, s: Settings, shape: cm.BlockShape, e: int) -> d
         for comp, fn in fns.items():
             times[comp] = time_fn(rec, f"component.{comp}", fn, s.repeats, s.warmup, component=comp, **tag)
     flops_of["decode"] = cm.forward_flops(cm.BlockShape(shape.B, 1, D, shape.H, shape.d_ff), T_k=T)["matmul"]
-    after_med, after_best = peak_matmul_flops(rec, s.peak_matmul_n, s.repeats, s.warmup, when="after", **tag)
-    peak_med, peak_best = max(peak_med, after_med), max(peak_best, after_best)
-    rec.metric("matmul_peak_flops", peak_med, stat="median", n=s.peak_matmul_n, **tag)
-    rec.metric("matmul_peak_flops", peak_best, stat="best", n=s.peak_matmul_n, **tag)
-    for comp, (med, best) in times.items():
-        rec.metric("time_ms", med, component=comp, stat="median", **tag)
-        rec.metric("time_ms", best, component=comp, stat="best", **tag)
-        if flops_of.get(comp) is not None:
-            rec.metric("flops_per_s", flops_of[comp] / (med / 1e3), component=comp, stat="median", **tag)
-            rec.metric("peak_fraction", flops_of[comp] / (med / 1e3) / peak_med, component=comp, stat="median",
-                       **tag)
-            rec.metric("peak_fraction", flops_of[comp] / (best / 1e3) / peak_best, component=comp, stat="best",
-                       **tag)
+    after = peak_matmul_flops(rec, s.peak_matmul_n, s.repeats, s.warmup, when="after", **tag)
+    peak = tuple(max(b, a) for b, a in zip(before, after, strict=True))
+    for stat, value in zip(STATS, peak, strict=True):
+        rec.metric("matmul_peak_flops", value, stat=stat, n=s.peak_matmul_n, **tag)
+    for comp, measured in times.items():
+        for stat, ms, top in zip(STATS, measured, peak, strict=True):
+            rec.metric("time_ms", ms, component=comp, stat=stat, **tag)
+            if flops_of.get(comp) is not None and math.isfinite(ms):
+                rec.metric("flops_per_s", flops_of[comp] / (ms / 1e3), component=comp, stat=stat, **tag)
+                rec.metric("peak_fraction", flops_of[comp] / (ms / 1e3) / top, component=comp, stat=stat, **tag)
     rec.metric("time_per_token_ms", times["prefill"][0] / T, mode="prefill", **tag)
     rec.metric("time_per_token_ms", times["decode"][0], mode="decode", cache_len=T - 1, **tag)
-    check("timings_valid", timings_outcome({f"{k}.{i}": v[i] for k, v in times.items() for i in (0, 1)}))
+    finite = (0, 1, 2) if rec.device.type == "cpu" else (0, 1)
+    check("timings_valid", timings_outcome({f"{k}.{STATS[i]}": v[i] for k, v in times.items() for i in finite}))
 
     return {"T": T, "D": D, "shape": shape, "flops": f, "params": params["total"], "counted": fwd,
-            "times": times, "peak": (peak_med, peak_best), "flops_of": flops_of, "kv_per_token": kv_per_token,
+            "times": times, "peak": peak, "flops_of": flops_of, "kv_per_token": kv_per_token,
             "saved": saved, "act": act, "peak_mem": peak_mem, "estimate": estimate, "moe": moe}
 
 
@@ -554,7 +562,7 @@ def _attn_sq(f: dict[str, int]) -> int:
 
 
 def _fraction(r: dict[str, Any], comp: str, stat: int = 0) -> float:
-    """Achieved FLOP/s of ``comp`` over the matmul peak, from medians (stat 0) or best-ofs (stat 1)."""
+    """Achieved FLOP/s of ``comp`` over the matmul peak: wall median (0), wall best (1), CPU-clock median (2)."""
     return r["flops_of"][comp] / (r["times"][comp][stat] / 1e3) / r["peak"][stat]
 
 
@@ -563,14 +571,14 @@ def rich_table(rows: list[dict[str, Any]]) -> Any:
 
     table = Table(title="complexity: one block per (T, D) group")
     for col in ("T", "D", "params", "fwd GFLOP", "T² share", "xover T", "prefill ms/tok", "decode ms/tok",
-                "FFN %peak", "peak MiB (est)"):
+                "FFN %peak wall/cpu", "peak MiB (est)"):
         table.add_column(col, justify="right")
     for r in rows:
         f = r["flops"]
         table.add_row(str(r["T"]), str(r["D"]), f"{r['params']:,}", f"{f['matmul'] / 1e9:.2f}",
                       f"{_attn_sq(f) / f['matmul']:.0%}", f"{cm.crossover_T(r['shape']):.0f}",
                       f"{r['times']['prefill'][0] / r['T']:.3f}", f"{r['times']['decode'][0]:.3f}",
-                      f"{_fraction(r, 'ffn'):.0%}", f"{r['peak_mem'] / 2**20:.0f} ({r['estimate'] / 2**20:.0f})")
+                      f"{_fraction(r, 'ffn'):.0%}/{_fraction(r, 'ffn', 2):.0%}", f"{r['peak_mem'] / 2**20:.0f} ({r['estimate'] / 2**20:.0f})")
     return table
 
 
@@ -597,16 +605,17 @@ def summary_markdown(rows: list[dict[str, Any]], s: Settings, dtype_name: str, s
             f"| {r['times']['prefill'][0] / r['T']:.4f} | {r['times']['decode'][0]:.3f} "
             f"| {r['saved'] / 2**20:.2f} | {r['peak_mem'] / 2**20:.1f} ({r['estimate'] / 2**20:.1f}) |")
     comps = [c for c in TIMED if c != "block"] + ["prefill", "decode"]
-    lines += ["", "Median ms per component [fraction of the matmul peak, median / best-of]:", "",
-              "| T | D | peak GFLOP/s | " + " | ".join(comps) + " |", "|" + "---|" * (len(comps) + 3)]
+    lines += ["", "Median wall ms per component [fraction of the matmul peak: wall median / wall best / CPU clock]:",
+              "",
+              "| T | D | peak GFLOP/s (median / best / CPU) | " + " | ".join(comps) + " |", "|" + "---|" * (len(comps) + 3)]
     for r in rows:
         cells = []
         for comp in comps:
             med = r["times"][comp][0]
             frac = "" if r["flops_of"].get(comp) is None else \
-                f" [{_fraction(r, comp):.0%} / {_fraction(r, comp, 1):.0%}]"
+                f" [{_fraction(r, comp):.0%} / {_fraction(r, comp, 1):.0%} / {_fraction(r, comp, 2):.0%}]"
             cells.append(f"{med:.3f}{frac}")
-        lines.append(f"| {r['T']} | {r['D']} | {r['peak'][0] / 1e9:.0f} / {r['peak'][1] / 1e9:.0f} | "
+        lines.append(f"| {r['T']} | {r['D']} | {' / '.join(f'{p / 1e9:.0f}' for p in r['peak'])} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)
 
