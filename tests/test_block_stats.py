@@ -551,3 +551,20 @@ def test_cli_planted_causality_bug_exits_1(tmp_path, monkeypatch):
     checks = load_run(res.run_dir).checks.set_index("check")
     assert not checks.loc["causal_stack[pre]", "passed"] and not checks.loc["causal_stack[post]", "passed"]
     assert checks.drop(["causal_stack[pre]", "causal_stack[post]"])["passed"].all()
+
+
+@pytest.mark.slow
+def test_cli_depth_sweep_writes_sweep_plots(tmp_path):
+    """The documented `-m n_layers=...` sweep through the core's multirun: sweep.parquet + this module's plots."""
+    from tfmoe.testing import run_cli
+
+    res = run_cli(["block-stats", "-m", "n_layers=1,3", "d_model=16", "seq_len=4", "batch_size=2",
+                   "lowp_dtypes=[]"], tmp_path)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    sweep_dir = res.run_dir.parent
+    df = pd.read_parquet(sweep_dir / "sweep.parquet")
+    assert sorted(df["n_layers"].unique()) == [1, 3]
+    slopes = bs.depth_slopes(df)
+    assert set(slopes) == {"pre", "post"} and all(math.isfinite(v) for v in slopes.values())
+    for name in ("sweep_grad_norm_per_layer", "sweep_last_layer_grad_vs_depth", "sweep_std_per_layer"):
+        assert (sweep_dir / f"{name}.png").stat().st_size > 0
