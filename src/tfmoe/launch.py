@@ -185,9 +185,9 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     finally:
         sys.argv = saved_argv
         GlobalHydra.instance().clear()
-    dirs = list(runner.LAST_RUN_DIRS)
+    dirs = [p.resolve() for p in runner.LAST_RUN_DIRS]
     for sweep_dir in hydra_callbacks.LAST_SWEEP_DIRS:  # jobs run by other processes (joblib, submitit)
-        dirs += [p.parent for p in sweep_dir.glob("*/run.parquet") if p.parent not in dirs]
+        dirs += [p.parent.resolve() for p in sweep_dir.glob("*/run.parquet") if p.parent.resolve() not in dirs]
     if made is not None:
         made.extend(dirs)
     if not dirs:
