@@ -123,7 +123,8 @@ def test_same_seed_bit_identical_and_different_seed_differs(fake_experiment) -> 
     ta, tb, tc = (notebook.load_tensors(p)["x"] for p in (a, b, c))
     assert torch.equal(ta, tb) and not torch.equal(ta, tc)
     ma, mb = (pd.read_parquet(p / "metrics.parquet") for p in (a, b))
-    pd.testing.assert_frame_equal(ma, mb)
+    results = [m[m["measured"].isna()].drop(columns="measured") for m in (ma, mb)]  # timings aside
+    pd.testing.assert_frame_equal(*results)
 
 
 def test_two_runs_in_the_same_second_get_distinct_directories(fake_experiment) -> None:
@@ -157,3 +158,16 @@ def test_atomic_write_uses_the_usual_file_mode(tmp_path: Path) -> None:
     path = tmp_path / "x.parquet"
     notebook.write_parquet(pd.DataFrame({"name": ["a"], "value": [1.5]}), path)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_diff_ignores_measured_metrics_and_timings_but_not_results(fake_experiment) -> None:
+    from tfmoe import reports
+
+    _, a = _run_fake(fake_experiment, "seed=7")
+    _, b = _run_fake(fake_experiment, "seed=7")
+    _, c = _run_fake(fake_experiment, "seed=8")
+    sections = reports.diff_runs(notebook.load_run(a), notebook.load_run(b), all_rows=True)
+    speed = sections["metrics"][sections["metrics"]["name"] == "sums_per_call"].iloc[0]
+    assert bool(speed["measured"]) and not bool(speed["differs"])
+    assert reports.diff(str(a), str(b), Path("runs"), False, False, "json") == 0
+    assert reports.diff(str(a), str(c), Path("runs"), False, False, "json") == 1  # a different seed moves results

@@ -45,13 +45,18 @@ class Recorder:
     notes: list[str] = field(default_factory=list)  # facts the run wants in run.parquet/summary
 
     # ----------------------------------------------------------------- metrics
-    def metric(self, name: str, value: float, step: int | None = None, **tags: Any) -> None:
-        """One long-format metrics row: ``name``, ``value`` (float64), optional ``step``, tag columns."""
+    def metric(self, name: str, value: float, step: int | None = None, measured: bool = False, **tags: Any) -> None:
+        """One long-format metrics row: ``name``, ``value`` (float64), optional ``step``, tag columns.
+
+        ``measured=True`` marks a measurement of this machine (a time, a throughput, a memory peak): ``tfmoe diff``
+        and ``tfmoe replay`` report it but, like timings, do not count it as a difference."""
         if isinstance(value, torch.Tensor):
             value = value.detach().double().item()
         row: dict[str, Any] = {"name": name, "value": float(value)}
         if step is not None:
             row["step"] = int(step)
+        if measured:
+            row["measured"] = True
         row.update(tags)
         self.metrics_rows.append(row)
 

@@ -217,7 +217,8 @@ def dtype_tolerance(dtype_a: str, dtype_b: str) -> float:
 
 
 def _is_measured(metrics_row: pd.Series) -> bool:
-    if "measured" in metrics_row and bool(metrics_row.get("measured") is True):
+    flag = metrics_row.get("measured")
+    if flag is not None and not (isinstance(flag, float) and math.isnan(flag)) and str(flag) in ("True", "true", "1"):
         return True
     return bool(MEASURED_NAME.search(str(metrics_row["name"])))
 
@@ -250,7 +251,10 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
         for r in merged.to_dict("records"):
             va, vb = r.get("value_A"), r.get("value_B")
             va = None if va is None or (isinstance(va, float) and math.isnan(va) and "value_A" not in r) else va
-            measured = _is_measured(pd.Series({"name": r["name"], "measured": r.get("measured_A")}))
+            flag = r.get("measured_A", r.get("measured"))
+            if flag is None or (isinstance(flag, float) and math.isnan(flag)):
+                flag = r.get("measured_B")
+            measured = _is_measured(pd.Series({"name": r["name"], "measured": flag}))
             missing = pd.isna(va) and not pd.isna(vb) or pd.isna(vb) and not pd.isna(va)
             delta = (vb - va) if not (pd.isna(va) or pd.isna(vb)) else None
             rel = (abs(delta) / abs(va)) if delta is not None and va not in (0, 0.0) else None
