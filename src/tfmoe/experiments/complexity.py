@@ -649,19 +649,22 @@ def groups_figure(rows: list[dict[str, Any]]) -> Any:
 
 
 def sweep_plots(df: Any) -> dict[str, Any]:
-    """Attention-score FLOPs (QKᵀ + ·V) vs FFN FLOPs against T, one colour per D, crossover marked,
-    measured median times (right axis, dashed) overlaid."""
+    """Top: analytic attention-score FLOPs (QKᵀ + ·V, ∝ T²) vs FFN FLOPs (∝ T) against T, one colour per D,
+    crossover ★ at T = d_ff. Bottom: the measured times of the same two parts in each sweep job (CPU-clock
+    median where recorded, else wall median)."""
     import numpy as np
     from matplotlib.figure import Figure
 
     df = df[df["T"].notna() & df["D"].notna()]
     flops = df[df["name"] == "flops_forward"].pivot_table(index=["D", "T"], columns="component", values="value")
-    timed = df[(df["name"] == "time_ms") & (df["stat"] == "median")]
+    timed = df[df["name"] == "time_ms"]
+    stat = "cpu" if "stat" in timed and timed[timed["stat"] == "cpu"]["value"].notna().any() else "median"
+    if "stat" in timed:
+        timed = timed[timed["stat"] == stat]
     times = timed.pivot_table(index=["D", "T"], columns="component", values="value")
     cross = df[df["name"] == "crossover_T"].groupby("D")["value"].first()
-    fig = Figure(figsize=(8, 5))
-    ax = fig.subplots()
-    ax_t = ax.twinx()
+    fig = Figure(figsize=(8, 8))
+    ax, ax_t = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     colors = {d: f"C{i}" for i, d in enumerate(sorted(flops.index.get_level_values("D").unique()))}
     t_all = flops.index.get_level_values("T")
     for D, color in colors.items():
@@ -673,27 +676,28 @@ def sweep_plots(df: Any) -> dict[str, Any]:
         lo = min(float(t_all.min()), x_T if math.isfinite(x_T) else np.inf) / 1.5
         hi = max(float(t_all.max()), x_T if math.isfinite(x_T) else 0) * 1.5
         grid = np.geomspace(lo, hi, 100)
-        ax.plot(grid, attn0 * (grid / T0) ** 2, color=color, lw=2, label=f"D={int(D)} attention QKᵀ+·V (T²)")
-        ax.plot(grid, ffn0 * grid / T0, color=color, lw=1, ls=":", label=f"D={int(D)} FFN (T)")
+        ax.plot(grid, attn0 * (grid / T0) ** 2, color=color, lw=2, label=f"D={int(D)}: attention QKᵀ+·V (T²)")
+        ax.plot(grid, ffn0 * grid / T0, color=color, lw=1.2, ls=":", label=f"D={int(D)}: FFN (T)")
         ax.scatter(sub.index, sub["scores"] + sub["attn_v"], color=color, zorder=3)
         ax.scatter(sub.index, sub["ffn"], color=color, marker="s", zorder=3)
         if math.isfinite(x_T):
-            ax.plot([x_T], [ffn0 * x_T / T0], marker="*", ms=14, color=color, mec="k", zorder=4)
-            ax.annotate(f"T={x_T:.0f}", (x_T, ffn0 * x_T / T0), textcoords="offset points", xytext=(6, -12),
+            ax.plot([x_T], [ffn0 * x_T / T0], marker="*", ms=15, color=color, mec="k", zorder=4)
+            ax.annotate(f"T={x_T:.0f}", (x_T, ffn0 * x_T / T0), textcoords="offset points", xytext=(7, -12),
                         fontsize=8)
         if D in times.index.get_level_values("D"):
             tsub = times.loc[D].sort_index()
-            attn_ms = tsub[["scores", "softmax", "attn_v"]].sum(axis=1)
-            ax_t.plot(tsub.index, attn_ms, color=color, ls="--", marker="o", mfc="none", alpha=0.7)
-            ax_t.plot(tsub.index, tsub["ffn"], color=color, ls="-.", marker="s", mfc="none", alpha=0.7)
+            ax_t.plot(tsub.index, tsub[["scores", "softmax", "attn_v"]].sum(axis=1), color=color, lw=2,
+                      marker="o", label=f"D={int(D)}: attention QKᵀ+softmax+·V")
+            ax_t.plot(tsub.index, tsub["ffn"], color=color, lw=1.2, ls=":", marker="s", label=f"D={int(D)}: FFN")
     for a in (ax, ax_t):
         a.set_xscale("log")
         a.set_yscale("log")
-    ax.set_xlabel("T (tokens)")
+        a.grid(True, which="major", alpha=0.3)
     ax.set_ylabel("forward FLOPs (analytic; dots = sweep jobs)")
-    ax_t.set_ylabel("measured ms (dashed: attention QKᵀ+softmax+·V, dash-dot: FFN)")
-    ax.set_title("Attention T² FLOPs vs FFN FLOPs; ★ = crossover T = d_ff")
+    ax.set_title("Attention T² FLOPs vs FFN FLOPs per block; ★ = crossover T = d_ff")
     ax.legend(fontsize=7, loc="upper left")
+    ax_t.set_xlabel("T (tokens)")
+    ax_t.set_ylabel(f"measured ms ({'CPU clock' if stat == 'cpu' else 'wall'} median)")
+    ax_t.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     return {"sweep_attention_vs_ffn": fig}
-
