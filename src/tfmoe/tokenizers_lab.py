@@ -291,12 +291,28 @@ def train_wordpiece(texts: Sequence[str], vocab_size: int) -> HFAdapter:
                      unk_token="[UNK]")
 
 
+UNIGRAM_REESTIMATE_STEPS = 4
+
+
+def _unigram(vocab: list[tuple[str, float]]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    return tok
+
+
 def train_unigram(texts: Sequence[str], vocab_size: int) -> HFAdapter:
     """SentencePiece-style Unigram LM over characters ('▁' marks spaces); <unk> for unseen characters.
 
-    HF's EM sums in hash-map order, so scores drift in the last digits between runs and the vocabulary's
-    order (its ids) changes; the vocabulary is rebuilt in sorted piece order so ids are reproducible."""
+    HF's UnigramTrainer picks the pieces; its scores are not reproducible (its EM sums in hash-map order:
+    they drift by up to ~2e-3 between runs, enough to flip exact ties such as 99|999|999 vs 999|99|999).
+    So the scores are re-estimated here from a uniform start by a few rounds of Viterbi ("hard") EM:
+    segment the training text, score = log((count + 0.5) / total). Pieces are kept in sorted order."""
     import json
+    import math
+    from collections import Counter
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -313,13 +329,16 @@ def train_unigram(texts: Sequence[str], vocab_size: int) -> HFAdapter:
         raise BadInput(f"train.vocab_size={vocab_size} is smaller than the {need} distinct characters the unigram "
                        f"tokenizer must keep: pass train.vocab_size={need} or more (or train on fewer "
                        "categories)") from None
-    learned = json.loads(tok.to_str())["model"]["vocab"]
-    vocab = [("<unk>", 0.0)] + sorted((p, s) for p, s in learned if p != "<unk>")
-    stable = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=False))
-    stable.pre_tokenizer = pre_tokenizers.Metaspace()
-    stable.decoder = decoders.Metaspace()
-    return HFAdapter("unigram", stable, f"Unigram trained on {len(texts)} samples", lossless=False,
-                     unk_token="<unk>")
+    pieces = sorted(p for p, _ in json.loads(tok.to_str())["model"]["vocab"] if p != "<unk>")
+    scores = [-math.log(len(pieces))] * len(pieces)  # uniform: the first segmentation uses the fewest pieces
+    for _ in range(UNIGRAM_REESTIMATE_STEPS):
+        model = _unigram([("<unk>", 0.0)] + list(zip(pieces, scores, strict=True)))
+        counts = Counter(t for e in model.encode_batch(list(texts)) for t in e.tokens)
+        total = sum(counts[p] for p in pieces) + 0.5 * len(pieces)
+        scores = [math.log((counts[p] + 0.5) / total) for p in pieces]
+    stable = _unigram([("<unk>", 0.0)] + list(zip(pieces, scores, strict=True)))
+    return HFAdapter("unigram", stable, f"Unigram trained on {len(texts)} samples (pieces by HF, scores by "
+                     f"{UNIGRAM_REESTIMATE_STEPS} Viterbi-EM steps)", lossless=False, unk_token="<unk>")
 
 
 # ------------------------------------------------------------------------------------- files and hub cache
@@ -356,8 +375,10 @@ def hf_cache_dir() -> str:
 
 def hub_cached_tokenizer(repo_id: str) -> Path | None:
     """The cached tokenizer.json of a hub repo, looked up on disk only (no network, like HF_HUB_OFFLINE=1)."""
-    from huggingface_hub import try_to_load_from_cache
-
+    try:
+        from huggingface_hub import try_to_load_from_cache  # comes with tokenizers
+    except ImportError:
+        return None
     try:
         found = try_to_load_from_cache(repo_id, "tokenizer.json", cache_dir=hf_cache_dir())
     except Exception:  # an invalid repo id (HFValidationError) is simply "not cached"
