@@ -42,12 +42,13 @@ class KVCache:
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """softmax(q kᵀ / sqrt(Dh)) over keys, computed in fp32; fully masked rows -> 0.
+    """softmax(q kᵀ / sqrt(Dh)) over keys, computed in fp32 at least (fp64 stays fp64); fully masked rows -> 0.
 
     q (B,H,Tq,Dh), k (B,H,Tk,Dh), mask broadcastable to (B,H,Tq,Tk) with True = visible.
-    Returns fp32 weights (B,H,Tq,Tk).
+    Returns weights (B,H,Tq,Tk) in fp32 (fp64 for fp64 inputs).
     """
-    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B,H,Tq,Tk)
+    acc = torch.promote_types(q.dtype, torch.float32)  # upcast fp16/bf16, never downcast fp64
+    scores = (q.to(acc) @ k.to(acc).transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B,H,Tq,Tk)
     if mask is None:
         return torch.softmax(scores, dim=-1)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -76,7 +77,7 @@ class MultiHeadSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B,T,D) -> (output (B,T,D), attn_weights (B,H,T,T_k) in fp32).
+        """x (B,T,D) -> (output (B,T,D), attn_weights (B,H,T,T_k) in fp32, fp64 for fp64 x).
 
         With ``cache``, x holds only the new tokens: their keys/values are appended and the queries
         attend to every cached key (causally by absolute position); padding_mask then covers all keys.

@@ -1,0 +1,1101 @@
+"""tfmoe attn-check — course §2.2: does a multi-head attention module compute softmax(q kᵀ/√Dh) v, exactly as
+PyTorch's scaled_dot_product_attention does, with its masks, in every dtype, with and without a KV cache?
+
+The battery runs on the course's module or on any user class with the same interface (``impl=pkg.mod:Class``).
+Every check compares the module with an independent reference built from the module's *own* weights
+(``qkv.weight``, ``out.weight``): PyTorch's SDPA at a higher precision (fp64 for fp32/fp64 runs, fp32 for
+fp16/bf16). Tolerances follow FlashAttention's rule: error(module vs reference) <= 2 x error(a plain PyTorch
+implementation in the same dtype vs reference) + 2 x the dtype's rounding at the output's scale.
+
+Fully masked query rows (a query that sees no key, e.g. a row of all padding) have no defined output.
+Policy: they are excluded from every comparison; the module must keep them finite (NaN there reaches the next
+layer's values and every gradient) and must not disturb the other rows (check ``fully_masked_rows``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+
+from tfmoe.components.attention import KVCache
+from tfmoe.components.chunked_attention import naive_attention, naive_attention_bytes
+from tfmoe.components.masks import combine_masks, padding_mask_from_lengths, visible_queries
+from tfmoe.errors import BadInput
+from tfmoe.recorder import Recorder
+
+MODES = ("full", "chunked")
+GROUPS = ("masks", "sdpa", "fully_masked", "gradients", "kv_cache", "chunked", "invariances", "dropout")
+X_SCALE_OTHER_ROWS = 10.0  # batch-independence probe: the other rows are redrawn at 10x the scale
+
+
+# ============================================================================================ settings
+@dataclass
+class Settings:
+    impl: str
+    B: int
+    T: int
+    d_model: int
+    n_heads: int
+    causal: bool
+    lengths: list[int]
+    dropout: float
+    mode: str
+    head_counts: list[int]
+    gradcheck_T: int
+    dropout_samples: int
+    chunked_impl: str
+    block_size: int
+    probe_T: int
+    probe_heads: int
+    probe_d_head: int
+    probe_block_size: int
+    memory_ratio_max: float
+    timing_repeats: int
+    groups: tuple[str, ...] = GROUPS
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _int(cfg: Any, key: str, minimum: int) -> int:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInput(f"{key}={value!r} is not an integer: pass {key}=<integer >= {minimum}>")
+    if value < minimum:
+        raise BadInput(f"{key}={value} must be >= {minimum}: pass {key}=<integer >= {minimum}>")
+    return value
+
+
+def settings_from_cfg(cfg: DictConfig) -> Settings:
+    """Validate the config (BadInput names the problem and the fix)."""
+    T = OmegaConf.select(cfg, "T")
+    if isinstance(T, int) and not isinstance(T, bool) and T <= 0:
+        raise BadInput(f"T={T} must be a positive sequence length: pass T=4 or any T >= 1")
+    B, T = _int(cfg, "B", 1), _int(cfg, "T", 1)
+    d_model, n_heads = _int(cfg, "d_model", 1), _int(cfg, "n_heads", 1)
+    if d_model % n_heads != 0:
+        raise BadInput(f"d_model={d_model} is not divisible by n_heads={n_heads}: every head gets d_model/n_heads "
+                       f"dims; pick n_heads among {[h for h in range(1, d_model + 1) if d_model % h == 0]}")
+    causal = cfg.get("causal")
+    if not isinstance(causal, bool):
+        raise BadInput(f"causal={causal!r} is not true/false: pass causal=true or causal=false")
+    lengths = cfg.get("lengths")
+    if lengths is None:
+        lengths = [T] * (B - 1) + [max(1, T - T // 4)]
+    else:
+        lengths = list(OmegaConf.to_container(lengths)) if OmegaConf.is_list(lengths) else lengths
+        if not isinstance(lengths, list) or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths):
+            raise BadInput(f"lengths={lengths!r} is not a list of integers: pass e.g. lengths=[{T},{max(1, T - 1)}]")
+        if len(lengths) != B:
+            raise BadInput(f"lengths has {len(lengths)} entries but B={B}: give one valid length per batch row")
+        bad = [n for n in lengths if not 0 <= n <= T]
+        if bad:
+            raise BadInput(f"lengths {bad} lie outside 0..T={T}: a row cannot hold more than T real tokens")
+    dropout = cfg.get("dropout")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= float(dropout) < 1.0:
+        raise BadInput(f"dropout={dropout!r} is not a probability in [0, 1): pass e.g. dropout=0.1")
+    mode = cfg.get("mode")
+    if mode not in MODES:
+        raise BadInput(f"mode={mode!r} is unknown: use mode=full or mode=chunked")
+    head_counts = cfg.get("head_counts")
+    if head_counts is None:
+        head_counts = sorted({h for h in (1, n_heads, d_model // 2) if h >= 1 and d_model % h == 0})
+    else:
+        head_counts = list(OmegaConf.to_container(head_counts)) if OmegaConf.is_list(head_counts) else head_counts
+        if (not isinstance(head_counts, list) or not head_counts
+                or any(isinstance(h, bool) or not isinstance(h, int) or h < 1 or d_model % h for h in head_counts)):
+            raise BadInput(f"head_counts={head_counts!r} must be a list of head counts dividing d_model={d_model}")
+    for key in ("impl", "chunked.impl"):
+        if not isinstance(OmegaConf.select(cfg, key), str):
+            raise BadInput(f"{key} must be a string 'python.module:Name', got {OmegaConf.select(cfg, key)!r}")
+    ratio = OmegaConf.select(cfg, "chunked.memory_ratio_max")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio:
+        raise BadInput(f"chunked.memory_ratio_max={ratio!r} must be a positive fraction, e.g. 0.1")
+    samples = _int(cfg, "dropout_samples", 1000)
+    groups = cfg.get("checks", "all")
+    if groups == "all" or groups is None:
+        groups = GROUPS
+    else:
+        groups = list(OmegaConf.to_container(groups)) if OmegaConf.is_list(groups) else [groups]
+        unknown = [g for g in groups if g not in GROUPS]
+        if unknown:
+            raise BadInput(f"checks={groups} names unknown groups {unknown}: use all or a list from {list(GROUPS)}")
+    return Settings(
+        impl=cfg.impl, B=B, T=T, d_model=d_model, n_heads=n_heads, causal=causal, lengths=lengths,
+        dropout=float(dropout), mode=mode, head_counts=head_counts, gradcheck_T=_int(cfg, "gradcheck_T", 1),
+        dropout_samples=samples, chunked_impl=OmegaConf.select(cfg, "chunked.impl"),
+        block_size=_int(cfg, "chunked.block_size", 1), probe_T=_int(cfg, "chunked.probe_T", 1),
+        probe_heads=_int(cfg, "chunked.probe_heads", 1), probe_d_head=_int(cfg, "chunked.probe_d_head", 1),
+        probe_block_size=_int(cfg, "chunked.probe_block_size", 1), memory_ratio_max=float(ratio),
+        timing_repeats=_int(cfg, "chunked.timing_repeats", 1), groups=tuple(groups),
+    )
+
+
+# ============================================================================= loading the user's code
+def load_object(spec: str, what: str) -> Any:
+    """'python.module:Name' -> the object (importlib; nothing is instantiated)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise BadInput(f"{what}={spec!r} is not 'python.module:Name': write e.g. {what}=mypackage.attn:MyAttention")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time error of the user's module is bad input
+        raise BadInput(f"{what}={spec!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc}): "
+                       "check the module path and that it is on PYTHONPATH") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise BadInput(f"{what}={spec!r}: module {module_name!r} has no {attr!r}: check the name after ':'")
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass
+class Impl:
+    """The class under test and what its interface offers."""
+
+    cls: type[nn.Module]
+    takes_dropout: bool
+    takes_cache: bool
+
+
+def _accepts(sig: inspect.Signature, name: str) -> bool:
+    return name in sig.parameters or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def load_impl(spec: str) -> Impl:
+    """Load and vet ``impl``: an nn.Module subclass with __init__(d_model, n_heads, causal[, dropout]) and
+    forward(x, padding_mask=None[, cache=None])."""
+    cls = load_object(spec, "impl")
+    if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
+        raise BadInput(f"impl={spec!r} is {type(cls).__name__} {cls!r}, not a torch.nn.Module subclass: "
+                       "point impl at your attention class")
+    init_sig = inspect.signature(cls.__init__)
+    try:
+        init_sig.bind(None, 8, 2, causal=True)
+    except TypeError as exc:
+        raise BadInput(f"impl={spec!r}: __init__{init_sig} cannot take (d_model, n_heads, causal=...) ({exc}): "
+                       "use the course's constructor signature") from None
+    fwd_sig = inspect.signature(cls.forward)
+    try:
+        fwd_sig.bind(None, torch.empty(0), padding_mask=None)
+    except TypeError as exc:
+        raise BadInput(f"impl={spec!r}: forward{fwd_sig} cannot take (x, padding_mask=...) ({exc}): "
+                       "use forward(self, x, padding_mask=None) -> (output, attn_weights)") from None
+    return Impl(cls, _accepts(init_sig, "dropout"), _accepts(fwd_sig, "cache"))
+
+
+def build(impl: Impl, d_model: int, n_heads: int, causal: bool, dropout: float, device: torch.device,
+          dtype: torch.dtype, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """An instance of the class under test (eval mode), optionally with another instance's weights."""
+    kwargs: dict[str, Any] = {"causal": causal}
+    if impl.takes_dropout:
+        kwargs["dropout"] = dropout
+    try:
+        module = impl.cls(d_model, n_heads, **kwargs)
+    except Exception as exc:
+        raise BadInput(f"impl {impl.cls.__qualname__}({d_model}, {n_heads}, {kwargs}) raised "
+                       f"{type(exc).__name__}: {exc}: fix the class or the sizes") from None
+    for name, shape in (("qkv", (3 * d_model, d_model)), ("out", (d_model, d_model))):
+        weight = getattr(getattr(module, name, None), "weight", None)
+        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
+            raise BadInput(f"impl {impl.cls.__qualname__} needs `{name}` = Linear with weight {shape} (bias=False), "
+                           f"found {getattr(weight, 'shape', None)}: the checks rebuild the reference from it")
+    if state is not None:
+        module.load_state_dict(state)
+    return module.to(device=device, dtype=dtype).eval()
+
+
+class ModuleContractError(RuntimeError):
+    """The module under test returned something the interface does not allow."""
+
+
+def call(module: nn.Module, x: torch.Tensor, padding_mask: torch.Tensor | None = None,
+         **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    result = module(x, padding_mask=padding_mask, **kwargs)
+    if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
+        raise ModuleContractError(f"forward must return (output, attn_weights), got {type(result).__name__}")
+    return result
+
+
+# ================================================================================== reference maths
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The independent reference's precision: fp64 for fp32/fp64 runs, fp32 (upcast) for fp16/bf16."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def split_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    B, T, D = t.shape
+    return t.view(B, T, n_heads, D // n_heads).transpose(1, 2)  # (B,H,T,Dh)
+
+
+def merge_heads(t: torch.Tensor) -> torch.Tensor:
+    B, H, T, Dh = t.shape
+    return t.transpose(1, 2).reshape(B, T, H * Dh)  # (B,T,D)
+
+
+def project_qkv(x: torch.Tensor, w_qkv: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, ...]:
+    """x (B,T,D), w_qkv (3D,D) -> q, k, v each (B,H,T,Dh)."""
+    q, k, v = (x @ w_qkv.T).split(x.shape[-1], dim=-1)  # (B,T,D) each
+    return split_heads(q, n_heads), split_heads(k, n_heads), split_heads(v, n_heads)
+
+
+def sdpa_forward(x: torch.Tensor, w_qkv: torch.Tensor, w_out: torch.Tensor, n_heads: int,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    """The reference: PyTorch's scaled_dot_product_attention on the module's projections, in x's dtype."""
+    q, k, v = project_qkv(x, w_qkv, n_heads)
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B,H,T,Dh)
+    return merge_heads(ctx) @ w_out.T  # (B,T,D)
+
+
+def plain_forward(x: torch.Tensor, w_qkv: torch.Tensor, w_out: torch.Tensor, n_heads: int, causal: bool,
+                  padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """A plain PyTorch implementation with every op in x's dtype (FlashAttention's yardstick)."""
+    q, k, v = project_qkv(x, w_qkv, n_heads)
+    ctx = naive_attention(q, k, v, causal=causal, key_padding_mask=padding_mask)  # (B,H,T,Dh)
+    return merge_heads(ctx) @ w_out.T
+
+
+def reference_weights(x: torch.Tensor, w_qkv: torch.Tensor, n_heads: int,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q kᵀ/√Dh) with masked keys -> 0 and fully masked rows -> 0, in x's dtype: (B,H,T,T)."""
+    q, k, _ = project_qkv(x, w_qkv, n_heads)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is None:
+        return scores.softmax(dim=-1)
+    w = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.where(mask.any(dim=-1, keepdim=True), w, torch.zeros_like(w))
+
+
+def max_abs_err(out: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor | None = None) -> float:
+    """max |out - ref| over the valid positions (valid (B,T) selects query rows); NaN/inf -> inf."""
+    diff = (out.detach().double() - ref.detach().double()).abs()
+    if valid is not None:
+        diff = diff[valid.to(diff.device)]
+    if diff.numel() == 0:
+        return 0.0
+    if not torch.isfinite(diff).all():
+        return math.inf
+    return float(diff.max())
+
+
+def rounding_atol(ref: torch.Tensor, dtype: torch.dtype, valid: torch.Tensor | None = None) -> float:
+    """FlashAttention's absolute term: 2·max|(r + 0.3 - 0.3) - r| with r = ref rounded to ``dtype``."""
+    r = ref.detach().to(dtype)
+    if valid is not None:
+        r = r[valid.to(r.device)]
+    if r.numel() == 0:
+        return 0.0
+    return 2.0 * float(((r + 0.3 - 0.3) - r).abs().max().double())
+
+
+@dataclass
+class Comparison:
+    """module vs reference, next to a plain same-dtype implementation vs the same reference."""
+
+    err: float
+    plain_err: float
+    atol: float
+    ref_scale: float
+
+    @property
+    def threshold(self) -> float:
+        return 2.0 * self.plain_err + self.atol
+
+    @property
+    def rel_err(self) -> float:
+        return self.err / self.ref_scale if self.ref_scale > 0 else self.err
+
+    @property
+    def passed(self) -> bool:
+        return math.isfinite(self.err) and self.err <= self.threshold
+
+    @property
+    def ratio(self) -> float:
+        return self.err / self.threshold if self.threshold > 0 else (0.0 if self.err == 0 else math.inf)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor, dtype: torch.dtype,
+            valid: torch.Tensor | None = None) -> Comparison:
+    """FlashAttention's rule: err(out) <= 2·err(plain) + rounding_atol, errors vs ``ref`` on valid rows."""
+    ref_valid = ref.detach().double()
+    if valid is not None:
+        ref_valid = ref_valid[valid.to(ref_valid.device)]
+    scale = float(ref_valid.abs().max()) if ref_valid.numel() else 0.0
+    return Comparison(max_abs_err(out, ref, valid), max_abs_err(plain, ref, valid),
+                      rounding_atol(ref, dtype, valid), scale)
+
+
+def row_sum_deviation(weights: torch.Tensor, valid: torch.Tensor) -> float:
+    """max |Σ_keys w - 1| over query rows that see at least one key; weights (B,H,T,Tk), valid (B,T)."""
+    sums = weights.detach().double().sum(dim=-1)  # (B,H,T)
+    dev = (sums - 1.0).abs().permute(0, 2, 1)[valid.to(sums.device)]  # (n_valid, H)
+    if dev.numel() == 0:
+        return 0.0
+    return math.inf if not torch.isfinite(dev).all() else float(dev.max())
+
+
+def hidden_weight_max(weights: torch.Tensor, hidden: torch.Tensor, valid: torch.Tensor) -> float:
+    """max |w| over hidden (query, key) pairs of valid query rows; hidden broadcastable to weights."""
+    w = weights.detach().double()
+    sel = hidden.to(w.device).expand_as(w) & valid.to(w.device)[:, None, :, None]
+    picked = w[sel]
+    if picked.numel() == 0:
+        return 0.0
+    return math.inf if not torch.isfinite(picked).all() else float(picked.abs().max())
+
+
+def classify_rows(rows: torch.Tensor, mean_v_rows: torch.Tensor, dtype: torch.dtype) -> str:
+    """How a set of fully masked query outputs behaves: nan | zeros | mean_of_v | other."""
+    if rows.numel() == 0:
+        return "none"
+    rows, mean_v_rows = rows.detach().double(), mean_v_rows.detach().double()
+    if not torch.isfinite(rows).all():
+        return "nan"
+    tol = 8 * torch.finfo(dtype).eps * max(1.0, float(mean_v_rows.abs().max()))
+    if float(rows.abs().max()) <= tol:
+        return "zeros"
+    if float((rows - mean_v_rows).abs().max()) <= tol:
+        return "mean_of_v"
+    return "other"
+
+
+# ============================================================================================ memory
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence C-level stderr (kineto prints 'profiler_start/stop' lines) for the duration."""
+    import sys
+
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def measure_peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes allocated while ``fn`` runs, above what was allocated before it.
+
+    CUDA: torch.cuda.max_memory_allocated after reset_peak_memory_stats. CPU: torch.profiler with
+    profile_memory=True records every allocation and free of PyTorch's CPU allocator (op outputs and the
+    kernels' scratch buffers); the peak is the maximum of their running sum in time order.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():
+        prof.start()
+    try:
+        fn()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        current += e.nbytes()
+        peak = max(peak, current)
+    return int(peak)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def refuse_if_too_big(s: Settings, device: torch.device, dtype: torch.dtype) -> None:
+    """BadInput before allocating if the naive (B,H,T,T) path cannot fit in the memory available."""
+    available = available_memory_bytes(device)
+    if s.mode == "full":
+        need = naive_attention_bytes(s.B, s.n_heads, s.T, s.T, dtype) * 2  # module + reference side by side
+        if need > available:
+            raise BadInput(f"the naive attention path needs about {_gib(need)} for B={s.B}, H={s.n_heads}, T={s.T} "
+                           f"but {_gib(available)} is available: lower T/B, or check only the chunked path "
+                           "with mode=chunked (O(T·block) memory)")
+    probe_need = naive_attention_bytes(1, s.probe_heads, s.probe_T, s.probe_T, torch.float32)
+    if s.mode == "full" and probe_need > available:
+        raise BadInput(f"chunked.probe_T={s.probe_T} needs about {_gib(probe_need)} for the naive side of the memory "
+                       f"probe but {_gib(available)} is available: lower chunked.probe_T, or use mode=chunked")
+
+
+# ============================================================================================ context
+@dataclass
+class Ctx:
+    """Everything the checks share for one run."""
+
+    s: Settings
+    rec: Recorder
+    impl: Impl
+    module: nn.Module
+    x: torch.Tensor  # (B,T,D) at the run's dtype
+    padding_mask: torch.Tensor  # (B,T) True = real token (all True when nothing is padded)
+    mask: torch.Tensor | None  # broadcastable (B|1,1,T,T) True = visible, or None
+    valid: torch.Tensor  # (B,T) queries that see at least one key
+    device: torch.device
+    dtype: torch.dtype
+    chunked_fn: Callable[..., torch.Tensor]
+    out: torch.Tensor | None = None
+    attn: torch.Tensor | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pm_arg(self) -> torch.Tensor | None:
+        """What the module gets as padding_mask: None when nothing is padded (the common call)."""
+        return None if bool(self.padding_mask.all()) else self.padding_mask
+
+    @property
+    def w_qkv(self) -> torch.Tensor:
+        return self.module.qkv.weight.detach()
+
+    @property
+    def w_out(self) -> torch.Tensor:
+        return self.module.out.weight.detach()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def reference(self, x: torch.Tensor, n_heads: int, mask: torch.Tensor | None,
+                  w_qkv: torch.Tensor | None = None, w_out: torch.Tensor | None = None) -> torch.Tensor:
+        rd = reference_dtype(self.dtype)
+        w_qkv = self.w_qkv if w_qkv is None else w_qkv
+        w_out = self.w_out if w_out is None else w_out
+        return sdpa_forward(x.to(rd), w_qkv.to(rd), w_out.to(rd), n_heads, mask)
+
+    def plain(self, x: torch.Tensor, n_heads: int, causal: bool, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        return plain_forward(x, self.w_qkv, self.w_out, n_heads, causal, padding_mask)
+
+    def evidence(self, **more: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The failing inputs (saved as failing.<check>.<name> tensors when a check fails)."""
+        base: dict[str, Any] = {"x": self.x, "padding_mask": self.padding_mask}
+        if self.module is not None:
+            base.update(w_qkv=self.w_qkv, w_out=self.w_out)
+        base.update(more)
+        return {k: v for k, v in base.items() if isinstance(v, torch.Tensor)}
+
+
+def guarded(ctx: Ctx, names: list[str], fn: Callable[[Ctx], None]) -> None:
+    """Run one group of checks; if the module under test raises, its not-yet-recorded checks fail with the error."""
+    before = {c.check for c in ctx.rec.checks_rows}
+    try:
+        fn(ctx)
+    except (BadInput, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        detail = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        done = {c.check for c in ctx.rec.checks_rows} - before
+        for name in names:
+            if name not in done:
+                ctx.rec.check(name, False, None, None, detail, evidence=ctx.evidence())
+        ctx.rec.note(f"{', '.join(n for n in names if n not in done)}: the module {detail}")
+
+
+# ============================================================================================= checks
+def check_shapes(ctx: Ctx) -> None:
+    """1. Shapes at every step against the formula, printed like the course's worked example."""
+    s = ctx.s
+    seen: dict[str, tuple[int, ...]] = {}
+
+    def on_qkv(mod: nn.Module, inputs: Any, output: torch.Tensor) -> None:  # must return None
+        seen.setdefault("qkv", tuple(output.shape))
+
+    def on_out(mod: nn.Module, inputs: Any) -> None:
+        seen.setdefault("merged", tuple(inputs[0].shape))
+
+    hooks = [ctx.module.qkv.register_forward_hook(on_qkv), ctx.module.out.register_forward_pre_hook(on_out)]
+    try:
+        with torch.no_grad():
+            out, attn = call(ctx.module, ctx.x, ctx.pm_arg)
+    finally:
+        for h in hooks:
+            h.remove()
+    ctx.out, ctx.attn = out, attn
+    B, T, D, H, Dh = s.B, s.T, s.d_model, s.n_heads, s.d_head
+    with torch.no_grad():
+        q, k, v = project_qkv(ctx.x.to(reference_dtype(ctx.dtype)), ctx.w_qkv.to(reference_dtype(ctx.dtype)), H)
+        scores = q @ k.transpose(-2, -1)
+        context = scores.softmax(-1) @ v
+    rows = [  # step, formula, expected, observed, source
+        ("x", "(B, T, D)", (B, T, D), tuple(ctx.x.shape), "input"),
+        ("qkv = x·W_qkvᵀ", "(B, T, 3D)", (B, T, 3 * D), seen.get("qkv"), "module (hook on qkv)"),
+        ("q, k, v split into heads", "(B, H, T, Dh)", (B, H, T, Dh), tuple(q.shape), "reference"),
+        ("scores = q·kᵀ/√Dh", "(B, H, T, T)", (B, H, T, T), tuple(scores.shape), "reference"),
+        ("weights = softmax(scores)", "(B, H, T, T)", (B, H, T, T), tuple(attn.shape), "module"),
+        ("context = weights·v", "(B, H, T, Dh)", (B, H, T, Dh), tuple(context.shape), "reference"),
+        ("heads merged", "(B, T, D)", (B, T, D), seen.get("merged"), "module (input of out)"),
+        ("output = merged·W_outᵀ", "(B, T, D)", (B, T, D), tuple(out.shape), "module"),
+    ]
+    table = Table(title=f"attention shapes: B={B}, T={T}, D={D}, H={H} -> Dh=D/H={Dh}")
+    for col in ("step", "formula", "expected", "observed", "from"):
+        table.add_column(col)
+    wrong = []
+    for step, formula, expected, observed, source in rows:
+        ok = observed is None or tuple(observed) == expected
+        if not ok:
+            wrong.append(f"{step}: {observed} != {expected}")
+        table.add_row(step, formula, str(expected), "(not called)" if observed is None else str(observed), source,
+                      style=None if ok else "red")
+    ctx.rec.print(table)
+    ctx.rec.check("shapes", not wrong, float(len(wrong)), 0.0,
+                  "; ".join(wrong) or "every observed shape matches the formula",
+                  evidence=ctx.evidence(out=out, attn=attn))
+    for name, t in (("x", ctx.x), ("padding_mask", ctx.padding_mask), ("w_qkv", ctx.w_qkv), ("w_out", ctx.w_out),
+                    ("attn", attn), ("out", out)):
+        ctx.rec.tensor(name, t)
+    ctx.rec.tensor("lengths", torch.tensor(s.lengths))
+
+
+def check_rows_and_masks(ctx: Ctx) -> None:
+    """2. every row sums to 1; 3. future and padded keys get exactly 0 weight."""
+    attn, s = ctx.attn, ctx.s
+    if attn is None or tuple(attn.shape) != (s.B, s.n_heads, s.T, s.T):
+        raise ModuleContractError(f"attn_weights shape {None if attn is None else tuple(attn.shape)} "
+                                  f"is not (B,H,T,T) = {(s.B, s.n_heads, s.T, s.T)}")
+    eps = torch.finfo(attn.dtype).eps if attn.is_floating_point() else 0.0
+    dev = row_sum_deviation(attn, ctx.valid)
+    tol = 4 * eps * (1 + math.log2(s.T))
+    ctx.rec.metric("row_sum_max_dev", dev, dtype=str(attn.dtype).removeprefix("torch."))
+    ctx.rec.check_le("row_sums", dev, tol, f"max |Σ_k w - 1| over {int(ctx.valid.sum())} query rows x {s.n_heads} heads "
+                     f"(rows without a visible key excluded); tolerance 4·eps·(1+log2 T)",
+                     evidence=ctx.evidence(attn=attn))
+    if s.causal:
+        future = ~torch.ones(s.T, s.T, dtype=torch.bool).tril()  # (T,T) key j > query i
+        leak = hidden_weight_max(attn, future[None, None], ctx.valid)
+        ctx.rec.metric("future_weight_max", leak)
+        ctx.rec.check_le("causal_zero", leak, 0.0, "max |w| on future keys (j > i) must be exactly 0",
+                         evidence=ctx.evidence(attn=attn))
+    if not bool(ctx.padding_mask.all()):
+        padded_keys = (~ctx.padding_mask)[:, None, None, :]  # (B,1,1,T)
+        leak = hidden_weight_max(attn, padded_keys, ctx.valid)
+        ctx.rec.metric("padded_key_weight_max", leak)
+        ctx.rec.check_le("padding_zero", leak, 0.0, "max |w| on padded keys must be exactly 0 "
+                         "(padding hides keys; padded queries still attend)", evidence=ctx.evidence(attn=attn))
+
+
+def _record_comparison(ctx: Ctx, name: str, comparison: str, c: Comparison, detail: str,
+                       evidence: dict[str, torch.Tensor]) -> None:
+    tag = str(ctx.dtype).removeprefix("torch.")
+    ctx.rec.metric("max_abs_err", c.err, comparison=comparison, dtype=tag)
+    ctx.rec.metric("max_rel_err", c.rel_err, comparison=comparison, dtype=tag)
+    ctx.rec.metric("plain_max_abs_err", c.plain_err, comparison=comparison, dtype=tag)
+    ctx.rec.metric("threshold", c.threshold, comparison=comparison, dtype=tag)
+    ctx.rec.check(name, c.passed, c.err, c.threshold,
+                  f"{detail}; max abs err {c.err:.3g} (rel {c.rel_err:.3g}) vs plain {tag} {c.plain_err:.3g}; "
+                  f"threshold 2·plain + {c.atol:.2g}", evidence=evidence)
+
+
+def check_sdpa(ctx: Ctx) -> None:
+    """4. output == SDPA on the module's own projections, by FlashAttention's dtype rule; outputs finite."""
+    s = ctx.s
+    with torch.no_grad():
+        ref = ctx.reference(ctx.x, s.n_heads, ctx.mask)
+        plain = ctx.plain(ctx.x, s.n_heads, s.causal, ctx.pm_arg)
+        ref_w = reference_weights(ctx.x.to(ref.dtype), ctx.w_qkv.to(ref.dtype), s.n_heads, ctx.mask)
+    out = ctx.out
+    if out is None or out.shape != ref.shape:
+        raise ModuleContractError(f"output shape {None if out is None else tuple(out.shape)} != {tuple(ref.shape)}")
+    c = compare(out, ref, plain, ctx.dtype, ctx.valid)
+    _record_comparison(ctx, "sdpa_match", "module_vs_sdpa", c,
+                       f"module vs SDPA in {str(ref.dtype).removeprefix('torch.')} on the module's weights",
+                       ctx.evidence(out=out, ref=ref))
+    if ctx.attn is not None and ctx.attn.shape == ref_w.shape:
+        valid_w = ctx.valid[:, None, :].expand(-1, s.n_heads, -1)  # (B,H,T)
+        ctx.rec.metric("max_abs_err", max_abs_err(ctx.attn, ref_w, valid_w), comparison="weights_vs_reference",
+                       dtype=str(ctx.dtype).removeprefix("torch."))
+    ctx.extras["sdpa_ref"] = ref
+
+
+def _fully_masked_probe(s: Settings) -> torch.Tensor:
+    """(2,T) padding mask: row 0 all padding (every query sees nothing); row 1 left-padded when causal (its
+    first queries see nothing, the rest do), right-padded otherwise (nothing fully masked there)."""
+    pm = torch.ones(2, s.T, dtype=torch.bool)
+    pm[0] = False
+    half = s.T // 2
+    if half:
+        if s.causal:
+            pm[1, :half] = False
+        else:
+            pm[1, s.T - half:] = False
+    return pm
+
+
+def check_fully_masked(ctx: Ctx) -> None:
+    """5. fully masked query rows: detect, report module vs SDPA behaviour, apply the policy."""
+    s, rec = ctx.s, ctx.rec
+    pm = _fully_masked_probe(s).to(ctx.device)
+    x = torch.randn(2, s.T, s.d_model, device=ctx.device).to(ctx.dtype).requires_grad_(True)
+    mask = combine_masks(s.T, s.T, s.causal, pm, device=ctx.device)
+    valid = visible_queries(mask, 2, s.T)  # (2,T)
+    n_masked = int((~valid).sum())
+    module = ctx.module
+    module.zero_grad(set_to_none=True)
+    out, _ = call(module, x, pm)
+    g = torch.randn(out.shape, device=ctx.device).to(out.dtype)
+    loss = (out * g)[valid.to(ctx.device)].sum()  # only rows with a visible key reach the loss
+    loss.backward()
+    grads = {"x": x.grad, "w_qkv": module.qkv.weight.grad, "w_out": module.out.weight.grad}
+    nonfinite = int((~torch.isfinite(out.detach())).sum())
+    for grad in grads.values():
+        if grad is not None:
+            nonfinite += int((~torch.isfinite(grad)).sum())
+    with torch.no_grad():
+        xd = x.detach()
+        ref = ctx.reference(xd, s.n_heads, mask)
+        plain = ctx.plain(xd, s.n_heads, s.causal, pm)
+        c = compare(out, ref, plain, ctx.dtype, valid)
+        rd = ref.dtype
+        _, _, v = project_qkv(xd.to(rd), ctx.w_qkv.to(rd), s.n_heads)
+        mean_v = merge_heads(v.mean(dim=2, keepdim=True).expand_as(v)) @ ctx.w_out.to(rd).T  # uniform over all keys
+        masked_sel = (~valid).to(ctx.device)
+        module_kind = classify_rows(out.detach()[masked_sel], mean_v[masked_sel], ctx.dtype)
+        sdpa_kind = classify_rows(ref[masked_sel], mean_v[masked_sel], rd)
+    mismatched = 0 if c.passed else int(((out.detach().double() - ref.double()).abs() > c.threshold)[
+        valid.to(ctx.device)].sum())
+    rec.metric("fully_masked_query_rows", n_masked)
+    rec.metric("fully_masked_nonfinite_values", nonfinite)
+    rec.note(f"fully masked query rows ({n_masked} in the probe): module -> {module_kind}; "
+             f"torch {torch.__version__} SDPA -> {sdpa_kind}. Policy: excluded from every comparison, must stay finite")
+    bad = nonfinite + mismatched
+    rec.check("fully_masked_rows", bad == 0, float(bad), 0.0,
+              f"{n_masked} fully masked query rows: module gives {module_kind}, SDPA gives {sdpa_kind}; "
+              f"{nonfinite} non-finite values in outputs/gradients (a loss over the other rows), {mismatched} "
+              f"values of the other rows off the reference (err {c.err:.3g}, threshold {c.threshold:.3g})",
+              evidence={"x": xd, "padding_mask": pm, "out": out.detach(), "ref": ref})
+    module.zero_grad(set_to_none=True)
+
+
+def _functional(module: nn.Module, padding_mask: torch.Tensor | None) -> Callable[..., torch.Tensor]:
+    def f(x: torch.Tensor, w_qkv: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+        params = {"qkv.weight": w_qkv, "out.weight": w_out}
+        return torch.func.functional_call(module, params, (x,), {"padding_mask": padding_mask})[0]
+    return f
+
+
+def check_gradients(ctx: Ctx) -> None:
+    """6. torch.autograd.gradcheck in fp64 on a small case; module gradients vs SDPA gradients at the run dtype."""
+    s, rec = ctx.s, ctx.rec
+    Tg = s.gradcheck_T
+    module64 = build(ctx.impl, s.d_model, s.n_heads, s.causal, s.dropout, ctx.device, torch.float64, ctx.state())
+    pm_g = padding_mask_from_lengths([Tg, max(1, Tg - 1)], Tg, device=ctx.device)
+    pm_arg = None if bool(pm_g.all()) else pm_g
+    inputs = (torch.randn(2, Tg, s.d_model, dtype=torch.float64, device=ctx.device, requires_grad=True),
+              module64.qkv.weight.detach().clone().requires_grad_(True),
+              module64.out.weight.detach().clone().requires_grad_(True))
+    ok = torch.autograd.gradcheck(_functional(module64, pm_arg), inputs, eps=1e-6, atol=1e-5, rtol=1e-3,
+                                  fast_mode=True, raise_exception=False)
+    rec.check("gradcheck", ok, None, None,
+              f"torch.autograd.gradcheck (fp64, fast_mode) of output w.r.t. x, w_qkv, w_out at B=2, T={Tg}, "
+              f"D={s.d_model}, H={s.n_heads}: {'analytic = numerical' if ok else 'analytic != numerical gradient'}",
+              evidence={"x": inputs[0].detach(), "padding_mask": pm_g, "w_qkv": inputs[1].detach(),
+                        "w_out": inputs[2].detach()})
+
+    rows_ok = ctx.valid.all(dim=1)  # batch rows without fully masked queries
+    if not bool(rows_ok.any()):
+        rec.note("grad_match skipped: every batch row has a fully masked query")
+        return
+    x0 = ctx.x[rows_ok.to(ctx.device)]
+    pm0 = ctx.padding_mask[rows_ok.to(ctx.device)]
+    pm0_arg = None if bool(pm0.all()) else pm0
+    mask0 = combine_masks(s.T, s.T, s.causal, pm0_arg, device=ctx.device)
+    g = torch.randn(x0.shape, device=ctx.device)
+
+    def grads(forward: Callable[..., torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x0, ctx.w_qkv, ctx.w_out)]
+        out = forward(*leaves)
+        (out * g.to(dtype)).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    rd = reference_dtype(ctx.dtype)
+    ref = grads(lambda x, wq, wo: sdpa_forward(x, wq, wo, s.n_heads, mask0), rd)
+    plain = grads(lambda x, wq, wo: plain_forward(x, wq, wo, s.n_heads, s.causal, pm0_arg), ctx.dtype)
+    mod = grads(_functional(ctx.module, pm0_arg), ctx.dtype)
+    worst, parts, evidence = 0.0, [], {"x": x0, "padding_mask": pm0}
+    for name, gm, gr, gp in zip(("x", "w_qkv", "w_out"), mod, ref, plain, strict=True):
+        if gm is None:
+            c = Comparison(math.inf, 0.0, 0.0, 1.0)
+        else:
+            c = compare(gm, gr, gp, ctx.dtype)
+        rec.metric("max_abs_err", c.err, comparison=f"grad_{name}_vs_sdpa", dtype=str(ctx.dtype).removeprefix("torch."))
+        rec.metric("plain_max_abs_err", c.plain_err, comparison=f"grad_{name}_vs_sdpa",
+                   dtype=str(ctx.dtype).removeprefix("torch."))
+        parts.append(f"d{name}: {c.err:.3g} (limit {c.threshold:.3g})")
+        worst = max(worst, c.ratio)
+        if gm is not None:
+            evidence[f"grad_{name}"] = gm
+    rec.check_le("grad_match", worst, 1.0, "max over dx, dw_qkv, dw_out of err/limit, limit = 2·plain + rounding: "
+                 + "; ".join(parts), evidence=evidence)
+
+
+def check_kv_cache(ctx: Ctx) -> None:
+    """7. decoding one token at a time with a KVCache reproduces the full causal forward."""
+    s, rec = ctx.s, ctx.rec
+    module = ctx.module if s.causal else build(ctx.impl, s.d_model, s.n_heads, True, s.dropout, ctx.device,
+                                               ctx.dtype, ctx.state())
+    x = torch.randn(s.B, s.T, s.d_model, device=ctx.device).to(ctx.dtype)
+    mask = combine_masks(s.T, s.T, True, None, device=ctx.device)
+    with torch.no_grad():
+        full, _ = call(module, x, None)
+        cache = KVCache()
+        steps = [call(module, x[:, t:t + 1], None, cache=cache)[0] for t in range(s.T)]  # each (B,1,D)
+        inc = torch.cat(steps, dim=1)  # (B,T,D)
+        ref = ctx.reference(x, s.n_heads, mask)
+        plain = ctx.plain(x, s.n_heads, True, None)
+    rec.metric("max_abs_err", max_abs_err(inc, full), comparison="kv_cache_vs_full_forward",
+               dtype=str(ctx.dtype).removeprefix("torch."))
+    c = compare(inc, ref, plain, ctx.dtype)
+    _record_comparison(ctx, "kv_cache_decode", "kv_cache_vs_sdpa", c,
+                       f"{s.T} one-token steps with a KVCache vs causal SDPA (and vs the full forward: "
+                       f"{max_abs_err(inc, full):.3g})", {"x": x, "incremental": inc, "full": full})
+
+
+def _probe_qkv(B: int, H: int, T: int, Dh: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+    return tuple(torch.randn(B, H, T, Dh, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
+
+
+def chunked_probe(ctx: Ctx, B: int, H: int, T: int, Dh: int, dtype: torch.dtype, block_size: int,
+                  measure_naive: bool) -> None:
+    """8b. chunked vs SDPA (rel <= 1e-5 in fp32) at a size where memory matters; peak memory and time of
+    naive, chunked and SDPA."""
+    s, rec = ctx.s, ctx.rec
+    q, k, v = _probe_qkv(B, H, T, Dh, ctx.device, dtype)
+    causal = s.causal
+
+    def run_chunked() -> torch.Tensor:
+        return ctx.chunked_fn(q, k, v, causal=causal, key_padding_mask=None, block_size=block_size)
+
+    def run_sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def run_naive() -> torch.Tensor:
+        return naive_attention(q, k, v, causal=causal)
+
+    with torch.no_grad():
+        out_chunked, out_sdpa = run_chunked(), run_sdpa()
+        variants = [("chunked", run_chunked), ("sdpa", run_sdpa)] + ([("naive", run_naive)] if measure_naive else [])
+        peaks, times = {}, {}
+        for name, fn in variants:
+            peaks[name] = measure_peak_memory(fn, ctx.device)
+            times[name] = rec.time(f"attention_{name}", fn, repeats=s.timing_repeats, warmup=1, variant=name, T=T)
+            rec.metric("peak_mem_bytes", peaks[name], variant=name, T=T)
+            rec.metric("time_ms", times[name], variant=name, T=T)
+    naive_bytes = peaks.get("naive") or naive_attention_bytes(B, H, T, T, dtype)
+    if not measure_naive:
+        rec.note(f"naive peak memory at T={T} is the estimate 3·B·H·T²·4 bytes = {_gib(naive_bytes)} (not run)")
+    for name in ("chunked", "naive"):
+        if name in times:
+            rec.metric("time_ratio_vs_sdpa", times[name] / max(times["sdpa"], 1e-9), variant=name, T=T)
+    err = max_abs_err(out_chunked, out_sdpa)
+    scale = float(out_sdpa.detach().double().abs().max())
+    rel = err / scale if scale > 0 else err
+    rec.metric("max_rel_err", rel, comparison=f"chunked_vs_sdpa_T{T}", dtype=str(dtype).removeprefix("torch."))
+    rel_limit = 1e-5 if dtype in (torch.float32, torch.float64) else 4 * torch.finfo(dtype).eps
+    rec.check_le("chunked_match_large", rel, rel_limit,
+                 f"chunked (block {block_size}) vs SDPA at B={B}, H={H}, T={T}, Dh={Dh}, "
+                 f"{str(dtype).removeprefix('torch.')}, causal={causal}: max rel err {rel:.3g}",
+                 evidence={"q": q, "k": k, "v": v} if q.numel() <= 1_000_000 else None)
+    ratio = peaks["chunked"] / max(naive_bytes, 1)
+    rec.metric("memory_ratio_chunked_vs_naive", ratio, T=T)
+    how = "torch.cuda.max_memory_allocated" if ctx.device.type == "cuda" else "torch.profiler(profile_memory=True)"
+    rec.check_le("chunked_memory", ratio, s.memory_ratio_max,
+                 f"peak memory ({how}) at T={T}: chunked {_gib(peaks['chunked'])}, naive {_gib(naive_bytes)}"
+                 f"{'' if measure_naive else ' (estimate)'}, SDPA {_gib(peaks['sdpa'])}")
+
+
+def check_chunked(ctx: Ctx) -> None:
+    """8a. chunked exact attention on the module's own q, k, v (several key blocks) vs SDPA, dtype rule."""
+    s = ctx.s
+    with torch.no_grad():
+        q, k, v = project_qkv(ctx.x, ctx.w_qkv, s.n_heads)  # (B,H,T,Dh) at the run dtype
+        out = ctx.chunked_fn(q, k, v, causal=s.causal, key_padding_mask=ctx.pm_arg, block_size=s.block_size)
+        rd = reference_dtype(ctx.dtype)
+        ref = F.scaled_dot_product_attention(q.to(rd), k.to(rd), v.to(rd), attn_mask=ctx.mask)
+        plain = naive_attention(q, k, v, causal=s.causal, key_padding_mask=ctx.pm_arg)
+    if out.shape != ref.shape:
+        raise ModuleContractError(f"chunked output shape {tuple(out.shape)} != {tuple(ref.shape)}")
+    valid = ctx.valid[:, None, :].expand(-1, s.n_heads, -1)  # (B,H,T)
+    c = compare(out, ref, plain, ctx.dtype, valid)
+    _record_comparison(ctx, "chunked_match", "chunked_vs_sdpa", c,
+                       f"{s.chunked_impl} with block_size={s.block_size} ({math.ceil(s.T / s.block_size)} key blocks) "
+                       "on the module's q, k, v", {"q": q, "k": k, "v": v, "out": out, "ref": ref})
+    chunked_probe(ctx, 1, s.probe_heads, s.probe_T, s.probe_d_head,
+                  ctx.dtype if ctx.device.type == "cuda" else torch.float32, s.probe_block_size, measure_naive=True)
+
+
+def check_invariances(ctx: Ctx) -> None:
+    """9. batch independence, batch sizes, head counts."""
+    s, rec = ctx.s, ctx.rec
+    x, pm = ctx.x, ctx.padding_mask
+    if s.B == 1:  # pair the row with a second one (fully real)
+        x = torch.cat([x, torch.randn_like(x.float()).to(x.dtype)])
+        pm = torch.cat([pm, torch.ones_like(pm)])
+    B = x.shape[0]
+    pm_arg = None if bool(pm.all()) else pm
+    mask = combine_masks(s.T, s.T, s.causal, pm_arg, device=ctx.device)
+    valid = visible_queries(mask, B, s.T)
+    with torch.no_grad():
+        out_a, _ = call(ctx.module, x, pm_arg)
+        x_b = x.clone()
+        x_b[1:] = (X_SCALE_OTHER_ROWS * torch.randn(x_b[1:].shape, device=ctx.device)).to(x.dtype)
+        out_b, _ = call(ctx.module, x_b, pm_arg)
+        ref0 = ctx.reference(x[:1], s.n_heads, None if mask is None else mask[:1])
+        plain0 = ctx.plain(x[:1], s.n_heads, s.causal, None if pm_arg is None else pm_arg[:1])
+        c0 = compare(out_a[:1], ref0, plain0, ctx.dtype, valid[:1])
+        diff = max_abs_err(out_b[:1], out_a[:1], valid[:1])
+    limit = c0.threshold
+    rec.metric("batch_independence_max_diff", diff)
+    rec.check_le("batch_independence", diff, limit,
+                 f"row 0's output moved by {diff:.3g} when rows 1..{B - 1} were redrawn at {X_SCALE_OTHER_ROWS:g}x scale "
+                 f"(limit = row 0's same-dtype noise 2·plain + rounding = {limit:.3g})",
+                 evidence={"x": x, "x_other_rows_changed": x_b, "padding_mask": pm})
+
+    worst = 0.0
+    with torch.no_grad():
+        ref_all = ctx.reference(x, s.n_heads, mask)
+        plain_all = ctx.plain(x, s.n_heads, s.causal, pm_arg)
+        for b in range(B):
+            pm_b = None if pm_arg is None else pm_arg[b:b + 1]
+            alone, _ = call(ctx.module, x[b:b + 1], pm_b)
+            c = compare(out_a[b:b + 1], ref_all[b:b + 1], plain_all[b:b + 1], ctx.dtype, valid[b:b + 1])
+            d = max_abs_err(alone, out_a[b:b + 1], valid[b:b + 1])
+            worst = max(worst, d / c.threshold if c.threshold > 0 else (0.0 if d == 0 else math.inf))
+    rec.metric("batch_sizes_worst_ratio", worst)
+    rec.check_le("batch_sizes", worst, 1.0, f"each of the {B} rows run alone (B=1) vs inside the batch (B={B}): "
+                 "max diff / same-dtype noise limit", evidence={"x": x, "padding_mask": pm})
+
+    worst, parts = 0.0, []
+    for h in s.head_counts:
+        module_h = build(ctx.impl, s.d_model, h, s.causal, s.dropout, ctx.device, ctx.dtype, ctx.state())
+        with torch.no_grad():
+            out_h, _ = call(module_h, ctx.x, ctx.pm_arg)
+            c = compare(out_h, ctx.reference(ctx.x, h, ctx.mask), ctx.plain(ctx.x, h, s.causal, ctx.pm_arg),
+                        ctx.dtype, ctx.valid)
+        rec.metric("max_abs_err", c.err, comparison="module_vs_sdpa", n_heads=h,
+                   dtype=str(ctx.dtype).removeprefix("torch."))
+        parts.append(f"H={h}: {c.err:.3g} (limit {c.threshold:.3g})")
+        worst = max(worst, c.ratio)
+    rec.check_le("head_counts", worst, 1.0, "the same weights with other head counts vs SDPA with that many heads "
+                 "(err/limit): " + "; ".join(parts), evidence=ctx.evidence())
+
+
+@dataclass
+class DropoutReadout:
+    """A train-mode forward whose output reveals each attention weight after dropout (see dropout_readout)."""
+
+    values: torch.Tensor  # (n,) observed weight·mask/(1-p) for every visible (query, key) sample
+    expected_kept: torch.Tensor  # (n,) w/(1-p): what a kept weight must read
+
+
+def dropout_readout(module: nn.Module, p: float, causal: bool, d_model: int, samples: int,
+                    device: torch.device, dtype: torch.dtype) -> DropoutReadout:
+    """Make the module's output spell out its dropout mask: W_q = W_k = 0 (so every visible key gets weight
+    1/n_visible), W_v = W_out = I and token j = one-hot e_j, so output[b, i, j] = mask_ij · w_ij / (1 - p)."""
+    T = min(d_model, 64)
+    with torch.no_grad():
+        w = torch.zeros(3 * d_model, d_model, device=device, dtype=dtype)
+        w[2 * d_model:] = torch.eye(d_model, device=device, dtype=dtype)
+        module.qkv.weight.copy_(w)
+        module.out.weight.copy_(torch.eye(d_model, device=device, dtype=dtype))
+    visible = torch.ones(T, T, dtype=torch.bool).tril() if causal else torch.ones(T, T, dtype=torch.bool)
+    per_row = int(visible.sum())
+    B = max(1, math.ceil(samples / per_row))
+    x = torch.zeros(B, T, d_model, device=device, dtype=dtype)
+    x[:, torch.arange(T), torch.arange(T)] = 1.0  # token j = e_j
+    module.train()
+    with torch.no_grad():
+        out, _ = call(module, x, None)  # (B,T,D)
+    module.eval()
+    weight = 1.0 / visible.sum(dim=1, keepdim=True).double().expand(T, T)  # (T,T) 1/n_visible
+    vals = out[:, :, :T].detach().double().cpu()[:, visible]  # (B, n_vis)
+    expected = (weight[visible] / (1 - p)).expand(B, -1)
+    return DropoutReadout(vals.reshape(-1), expected.reshape(-1))
+
+
+def check_dropout(ctx: Ctx) -> None:
+    """10. attention dropout: eval = no dropout exactly; train drops a fraction p (±0.01), scales kept by
+    1/(1-p); the same seed gives the same mask, the next call a new one."""
+    s, rec = ctx.s, ctx.rec
+    p = s.dropout
+    no_drop = build(ctx.impl, s.d_model, s.n_heads, s.causal, 0.0, ctx.device, ctx.dtype, ctx.state())
+    with torch.no_grad():
+        out_p, _ = call(ctx.module, ctx.x, ctx.pm_arg)  # ctx.module has dropout p, eval mode
+        out_0, _ = call(no_drop, ctx.x, ctx.pm_arg)
+    diff = max_abs_err(out_p, out_0, ctx.valid)
+    rec.check_le("dropout_eval_identity", diff, 0.0, f"eval-mode output with dropout={p} vs dropout=0: max diff "
+                 f"{diff:.3g} (must be exactly 0)", evidence=ctx.evidence(out_dropout=out_p, out_no_dropout=out_0))
+
+    probe = build(ctx.impl, s.d_model, s.n_heads, s.causal, p, ctx.device, ctx.dtype)
+    torch.manual_seed(s.dropout_samples + 7)
+    r1 = dropout_readout(probe, p, s.causal, s.d_model, s.dropout_samples, ctx.device, ctx.dtype)
+    dropped = r1.values == 0
+    rate = float(dropped.double().mean())
+    rec.metric("dropout_rate", rate, p=p)
+    rec.check_le("dropout_rate", abs(rate - p), 0.01,
+                 f"dropped fraction {rate:.4f} of {r1.values.numel()} attention weights vs p={p} (|diff| <= 0.01)")
+    kept = ~dropped
+    if bool(kept.any()):
+        scale_err = float(((r1.values[kept] - r1.expected_kept[kept]).abs() / r1.expected_kept[kept]).max())
+    else:
+        scale_err = math.inf
+    eps = torch.finfo(ctx.dtype).eps
+    rec.metric("dropout_kept_scale_rel_err", scale_err)
+    mean_ratio = float((r1.values / (r1.expected_kept * (1 - p))).mean())  # E[w_dropped]/w: 1 if unbiased
+    rec.metric("dropout_mean_weight_ratio", mean_ratio)
+    rec.check_le("dropout_scale", scale_err, 4 * eps,
+                 f"kept weights vs w/(1-p): max rel deviation {scale_err:.3g} (limit 4·eps); mean of the dropped-out "
+                 f"weights / w = {mean_ratio:.4f} (1 = expectation preserved)")
+    torch.manual_seed(rec.seed + 1)
+    m1 = dropout_readout(probe, p, s.causal, s.d_model, s.dropout_samples, ctx.device, ctx.dtype).values == 0
+    m_next = dropout_readout(probe, p, s.causal, s.d_model, s.dropout_samples, ctx.device, ctx.dtype).values == 0
+    torch.manual_seed(rec.seed + 1)
+    m2 = dropout_readout(probe, p, s.causal, s.d_model, s.dropout_samples, ctx.device, ctx.dtype).values == 0
+    differ_same_seed = float((m1 != m2).double().mean())
+    differ_next_call = float((m1 != m_next).double().mean())
+    rec.metric("dropout_mask_diff_same_seed", differ_same_seed)
+    rec.metric("dropout_mask_diff_next_call", differ_next_call)
+    rec.check("dropout_seed", differ_same_seed == 0.0 and differ_next_call > 0.0, differ_same_seed, 0.0,
+              f"torch.manual_seed twice -> masks differ in {differ_same_seed:.4f} of entries (must be 0); "
+              f"the next call without reseeding differs in {differ_next_call:.4f} (must be > 0)")
+
+
+# ============================================================================================== plot
+def attention_heatmap(attn: torch.Tensor, visible: torch.Tensor, b: int, h: int, title: str) -> Any:
+    """Weights of batch row b, head h; hidden (query, key) pairs marked with a red x, so a leak shows as
+    colour under a cross."""
+    from matplotlib.figure import Figure
+
+    w = attn[b, h].detach().double().cpu().numpy()
+    vis = visible.cpu().numpy()
+    fig = Figure(figsize=(5.5, 4.5))
+    ax = fig.subplots()
+    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=max(1e-12, float(abs(w[vis]).max()) if vis.any() else 1.0))
+    fig.colorbar(im, ax=ax, label="attention weight")
+    qi, kj = (~vis).nonzero()
+    ax.scatter(kj, qi, marker="x", color="red", s=30, label="hidden (must be 0)")
+    ax.set_xlabel("key position j")
+    ax.set_ylabel("query position i")
+    ax.set_title(title)
+    if len(qi):
+        ax.legend(loc="upper right", fontsize=7)
+    return fig
+
+
+# =============================================================================================== run
+def _padded_row(pm: torch.Tensor) -> int:
+    rows = (~pm).any(dim=1).nonzero()
+    return int(rows[0]) if len(rows) else 0
+
+
+def run(cfg: DictConfig, rec: Recorder) -> None:
+    s = settings_from_cfg(cfg)
+    device, dtype = rec.device, rec.dtype
+    chunked_fn = load_object(s.chunked_impl, "chunked.impl")
+    if not callable(chunked_fn):
+        raise BadInput(f"chunked.impl={s.chunked_impl!r} is not callable: point it at a function "
+                       "(q, k, v, *, causal, key_padding_mask, block_size) -> out")
+    refuse_if_too_big(s, device, dtype)
+    rec.note(f"mode={s.mode}; impl={s.impl}; reference = SDPA in {str(reference_dtype(dtype)).removeprefix('torch.')}")
+    if device.type == "cpu":
+        rec.note("peak memory measured with torch.profiler(profile_memory=True): CPU allocator allocations/frees")
+    if s.mode == "chunked":
+        ctx = Ctx(s, rec, None, None, None, None, None, None, device, dtype, chunked_fn)  # type: ignore[arg-type]
+        guarded(ctx, ["chunked_match_large", "chunked_memory"],
+                lambda c: chunked_probe(c, s.B, s.n_heads, s.T, s.d_head, dtype, s.probe_block_size,
+                                        measure_naive=False))
+        _summary(rec, s, dtype)
+        return
+
+    impl = load_impl(s.impl)
+    module = build(impl, s.d_model, s.n_heads, s.causal, s.dropout, device, dtype)
+    x = torch.randn(s.B, s.T, s.d_model, device=device).to(dtype)  # (B,T,D)
+    padding_mask = padding_mask_from_lengths(s.lengths, s.T, device=device)  # (B,T)
+    pm_arg = None if bool(padding_mask.all()) else padding_mask
+    mask = combine_masks(s.T, s.T, s.causal, pm_arg, device=device)
+    valid = visible_queries(mask, s.B, s.T)
+    if not bool(valid.all()):
+        rec.note(f"{int((~valid).sum())} query rows of the main case see no key (length 0 rows): excluded from "
+                 "comparisons (policy)")
+    ctx = Ctx(s, rec, impl, module, x, padding_mask, mask, valid, device, dtype, chunked_fn)
+
+    guarded(ctx, ["shapes"], check_shapes)  # always: it runs the main forward the other checks read
+    run_group = set(s.groups)
+    if "masks" in run_group:
+        guarded(ctx, ["row_sums"] + (["causal_zero"] if s.causal else [])
+                + (["padding_zero"] if not bool(padding_mask.all()) else []), check_rows_and_masks)
+    if "sdpa" in run_group:
+        guarded(ctx, ["sdpa_match"], check_sdpa)
+    if "fully_masked" in run_group:
+        guarded(ctx, ["fully_masked_rows"], check_fully_masked)
+    if "gradients" in run_group:
+        guarded(ctx, ["gradcheck", "grad_match"], check_gradients)
+    if "kv_cache" in run_group:
+        if impl.takes_cache:
+            guarded(ctx, ["kv_cache_decode"], check_kv_cache)
+        else:
+            rec.note("kv_cache_decode not run: the module's forward takes no `cache` argument")
+    if "chunked" in run_group:
+        guarded(ctx, ["chunked_match", "chunked_match_large", "chunked_memory"], check_chunked)
+    if "invariances" in run_group:
+        guarded(ctx, ["batch_independence", "batch_sizes", "head_counts"], check_invariances)
+    if "dropout" in run_group:
+        if s.dropout > 0 and impl.takes_dropout:
+            guarded(ctx, ["dropout_eval_identity", "dropout_rate", "dropout_scale", "dropout_seed"], check_dropout)
+        else:
+            rec.note("dropout checks not run: " + ("dropout=0" if s.dropout == 0 else "__init__ takes no `dropout`"))
+    skipped = [g for g in GROUPS if g not in run_group]
+    if skipped:
+        rec.note(f"check groups not run (checks=...): {', '.join(skipped)}")
+
+    if ctx.attn is not None and ctx.attn.dim() == 4:
+        b = _padded_row(padding_mask)
+        vis = torch.ones(s.T, s.T, dtype=torch.bool) if mask is None else mask.expand(s.B, 1, s.T, s.T)[b, 0].cpu()
+        rec.plot("attention_heatmap", attention_heatmap(
+            ctx.attn, vis, b, 0, f"{impl.cls.__name__}: batch row {b} (length {s.lengths[b]}), head 0"))
+    _summary(rec, s, dtype)
+
+
+def _summary(rec: Recorder, s: Settings, dtype: torch.dtype) -> None:
+    table = Table(title=f"attn-check: {s.impl if s.mode == 'full' else 'chunked path'} "
+                        f"({str(dtype).removeprefix('torch.')})")
+    for col in ("check", "passed", "observed", "threshold"):
+        table.add_column(col)
+    lines = ["| check | passed | observed | threshold | detail |", "|---|---|---|---|---|"]
+    for c in rec.checks_rows:
+        obs = "" if c.observed is None else f"{c.observed:.3g}"
+        thr = "" if c.threshold is None else f"{c.threshold:.3g}"
+        table.add_row(c.check, "yes" if c.passed else "NO", obs, thr, style=None if c.passed else "red")
+        lines.append(f"| {c.check} | {'yes' if c.passed else '**NO**'} | {obs} | {thr} | {c.detail} |")
+    rec.print(table)
+    rec.summary(f"### attn-check: `{s.impl}`, mode={s.mode}, {str(dtype).removeprefix('torch.')}, B={s.B}, T={s.T}, "
+                f"D={s.d_model}, H={s.n_heads}, causal={s.causal}, lengths={s.lengths}, dropout={s.dropout}\n\n"
+                + "\n".join(lines))

@@ -1,0 +1,218 @@
+"""tfmoe attn-check: the battery passes correct modules and flags each planted bug by the check's name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tfmoe.errors import BadInput
+from tfmoe.testing import run_cli, run_recorded
+
+# Small probe sizes keep each battery run to a second or two; the defaults are exercised by the CLI test.
+# At T=256 the O(T·Dh) terms weigh more against the naive T², hence a looser memory ratio than the default 0.1
+# (a chunked path that materialises the scores still reads > 1).
+FAST = ["chunked.probe_T=256", "chunked.probe_block_size=16", "chunked.timing_repeats=1", "dropout_samples=20000",
+        "gradcheck_T=2", "chunked.memory_ratio_max=0.35"]
+ALL_CHECKS = {"shapes", "row_sums", "causal_zero", "padding_zero", "sdpa_match", "fully_masked_rows", "gradcheck",
+              "grad_match", "kv_cache_decode", "chunked_match", "chunked_match_large", "chunked_memory",
+              "batch_independence", "batch_sizes", "head_counts", "dropout_eval_identity", "dropout_rate",
+              "dropout_scale", "dropout_seed"}
+
+
+GROUP_OF = {"row_sums": "masks", "causal_zero": "masks", "padding_zero": "masks", "sdpa_match": "sdpa",
+            "fully_masked_rows": "fully_masked", "gradcheck": "gradients", "grad_match": "gradients",
+            "kv_cache_decode": "kv_cache", "chunked_match": "chunked", "chunked_match_large": "chunked",
+            "chunked_memory": "chunked", "batch_independence": "invariances", "batch_sizes": "invariances",
+            "head_counts": "invariances", "dropout_eval_identity": "dropout", "dropout_rate": "dropout",
+            "dropout_scale": "dropout", "dropout_seed": "dropout"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: on 2 shared cores OpenMP's thread hand-offs cost more than the maths."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def battery(*overrides: str):
+    rec = run_recorded("attn-check", [*FAST, *overrides])
+    return {c.check: c for c in rec.checks_rows}, rec
+
+
+def failed(checks) -> set[str]:
+    return {name for name, c in checks.items() if not c.passed}
+
+
+# ------------------------------------------------------------------------------------------- correct
+def test_course_module_passes_every_check():
+    checks, rec = battery()
+    assert set(checks) == ALL_CHECKS
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    assert checks["sdpa_match"].observed < 1e-6  # fp32 vs fp64 SDPA: tight
+    assert any("SDPA -> zeros" in n for n in rec.notes)
+
+
+def test_mha_wrapper_written_differently_passes():
+    checks, rec = battery("impl=buggy_attention:MHAWrapper")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    assert "kv_cache_decode" not in checks  # its forward takes no cache: said so, not faked
+    assert any("kv_cache_decode not run" in n for n in rec.notes)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp64"])
+def test_course_module_passes_in_every_cpu_dtype(dtype):
+    checks, _ = battery(f"dtype={dtype}")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+
+
+def test_non_causal_full_rows_skip_the_mask_checks():
+    checks, _ = battery("causal=false", "lengths=[4,4]", "dropout=0")
+    assert "causal_zero" not in checks and "padding_zero" not in checks
+    assert failed(checks) == set()
+
+
+def test_same_seed_is_bit_identical():
+    _, a = battery("checks=[masks]", "seed=3")
+    _, b = battery("checks=[masks]", "seed=3")
+    for name in ("x", "w_qkv", "attn", "out"):
+        assert torch.equal(a.tensors_saved[name], b.tensors_saved[name]), name
+
+
+# ------------------------------------------------------------------------------------- planted bugs
+PLANTED = [  # (impl or chunked impl override, extra overrides, the check that must fail)
+    ("impl=buggy_attention:WrongSoftmaxAxis", [], "row_sums"),
+    ("impl=buggy_attention:ScaleByDModel", [], "sdpa_match"),
+    ("impl=buggy_attention:CausalOffByOne", [], "causal_zero"),
+    ("impl=buggy_attention:PaddingOnQueries", ["causal=false"], "padding_zero"),
+    ("impl=buggy_attention:MissingTransposeMerge", [], "sdpa_match"),
+    ("impl=buggy_attention:HeadAveragedWeights", [], "shapes"),
+    ("impl=buggy_attention:NaiveMHAWrapper", [], "fully_masked_rows"),
+    ("impl=buggy_attention:WrongSoftmaxBackward", [], "gradcheck"),
+    ("impl=buggy_attention:WrongSoftmaxBackward", [], "grad_match"),
+    ("impl=buggy_attention:CacheWithoutOffset", [], "kv_cache_decode"),
+    ("impl=buggy_attention:GlobalMaxSoftmax", [], "batch_independence"),
+    ("impl=buggy_attention:RepeatMaskBug", [], "batch_sizes"),
+    ("impl=buggy_attention:ScaleByDModel", ["n_heads=1"], "head_counts"),
+    ("impl=buggy_attention:Bf16Internal", ["dtype=fp16"], "sdpa_match"),
+    ("impl=buggy_attention:DropoutAlwaysOn", [], "dropout_eval_identity"),
+    ("impl=buggy_attention:DropoutNoRescale", [], "dropout_scale"),
+    ("impl=buggy_attention:DropoutKeepProb", [], "dropout_rate"),
+    ("impl=buggy_attention:DropoutNumpyRNG", [], "dropout_seed"),
+    ("chunked.impl=buggy_attention:chunked_no_rescale", [], "chunked_match"),
+    ("chunked.impl=buggy_attention:chunked_no_rescale", [], "chunked_match_large"),
+    ("chunked.impl=buggy_attention:chunked_materialized", [], "chunked_memory"),
+]
+
+
+@pytest.mark.parametrize(("impl", "extra", "check"), PLANTED, ids=[f"{p[0].split(':')[1]}-{p[2]}" for p in PLANTED])
+def test_planted_bug_fails_its_check(impl, extra, check):
+    """Each check proven able to fail: run its group on a module (or chunked kernel) with one real bug."""
+    group = "shapes" if check == "shapes" else GROUP_OF[check]
+    checks, _ = battery(impl, *extra, f"checks=[{'masks' if group == 'shapes' else group}]")
+    assert check in checks, f"{check} was not run"
+    assert not checks[check].passed, f"{impl} passed {check}: {checks[check].detail}"
+
+
+@pytest.mark.parametrize("bug", ["WrongSoftmaxAxis", "ScaleByDModel", "CausalOffByOne", "PaddingOnQueries",
+                                 "MissingTransposeMerge", "HeadAveragedWeights", "NaiveMHAWrapper", "GlobalMaxSoftmax",
+                                 "RepeatMaskBug"])
+def test_whole_default_battery_flags_the_bug(bug):
+    """The default (causal, one padded row) battery catches every forward bug, whichever checks name it."""
+    checks, _ = battery(f"impl=buggy_attention:{bug}", "checks=[masks,sdpa,fully_masked,invariances]")
+    assert failed(checks), f"{bug} passed everything"
+
+
+def test_padding_on_queries_in_the_default_causal_case():
+    # causal + right padding: padded keys are visible only to padded queries, which the bug blanks out, so
+    # padding_zero cannot see it there (test above uses causal=false); the blanked rows fail row_sums instead
+    checks, _ = battery("impl=buggy_attention:PaddingOnQueries", "checks=[masks,sdpa]")
+    assert checks["padding_zero"].passed and not checks["row_sums"].passed and not checks["sdpa_match"].passed
+
+
+def test_scale_bug_hides_at_one_head_but_head_counts_catches_it():
+    checks, _ = battery("impl=buggy_attention:ScaleByDModel", "n_heads=1", "dropout=0")
+    assert checks["sdpa_match"].passed  # sqrt(d_model) == sqrt(d_head) when H = 1 ...
+    assert not checks["head_counts"].passed  # ... which is why the battery also varies H
+
+
+def test_failed_check_saves_its_failing_inputs():
+    _, rec = battery("impl=buggy_attention:CausalOffByOne", "checks=[masks]")
+    assert {"failing.causal_zero.x", "failing.causal_zero.attn"} <= set(rec.tensors_saved)
+
+
+def test_module_that_raises_fails_its_checks_instead_of_crashing():
+    checks, rec = battery("impl=buggy_attention:NoPaddingSupport", "checks=[masks,sdpa]")
+    assert not checks["shapes"].passed and "raised NotImplementedError" in checks["shapes"].detail
+    assert not checks["row_sums"].passed and any("NotImplementedError" in n for n in rec.notes)
+
+
+# -------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    (["d_model=10", "n_heads=3"], "not divisible"),
+    (["T=0"], "T=0"),
+    (["lengths=[4,5]"], "outside 0..T"),
+    (["lengths=[4]"], "1 entries but B=2"),
+    (["impl=no_such_pkg.mod:Attn"], "cannot import"),
+    (["impl=buggy_attention:Missing"], "has no"),
+    (["impl=buggy_attention:NOT_A_MODULE"], "not a torch.nn.Module"),
+    (["impl=buggy_attention:chunked_no_rescale"], "not a torch.nn.Module"),
+    (["impl=buggy_attention:NoPaddingArg"], "padding_mask"),
+    (["impl=noColon"], "python.module:Name"),
+    (["T=1000000"], "mode=chunked"),
+    (["dropout=1.5"], "dropout"),
+    (["chunked.impl=buggy_attention:NOT_A_MODULE"], "not callable"),
+    (["mode=fast"], "mode"),
+    (["checks=[masks,speed]"], "unknown groups"),
+])
+def test_bad_input_is_refused_with_the_fix(overrides, fragment):
+    with pytest.raises(BadInput, match=fragment) as err:
+        run_recorded("attn-check", overrides)
+    assert ":" in str(err.value) and "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def test_cli_default_run_exit_0_and_run_directory(tmp_path):
+    from tfmoe.notebook import load_run
+
+    res = run_cli(["attn-check"], tmp_path)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert "attention shapes" in res.stdout and "(2, 2, 4, 4)" in res.stdout
+    run = load_run(res.run_dir)
+    assert run.checks["passed"].all() and set(run.checks["check"]) == ALL_CHECKS
+    tensors = run.tensors
+    assert tuple(tensors["x"].shape) == (2, 4, 8) and tuple(tensors["attn"].shape) == (2, 2, 4, 4)
+    assert tuple(tensors["w_qkv"].shape) == (24, 8) and tuple(tensors["w_out"].shape) == (8, 8)
+    assert tensors["padding_mask"].dtype == torch.bool and not bool(tensors["padding_mask"].all())
+    assert (res.run_dir / "attention_heatmap.png").exists()
+    assert {"naive", "chunked", "sdpa"} <= set(run.metrics.loc[run.metrics["name"] == "peak_mem_bytes", "variant"])
+
+
+def test_cli_flags_a_bug_with_exit_1_and_names_the_check(tmp_path):
+    res = run_cli(["attn-check", "impl=buggy_attention:MissingTransposeMerge", *FAST], tmp_path)
+    assert res.exit_code == 1, res.stdout + res.stderr
+    assert "check(s) failed" in res.stderr and "sdpa_match" in res.stderr
+
+
+def test_cli_bad_input_exit_2_one_line(tmp_path):
+    res = run_cli(["attn-check", "d_model=10", "n_heads=3"], tmp_path)
+    assert res.exit_code == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "divisible" in lines[0]
+
+
+def test_chunked_mode_runs_without_the_naive_path():
+    rec = run_recorded("attn-check", ["mode=chunked", "T=512", "B=1", "n_heads=2", "d_model=64",
+                                      "chunked.probe_block_size=16"])
+    checks = {c.check: c for c in rec.checks_rows}
+    assert set(checks) == {"chunked_match_large", "chunked_memory"} and all(c.passed for c in checks.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_cuda_battery_passes(dtype):
+    checks, rec = battery("device=cuda", f"dtype={dtype}")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    assert any(r["device_ms"] is not None for r in rec.timings_rows)  # CUDA events
