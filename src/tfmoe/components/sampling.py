@@ -145,11 +145,12 @@ class BeamResult:
 @torch.no_grad()
 def beam_search(model: torch.nn.Module, prompt: torch.Tensor, beam_width: int, max_new_tokens: int,
                 eos_id: int | None = None, length_penalty: float = 0.0) -> BeamResult:
-    """Beam search for one prompt (1,T0). Each step expands every live beam by every token and keeps
-    the ``beam_width`` best candidates by total log-probability; candidates ending in EOS leave the beam
-    as finished hypotheses. Stops when no beam is live, after ``max_new_tokens``, or (length_penalty 0)
-    when the best finished score beats every live beam (log-probs only decrease, so it cannot be beaten).
-    Ranking uses logprob / n_new**length_penalty. With width 1 this is greedy decoding.
+    """Beam search for one prompt (1,T0), in the Hugging Face layout. Each step expands every live beam by
+    every token and ranks the candidates by total log-probability; an EOS candidate ranked within the top
+    ``beam_width`` becomes a finished hypothesis, and the best ``beam_width`` non-EOS candidates stay live
+    (so the beam stays full). Stops after ``max_new_tokens``, or (length_penalty 0) as soon as the best
+    finished score is >= every live score (log-probs only decrease, so it can no longer be beaten).
+    Final ranking uses logprob / n_new**length_penalty. With width 1 and length_penalty 0 this is greedy.
     Beams are re-run without a cache each step (simple, and cheap at this size)."""
     if beam_width < 1:
         raise ValueError(f"beam_width={beam_width} is below 1: pass beam_width >= 1")
@@ -170,14 +171,15 @@ def beam_search(model: torch.nn.Module, prompt: torch.Tensor, beam_width: int, m
         logp = torch.log_softmax(logits, dim=-1).double()
         V = logp.shape[-1]
         cand = (beam_lp[:, None] + logp).reshape(-1)  # (W_live*V,)
-        top = torch.topk(cand, min(beam_width, cand.numel()))
+        top = torch.topk(cand, min(2 * beam_width, cand.numel()))  # enough to refill the beam past EOS
         next_beams, next_lp = [], []
-        for score, flat in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+        for rank, (score, flat) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True)):
             b, tok = divmod(flat, V)
             seq = torch.cat([beams[b], torch.tensor([tok], device=beams.device)])
             if eos_id is not None and tok == eos_id:
-                finished.append((norm(score, step + 1), score, seq))
-            else:
+                if rank < beam_width:
+                    finished.append((norm(score, step + 1), score, seq))
+            elif len(next_beams) < beam_width:
                 next_beams.append(seq)
                 next_lp.append(score)
         if not next_beams:
