@@ -92,7 +92,7 @@ def test_fake_ok_run_writes_the_whole_contract(fake_experiment) -> None:
     timings = pd.read_parquet(run_dir / "timings.parquet")
     assert timings.iloc[0]["stage"] == "sum" and timings.iloc[0]["wall_ms"] > 0
     checks = pd.read_parquet(run_dir / "checks.parquet")
-    assert checks.dtypes["passed"] == bool and checks["passed"].all()
+    assert checks.dtypes["passed"] is pd.api.types.pandas_dtype(bool) and checks["passed"].all()
 
 
 @pytest.mark.parametrize(("mode", "code", "status"), [("fail_check", 1, "failed"), ("bad_input", 2, "error"),
@@ -171,3 +171,12 @@ def test_diff_ignores_measured_metrics_and_timings_but_not_results(fake_experime
     assert bool(speed["measured"]) and not bool(speed["differs"])
     assert reports.diff(str(a), str(b), Path("runs"), False, False, "json") == 0
     assert reports.diff(str(a), str(c), Path("runs"), False, False, "json") == 1  # a different seed moves results
+
+
+def test_integer_tags_missing_in_some_rows_stay_integers(tmp_path: Path) -> None:
+    df = notebook.metrics_frame([{"name": "tokens", "value": 3, "sample": 0}, {"name": "total", "value": 9},
+                                 {"name": "tokens", "value": 4, "sample": 1, "step": 2}])
+    notebook.write_parquet(df, tmp_path / "m.parquet")
+    back = pd.read_parquet(tmp_path / "m.parquet")
+    assert str(back["sample"].dtype) == "Int64" and back["sample"].tolist()[0] == 0 and pd.isna(back["sample"][1])
+    assert str(back["step"].dtype) == "Int64"

@@ -95,8 +95,12 @@ def metrics_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     if df.empty:
         df = pd.DataFrame({"name": pd.Series(dtype="string"), "value": pd.Series(dtype="float64")})
     df["value"] = df["value"].astype("float64")
-    if "step" in df.columns:
-        df["step"] = df["step"].astype("Int64")
+    for col in df.columns:  # integer tags missing in some rows stay integers (nullable), not floats
+        if col in ("name", "value"):
+            continue
+        present = [r[col] for r in rows if r.get(col) is not None]
+        if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+            df[col] = pd.array([r.get(col) for r in rows], dtype="Int64")
     return df[[c for c in METRICS_BASE if c in df.columns] + [c for c in df.columns if c not in METRICS_BASE]]
 
 
