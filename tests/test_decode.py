@@ -470,3 +470,16 @@ def test_same_seed_gives_identical_results():
     args = [*SMALL, "train_steps=15", "timing_lengths=[]", "chi2_draws=500"]
     a, b = run_recorded("decode", args), run_recorded("decode", args)
     assert [r["value"] for r in a.metrics_rows] == [r["value"] for r in b.metrics_rows]
+
+
+def test_low_precision_tolerance_is_twice_the_same_dtype_error(lab):
+    s, _, stream, model, _, _ = lab
+    seq = stream[-30:][None]
+    lowp = copy.deepcopy(model).to(torch.bfloat16)
+    tol = decode.low_precision_tol(s, lowp, model, seq)
+    err = float((lowp(seq).double() - model(seq).double()).abs().max())
+    assert tol == pytest.approx(max(2 * err, decode.logit_tol(s, torch.float32, model(seq))))
+    assert 0 < tol < decode.logit_tol(s, torch.bfloat16, model(seq))  # tighter than 64 bf16 ulps
+    rec = make_rec()
+    decode.check_parallel_vs_serial(rec, lowp, seq, s, torch.bfloat16, tol)
+    assert rec.all_passed
