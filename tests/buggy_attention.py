@@ -15,6 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 -> fp32 for the softmax; fp32/fp64 unchanged."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 class PlainMHA(nn.Module):
     """Textbook multi-head self-attention with the course's interface; each step is a method to override."""
 
@@ -43,7 +48,7 @@ class PlainMHA(nn.Module):
         return vis
 
     def normalize(self, scores: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
-        w = scores.float().masked_fill(~vis, float("-inf")).softmax(dim=-1)
+        w = _up(scores).masked_fill(~vis, float("-inf")).softmax(dim=-1)
         return torch.where(vis.any(dim=-1, keepdim=True), w, torch.zeros_like(w))  # fully masked rows -> 0
 
     def drop(self, w: torch.Tensor) -> torch.Tensor:
@@ -78,7 +83,7 @@ class WrongSoftmaxAxis(PlainMHA):
     """softmax over the queries (dim=-2) instead of the keys."""
 
     def normalize(self, scores, vis):
-        w = scores.float().masked_fill(~vis, float("-inf")).softmax(dim=-2)
+        w = _up(scores).masked_fill(~vis, float("-inf")).softmax(dim=-2)
         return torch.nan_to_num(w)
 
 
@@ -120,6 +125,14 @@ class MissingTransposeMerge(PlainMHA):
 
 
 # ----------------------------------------------------------------------------- one bug per other check
+class DowncastToFp32(PlainMHA):
+    """softmax "in fp32" written as .float(): an fp64 module silently computes in fp32 (tfmoe's own
+    MultiHeadSelfAttention had this bug until attn-check's gradcheck caught it)."""
+
+    def normalize(self, scores, vis):
+        return PlainMHA.normalize(self, scores.float(), vis)
+
+
 class HeadAveragedWeights(PlainMHA):
     """returns weights averaged over heads (B,T,T), nn.MultiheadAttention's default average_attn_weights=True."""
 
@@ -146,7 +159,7 @@ class WrongSoftmaxBackward(PlainMHA):
     """correct forward, wrong custom backward: only the gradient checks can see it."""
 
     def normalize(self, scores, vis):
-        w = _BadSoftmax.apply(scores.float().masked_fill(~vis, float("-inf")))
+        w = _BadSoftmax.apply(_up(scores).masked_fill(~vis, float("-inf")))
         return torch.where(vis.any(dim=-1, keepdim=True), w, torch.zeros_like(w))
 
 
@@ -161,7 +174,7 @@ class GlobalMaxSoftmax(PlainMHA):
     """'stable' softmax subtracting the max over the whole batch, not per row: other rows' scale leaks in."""
 
     def normalize(self, scores, vis):
-        s = scores.float().masked_fill(~vis, float("-inf"))
+        s = _up(scores).masked_fill(~vis, float("-inf"))
         e = torch.exp(s - s.max())  # global max
         w = e / e.sum(dim=-1, keepdim=True)
         return torch.where(vis.any(dim=-1, keepdim=True), w, torch.zeros_like(w))
@@ -180,7 +193,7 @@ class RepeatMaskBug(PlainMHA):
             vis = vis & torch.ones(T, T, dtype=torch.bool).tril()
         if padding_mask is not None:
             vis = vis & padding_mask.bool()[:, None, :].repeat(self.n_heads, 1, 1)  # bug: repeat_interleave(H, 0)
-        w = scores.float().masked_fill(~vis, float("-inf")).softmax(dim=-1)
+        w = _up(scores).masked_fill(~vis, float("-inf")).softmax(dim=-1)
         w = torch.where(vis.any(dim=-1, keepdim=True), w, torch.zeros_like(w))
         ctx = torch.bmm(self.drop(w).to(v.dtype), v).view(B, self.n_heads, T, self.d_head)
         return self.out(self.merge(ctx)), w.view(B, self.n_heads, T, T)

@@ -54,6 +54,12 @@ def test_course_module_passes_every_check():
     assert any("SDPA -> zeros" in n for n in rec.notes)
 
 
+def test_plain_fixture_base_passes():
+    """The planted bugs' base class is correct: each bug class differs from it by one step."""
+    checks, _ = battery("impl=buggy_attention:PlainMHA", "dtype=fp64")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+
+
 def test_mha_wrapper_written_differently_passes():
     checks, rec = battery("impl=buggy_attention:MHAWrapper")
     assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
@@ -91,6 +97,8 @@ PLANTED = [  # (impl or chunked impl override, extra overrides, the check that m
     ("impl=buggy_attention:NaiveMHAWrapper", [], "fully_masked_rows"),
     ("impl=buggy_attention:WrongSoftmaxBackward", [], "gradcheck"),
     ("impl=buggy_attention:WrongSoftmaxBackward", [], "grad_match"),
+    ("impl=buggy_attention:DowncastToFp32", [], "gradcheck"),
+    ("impl=buggy_attention:DowncastToFp32", ["dtype=fp64"], "sdpa_match"),
     ("impl=buggy_attention:CacheWithoutOffset", [], "kv_cache_decode"),
     ("impl=buggy_attention:GlobalMaxSoftmax", [], "batch_independence"),
     ("impl=buggy_attention:RepeatMaskBug", [], "batch_sizes"),
