@@ -357,3 +357,13 @@ def test_same_seed_gives_identical_results():
     a, b = run_recorded("arch"), run_recorded("arch")
     assert [r["value"] for r in a.metrics_rows] == [r["value"] for r in b.metrics_rows]
     assert all(torch.equal(a.tensors_saved[k], b.tensors_saved[k]) for k in a.tensors_saved)
+
+
+def test_low_precision_run_measures_visibility_in_fp32():
+    """Regression: with dtype=bf16 the visible changes (~0.06) fell under the 16-ulp bf16 tolerance (0.2-0.3),
+    so every visibility matrix came out as the identity and all four checks failed."""
+    from tfmoe.testing import run_recorded
+
+    rec = run_recorded("arch", ["dtype=bf16"])
+    assert rec.all_passed, [c.check for c in rec.checks_rows if not c.passed]
+    assert rec.tensors_saved["visibility_encoder"].eq(1).all()
