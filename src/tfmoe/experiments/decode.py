@@ -271,7 +271,7 @@ def train_lm(rec: Recorder, s: DecodeSettings, train: torch.Tensor, V: int) -> T
 
 def logit_tol(s: DecodeSettings, dtype: torch.dtype, logits: torch.Tensor) -> float:
     """Tolerance for two computations of the same logits: logit_tol_eps · eps(dtype) · max(1, max|logit|)."""
-    return s.logit_tol_eps * float(torch.finfo(dtype).eps) * max(1.0, float(logits.abs().max()))
+    return s.logit_tol_eps * float(torch.finfo(dtype).eps) * max(1.0, float(logits.detach().abs().max()))
 
 
 def _mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
