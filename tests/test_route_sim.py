@@ -523,18 +523,24 @@ def test_cli_run_bad_input_and_interrupt(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_real_ctrl_c_stops_fast(tmp_path):
-    """A real SIGINT to a long run: exits 130 within 2 s with the steps done so far readable."""
+    """A real SIGINT to a long run: the loop stops and the records are written within a second, the process
+    exits 130 (interpreter teardown included) within a few, and the steps done so far are readable."""
     from tfmoe.notebook import find_runs, load_run
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "tfmoe.cli", "route-sim", "steps=100000"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tfmoe_bin = Path(sys.executable).with_name("tfmoe")
+    proc = subprocess.Popen([str(tfmoe_bin), "route-sim", "steps=100000"], cwd=tmp_path, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     time.sleep(12)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
+    stamped = [(time.monotonic() - t0, line) for line in proc.stdout]
     proc.wait(timeout=30)
-    assert time.monotonic() - t0 < 2.0
-    assert proc.returncode == 130, proc.stdout.read().decode()
+    total = time.monotonic() - t0
+    written = [t for t, line in stamped if "interrupted (exit 130)" in line]
+    assert proc.returncode == 130, "".join(line for _, line in stamped)
+    assert written and written[0] < 1.0, stamped[-5:]
+    assert total < 5.0
     run = load_run(tmp_path / find_runs(tmp_path / "runs")[-1])
     assert run.run["status"] == "interrupted"
     assert (run.metrics["name"] == "cv").sum() > 10

@@ -352,9 +352,9 @@ def _course_case(p: Params, rec: Recorder) -> CourseResult:
     for e in range(p.n_experts):
         kept_e = int(processed_sorted[e])
         table.add_row(str(e), str(int(load[e])), str(kept_e), str(int(load[e]) - kept_e))
-    table.caption = (f"CV {cv:.3f}   MaxVio {maxvio:.3f}   dropped {dropped}/{p.tokens * p.top_k}   "
-                     f"aux loss {balance:.5f} (balanced value {p.aux_loss_coef:g})")
     rec.print(table)
+    rec.print(f"CV {cv:.3f}   MaxVio {maxvio:.3f}   dropped {dropped}/{p.tokens * p.top_k}   "
+              f"aux loss {balance:.5f} (balanced value {p.aux_loss_coef:g})")
     rec.plot("course_loads", _course_plot(load, processed_sorted, capacity, p))
     return CourseResult(load, capacity, keep, processed_sorted, cv, maxvio,
                         dropped / (p.tokens * p.top_k), balance)
