@@ -105,10 +105,12 @@ def markdown_table(df: pd.DataFrame) -> str:
 def _cell(v: Any) -> str:
     if v is None or v is pd.NA or v is pd.NaT:
         return ""
+    if hasattr(v, "tolist"):  # numpy scalars and arrays
+        v = v.tolist()
     if isinstance(v, float):
         return "" if math.isnan(v) else f"{v:.6g}"
-    if isinstance(v, (list, tuple)) or hasattr(v, "tolist"):
-        return " ".join(map(str, list(v)))
+    if isinstance(v, (list, tuple)):
+        return " ".join(map(str, v))
     return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
 
 
