@@ -99,6 +99,9 @@ def params_from_cfg(cfg: DictConfig) -> Params:
         raise BadInput(f"top_k={top_k} is outside 1..n_experts={n_experts}: pass top_k between 1 and {n_experts}")
     cf = cfg.get("capacity_factor")
     if cf is not None:
+        if isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf <= 0:
+            raise BadInput(f"capacity_factor={cf} must be > 0: pass a positive factor (1.0 = exactly the mean "
+                           "load), or null for dropless routing")
         cf = _float(cfg, "capacity_factor", positive=True)
     strategies = cfg.get("strategies")
     if isinstance(strategies, str):
