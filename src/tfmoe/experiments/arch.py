@@ -33,6 +33,7 @@ from tfmoe.components.lm import sinusoidal_positions
 from tfmoe.components.positions import RoPESelfAttention
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder
+from tfmoe.validate import require_int, require_number
 
 
 @dataclass(frozen=True)
@@ -51,28 +52,18 @@ class ArchSettings:
     min_position_effect: float  # positions must move the permuted outputs by >= this (relative)
 
 
-def _int(cfg: DictConfig, key: str, lo: int) -> int:
-    v = cfg.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise BadInput(f"{key}={v!r} is not an integer >= {lo}: pass e.g. {key}={max(lo, 2)}")
-    return v
 
 
-def _pos_float(cfg: DictConfig, key: str) -> float:
-    v = cfg.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise BadInput(f"{key}={v!r} is not a positive number: pass a value > 0")
-    return float(v)
 
 
 def validate(cfg: DictConfig) -> ArchSettings:
     s = ArchSettings(
-        vocab_size=_int(cfg, "vocab_size", 2), d_model=_int(cfg, "d_model", 2), n_heads=_int(cfg, "n_heads", 1),
-        n_layers=_int(cfg, "n_layers", 1), n_classes=_int(cfg, "n_classes", 2),
-        batch_size=_int(cfg, "batch_size", 1), seq_len=_int(cfg, "seq_len", 2), tgt_len=_int(cfg, "tgt_len", 2),
-        rope=bool(cfg.get("rope", True)), visibility_tol_eps=_pos_float(cfg, "visibility_tol_eps"),
-        equivariance_tol_eps=_pos_float(cfg, "equivariance_tol_eps"),
-        min_position_effect=_pos_float(cfg, "min_position_effect"),
+        vocab_size=require_int(cfg, "vocab_size", 2), d_model=require_int(cfg, "d_model", 2), n_heads=require_int(cfg, "n_heads", 1),
+        n_layers=require_int(cfg, "n_layers", 1), n_classes=require_int(cfg, "n_classes", 2),
+        batch_size=require_int(cfg, "batch_size", 1), seq_len=require_int(cfg, "seq_len", 2), tgt_len=require_int(cfg, "tgt_len", 2),
+        rope=bool(cfg.get("rope", True)), visibility_tol_eps=require_number(cfg, "visibility_tol_eps", positive=True),
+        equivariance_tol_eps=require_number(cfg, "equivariance_tol_eps", positive=True),
+        min_position_effect=require_number(cfg, "min_position_effect", positive=True),
     )
     if s.d_model % s.n_heads:
         raise BadInput(f"d_model={s.d_model} is not divisible by n_heads={s.n_heads}: pick n_heads dividing d_model")

@@ -34,6 +34,7 @@ from tfmoe.components.chunked_attention import naive_attention, naive_attention_
 from tfmoe.components.masks import combine_masks, padding_mask_from_lengths, visible_queries
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder
+from tfmoe.validate import require_int
 
 MODES = ("full", "chunked")
 GROUPS = ("masks", "sdpa", "fully_masked", "gradients", "kv_cache", "chunked", "invariances", "dropout")
@@ -70,13 +71,6 @@ class Settings:
         return self.d_model // self.n_heads
 
 
-def _int(cfg: Any, key: str, minimum: int) -> int:
-    value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadInput(f"{key}={value!r} is not an integer: pass {key}=<integer >= {minimum}>")
-    if value < minimum:
-        raise BadInput(f"{key}={value} must be >= {minimum}: pass {key}=<integer >= {minimum}>")
-    return value
 
 
 def settings_from_cfg(cfg: DictConfig) -> Settings:
@@ -84,8 +78,8 @@ def settings_from_cfg(cfg: DictConfig) -> Settings:
     T = OmegaConf.select(cfg, "T")
     if isinstance(T, int) and not isinstance(T, bool) and T <= 0:
         raise BadInput(f"T={T} must be a positive sequence length: pass T=4 or any T >= 1")
-    B, T = _int(cfg, "B", 1), _int(cfg, "T", 1)
-    d_model, n_heads = _int(cfg, "d_model", 1), _int(cfg, "n_heads", 1)
+    B, T = require_int(cfg, "B", 1), require_int(cfg, "T", 1)
+    d_model, n_heads = require_int(cfg, "d_model", 1), require_int(cfg, "n_heads", 1)
     if d_model % n_heads != 0:
         raise BadInput(f"d_model={d_model} is not divisible by n_heads={n_heads}: every head gets d_model/n_heads "
                        f"dims; pick n_heads among {[h for h in range(1, d_model + 1) if d_model % h == 0]}")
@@ -124,7 +118,7 @@ def settings_from_cfg(cfg: DictConfig) -> Settings:
     ratio = OmegaConf.select(cfg, "chunked.memory_ratio_max")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio:
         raise BadInput(f"chunked.memory_ratio_max={ratio!r} must be a positive fraction, e.g. 0.1")
-    samples = _int(cfg, "dropout_samples", 1000)
+    samples = require_int(cfg, "dropout_samples", 1000)
     groups = cfg.get("checks", "all")
     if groups == "all" or groups is None:
         groups = GROUPS
@@ -135,12 +129,12 @@ def settings_from_cfg(cfg: DictConfig) -> Settings:
             raise BadInput(f"checks={groups} names unknown groups {unknown}: use all or a list from {list(GROUPS)}")
     return Settings(
         impl=cfg.impl, B=B, T=T, d_model=d_model, n_heads=n_heads, causal=causal, lengths=lengths,
-        dropout=float(dropout), mode=mode, head_counts=head_counts, gradcheck_T=_int(cfg, "gradcheck_T", 1),
+        dropout=float(dropout), mode=mode, head_counts=head_counts, gradcheck_T=require_int(cfg, "gradcheck_T", 1),
         dropout_samples=samples, chunked_impl=OmegaConf.select(cfg, "chunked.impl"),
-        block_size=_int(cfg, "chunked.block_size", 1), probe_T=_int(cfg, "chunked.probe_T", 1),
-        probe_heads=_int(cfg, "chunked.probe_heads", 1), probe_d_head=_int(cfg, "chunked.probe_d_head", 1),
-        probe_block_size=_int(cfg, "chunked.probe_block_size", 1), memory_ratio_max=float(ratio),
-        timing_repeats=_int(cfg, "chunked.timing_repeats", 1), groups=tuple(groups),
+        block_size=require_int(cfg, "chunked.block_size", 1), probe_T=require_int(cfg, "chunked.probe_T", 1),
+        probe_heads=require_int(cfg, "chunked.probe_heads", 1), probe_d_head=require_int(cfg, "chunked.probe_d_head", 1),
+        probe_block_size=require_int(cfg, "chunked.probe_block_size", 1), memory_ratio_max=float(ratio),
+        timing_repeats=require_int(cfg, "chunked.timing_repeats", 1), groups=tuple(groups),
     )
 
 

@@ -33,6 +33,7 @@ from rich.table import Table
 from tfmoe.components.block import TransformerBlock, TransformerStack, make_norm, xavier_init_
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder, within
+from tfmoe.validate import require_int
 
 STAGES = ("input", "norm1", "attn_out", "resid1", "norm2", "ffn_out", "resid2")
 STATS = ("mean", "std", "rms", "max_abs", "grad_norm")
@@ -75,11 +76,6 @@ def parse_variant(name: str) -> Variant:
     return Variant(str(name), parts[0], norm or "layernorm", ffn or "gelu")
 
 
-def _positive_int(cfg: DictConfig, key: str, minimum: int = 1) -> int:
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise BadInput(f"{key}={value!r} must be an integer >= {minimum}: pass e.g. {key}={max(minimum, 2)}")
-    return value
 
 
 def validate(cfg: DictConfig) -> list[Variant]:
@@ -96,13 +92,13 @@ def validate(cfg: DictConfig) -> list[Variant]:
     n_layers = cfg.get("n_layers")
     if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
         raise BadInput(f"n_layers={n_layers!r} must be an integer >= 1: pass e.g. n_layers=6")
-    d_model, n_heads = _positive_int(cfg, "d_model"), _positive_int(cfg, "n_heads")
+    d_model, n_heads = require_int(cfg, "d_model"), require_int(cfg, "n_heads")
     if d_model % n_heads != 0:
         raise BadInput(f"d_model={d_model} is not divisible by n_heads={n_heads}: pick n_heads dividing d_model "
                        f"(e.g. n_heads={max(h for h in range(1, n_heads + 1) if d_model % h == 0)})")
-    _positive_int(cfg, "vocab_size", 2)
-    _positive_int(cfg, "batch_size")
-    _positive_int(cfg, "seq_len", 2)
+    require_int(cfg, "vocab_size", 2)
+    require_int(cfg, "batch_size")
+    require_int(cfg, "seq_len", 2)
     eps = cfg.get("eps")
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0 or not math.isfinite(eps):
         raise BadInput(f"eps={eps!r} must be a number > 0: pass e.g. eps=1e-5")

@@ -28,6 +28,7 @@ from tfmoe.components.attention import KVCache
 from tfmoe.components.block import TransformerBlock
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder
+from tfmoe.validate import require_int
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 # Components timed per group: name -> the analytic FLOPs it performs (None: not a FLOP-bound op).
@@ -66,12 +67,6 @@ class Outcome:
 
 
 # ------------------------------------------------------------------------------------------ input
-def _positive_int(cfg: DictConfig, key: str, allow_zero: bool = False) -> int:
-    value = cfg.get(key)
-    low = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise BadInput(f"{key}={value!r} must be an integer >= {low}: pass e.g. {key}={max(low, 1)}")
-    return value
 
 
 def settings_from(cfg: DictConfig) -> Settings:
@@ -84,7 +79,7 @@ def settings_from(cfg: DictConfig) -> Settings:
     raw = [(T, D)] if T is not None else [tuple(g) for g in (cfg.get("groups") or [])]
     if not raw:
         raise BadInput("no (T, D) group to measure: pass T=... D=... or a non-empty groups list")
-    H = _positive_int(cfg, "n_heads")
+    H = require_int(cfg, "n_heads")
     groups: list[tuple[int, int]] = []
     for g in raw:
         if len(g) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in g):
@@ -100,8 +95,8 @@ def settings_from(cfg: DictConfig) -> Settings:
     d_ff = cfg.get("d_ff")
     if d_ff is not None and (isinstance(d_ff, bool) or not isinstance(d_ff, int) or d_ff <= 0):
         raise BadInput(f"d_ff={d_ff!r} must be a positive integer or null (= 4·D): pass e.g. d_ff=1024")
-    n_experts = _positive_int(cfg, "n_experts")
-    top_k = _positive_int(cfg, "top_k")
+    n_experts = require_int(cfg, "n_experts")
+    top_k = require_int(cfg, "top_k")
     if top_k > n_experts:
         raise BadInput(f"top_k={top_k} is larger than n_experts={n_experts}: pass top_k between 1 and {n_experts}")
     fraction = cfg.get("memory_fraction")
@@ -110,10 +105,10 @@ def settings_from(cfg: DictConfig) -> Settings:
     threads = cfg.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise BadInput(f"threads={threads!r} must be a positive integer or null (torch's default): pass threads=1")
-    return Settings(threads=threads, groups=groups, H=H, d_ff=d_ff, B=_positive_int(cfg, "B"), n_layers=_positive_int(cfg, "n_layers"),
-                    vocab=_positive_int(cfg, "vocab"), n_experts=n_experts, top_k=top_k,
-                    repeats=_positive_int(cfg, "repeats"), warmup=_positive_int(cfg, "warmup", allow_zero=True),
-                    peak_matmul_n=_positive_int(cfg, "peak_matmul_n"), memory_fraction=float(fraction))
+    return Settings(threads=threads, groups=groups, H=H, d_ff=d_ff, B=require_int(cfg, "B"), n_layers=require_int(cfg, "n_layers"),
+                    vocab=require_int(cfg, "vocab"), n_experts=n_experts, top_k=top_k,
+                    repeats=require_int(cfg, "repeats"), warmup=require_int(cfg, "warmup", 0),
+                    peak_matmul_n=require_int(cfg, "peak_matmul_n"), memory_fraction=float(fraction))
 
 
 def estimated_run_bytes(shape: cm.BlockShape, dtype_bytes: int, peak_matmul_n: int) -> int:

@@ -37,6 +37,7 @@ from tfmoe.components.attention import KVCache
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder
+from tfmoe.validate import require_int, require_number
 
 EOS = "<eos>"
 
@@ -128,18 +129,8 @@ class DecodeSettings:
     num_threads: int | None
 
 
-def _int(cfg: DictConfig, key: str, lo: int, fix: str | None = None) -> int:
-    v = cfg.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise BadInput(f"{key}={v!r} is not an integer >= {lo}: {fix or f'pass {key} >= {lo}'}")
-    return v
 
 
-def _float(cfg: DictConfig, key: str) -> float:
-    v = cfg.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-        raise BadInput(f"{key}={v!r} is not a finite number: pass a number")
-    return float(v)
 
 
 def validate(cfg: DictConfig) -> DecodeSettings:
@@ -150,7 +141,7 @@ def validate(cfg: DictConfig) -> DecodeSettings:
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
                               or not 0.0 < float(top_p) <= 1.0):
         raise BadInput(f"top_p={top_p!r} is outside (0, 1]: pass 0 < top_p <= 1 (or top_p=null to disable it)")
-    temperature = _float(cfg, "temperature")
+    temperature = require_number(cfg, "temperature")
     if temperature < 0:
         raise BadInput(f"temperature={temperature} is negative: pass temperature >= 0 (0 = greedy)")
     prompt_ids = cfg.get("prompt_ids")
@@ -169,19 +160,19 @@ def validate(cfg: DictConfig) -> DecodeSettings:
         raise BadInput(f"timing_lengths={lengths!r} must be a list of integers >= 2 (or [] to skip timing)")
     s = DecodeSettings(
         corpus_path=cfg.get("corpus_path"),
-        d_model=_int(cfg, "d_model", 2), n_heads=_int(cfg, "n_heads", 1), n_layers=_int(cfg, "n_layers", 1),
-        max_len=_int(cfg, "max_len", 2), train_steps=_int(cfg, "train_steps", 0),
-        batch_size=_int(cfg, "batch_size", 1), block_size=_int(cfg, "block_size", 2), lr=_float(cfg, "lr"),
-        val_fraction=_float(cfg, "val_fraction"), prompt=str(cfg.get("prompt") or ""), prompt_ids=prompt_ids,
-        max_new_tokens=_int(cfg, "max_new_tokens", 0, "pass max_new_tokens >= 0"),
+        d_model=require_int(cfg, "d_model", 2), n_heads=require_int(cfg, "n_heads", 1), n_layers=require_int(cfg, "n_layers", 1),
+        max_len=require_int(cfg, "max_len", 2), train_steps=require_int(cfg, "train_steps", 0),
+        batch_size=require_int(cfg, "batch_size", 1), block_size=require_int(cfg, "block_size", 2), lr=require_number(cfg, "lr"),
+        val_fraction=require_number(cfg, "val_fraction"), prompt=str(cfg.get("prompt") or ""), prompt_ids=prompt_ids,
+        max_new_tokens=require_int(cfg, "max_new_tokens", 0, "pass max_new_tokens >= 0"),
         temperature=temperature, top_k=top_k, top_p=None if top_p is None else float(top_p),
-        beam_width=_int(cfg, "beam_width", 1, "pass beam_width >= 1 (1 = greedy)"),
-        length_penalty=_float(cfg, "length_penalty"), check_tokens=_int(cfg, "check_tokens", 2),
-        tiny_top_p=_float(cfg, "tiny_top_p"), tiny_temperature=_float(cfg, "tiny_temperature"),
-        top_p_grid=[float(p) for p in grid], chi2_draws=_int(cfg, "chi2_draws", 100),
-        chi2_alpha=_float(cfg, "chi2_alpha"), logit_tol_eps=_float(cfg, "logit_tol_eps"),
-        timing_lengths=[int(n) for n in lengths], timing_repeats=_int(cfg, "timing_repeats", 1),
-        num_threads=None if cfg.get("num_threads") is None else _int(cfg, "num_threads", 1),
+        beam_width=require_int(cfg, "beam_width", 1, "pass beam_width >= 1 (1 = greedy)"),
+        length_penalty=require_number(cfg, "length_penalty"), check_tokens=require_int(cfg, "check_tokens", 2),
+        tiny_top_p=require_number(cfg, "tiny_top_p"), tiny_temperature=require_number(cfg, "tiny_temperature"),
+        top_p_grid=[float(p) for p in grid], chi2_draws=require_int(cfg, "chi2_draws", 100),
+        chi2_alpha=require_number(cfg, "chi2_alpha"), logit_tol_eps=require_number(cfg, "logit_tol_eps"),
+        timing_lengths=[int(n) for n in lengths], timing_repeats=require_int(cfg, "timing_repeats", 1),
+        num_threads=None if cfg.get("num_threads") is None else require_int(cfg, "num_threads", 1),
     )
     if s.d_model % s.n_heads:
         raise BadInput(f"d_model={s.d_model} is not divisible by n_heads={s.n_heads}: pick n_heads dividing d_model")

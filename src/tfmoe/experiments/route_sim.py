@@ -35,6 +35,9 @@ from rich.table import Table
 from tfmoe.components import moe
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder
+from tfmoe.validate import require_int, require_number
+
+COEF_FIX = "pass a coefficient >= 0 (0 switches it off)"
 
 STEP_METRICS = ("cv", "maxvio", "dropped_fraction", "balance_loss", "z_loss", "applied_loss",
                 "router_entropy", "task_loss")
@@ -62,24 +65,8 @@ class Params:
     bias_update_rate: float
 
 
-def _int(cfg: DictConfig, key: str, minimum: int) -> int:
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadInput(f"{key}={value!r} is not an integer: pass a whole number >= {minimum}")
-    if value < minimum:
-        raise BadInput(f"{key}={value} is below {minimum}: pass {key} >= {minimum}")
-    return value
 
 
-def _float(cfg: DictConfig, key: str, positive: bool = False) -> float:
-    value = cfg.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadInput(f"{key}={value!r} is not a finite number: pass e.g. {key}=0.01")
-    if positive and value <= 0:
-        raise BadInput(f"{key}={value} must be > 0: pass a positive number")
-    if value < 0:
-        raise BadInput(f"{key}={value} is negative: pass a coefficient >= 0 (0 switches it off)")
-    return float(value)
 
 
 def _choice(cfg: DictConfig, key: str, options: tuple[str, ...]) -> str:
@@ -91,7 +78,7 @@ def _choice(cfg: DictConfig, key: str, options: tuple[str, ...]) -> str:
 
 def params_from_cfg(cfg: DictConfig) -> Params:
     """Validate every key; bad input -> BadInput naming the problem and the fix."""
-    n_experts = _int(cfg, "n_experts", 1)
+    n_experts = require_int(cfg, "n_experts", 1)
     top_k = cfg.get("top_k")
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise BadInput(f"top_k={top_k!r} is not an integer: pass top_k between 1 and n_experts={n_experts}")
@@ -102,7 +89,7 @@ def params_from_cfg(cfg: DictConfig) -> Params:
         if isinstance(cf, (int, float)) and not isinstance(cf, bool) and cf <= 0:
             raise BadInput(f"capacity_factor={cf} must be > 0: pass a positive factor (1.0 = exactly the mean "
                            "load), or null for dropless routing")
-        cf = _float(cfg, "capacity_factor", positive=True)
+        cf = require_number(cfg, "capacity_factor", minimum=0.0, positive=True)
     strategies = cfg.get("strategies")
     if isinstance(strategies, str):
         strategies = [strategies]
@@ -114,14 +101,14 @@ def params_from_cfg(cfg: DictConfig) -> Params:
     if len(set(strategies)) != len(strategies):
         raise BadInput(f"strategies={list(strategies)} lists a strategy twice: list each once")
     return Params(
-        tokens=_int(cfg, "tokens", 1), n_experts=n_experts, top_k=top_k, capacity_factor=cf,
-        score_func=_choice(cfg, "score_func", moe.SCORE_FUNCS), d_model=_int(cfg, "d_model", 1),
-        d_hidden=_int(cfg, "d_hidden", 1), dispatch=_choice(cfg, "dispatch", moe.DISPATCHES),
-        strategies=tuple(str(s) for s in strategies), steps=_int(cfg, "steps", 0),
-        train_tokens=_int(cfg, "train_tokens", 1), clusters=_int(cfg, "clusters", 1),
-        init_skew=_float(cfg, "init_skew"), lr=_float(cfg, "lr", positive=True),
-        aux_loss_coef=_float(cfg, "aux_loss_coef"), z_loss_coef=_float(cfg, "z_loss_coef"),
-        bias_update_rate=_float(cfg, "bias_update_rate"),
+        tokens=require_int(cfg, "tokens", 1), n_experts=n_experts, top_k=top_k, capacity_factor=cf,
+        score_func=_choice(cfg, "score_func", moe.SCORE_FUNCS), d_model=require_int(cfg, "d_model", 1),
+        d_hidden=require_int(cfg, "d_hidden", 1), dispatch=_choice(cfg, "dispatch", moe.DISPATCHES),
+        strategies=tuple(str(s) for s in strategies), steps=require_int(cfg, "steps", 0),
+        train_tokens=require_int(cfg, "train_tokens", 1), clusters=require_int(cfg, "clusters", 1),
+        init_skew=require_number(cfg, "init_skew", minimum=0.0, fix=COEF_FIX), lr=require_number(cfg, "lr", minimum=0.0, positive=True),
+        aux_loss_coef=require_number(cfg, "aux_loss_coef", minimum=0.0, fix=COEF_FIX), z_loss_coef=require_number(cfg, "z_loss_coef", minimum=0.0, fix=COEF_FIX),
+        bias_update_rate=require_number(cfg, "bias_update_rate", minimum=0.0, fix=COEF_FIX),
     )
 
 
