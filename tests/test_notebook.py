@@ -180,3 +180,22 @@ def test_integer_tags_missing_in_some_rows_stay_integers(tmp_path: Path) -> None
     back = pd.read_parquet(tmp_path / "m.parquet")
     assert str(back["sample"].dtype) == "Int64" and back["sample"].tolist()[0] == 0 and pd.isna(back["sample"][1])
     assert str(back["step"].dtype) == "Int64"
+
+
+def test_device_peak_survives_resets_inside_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check that resets CUDA's peak counter must not hide the run's earlier, higher peak (CUDA simulated)."""
+    from tfmoe import recorder
+
+    state = {"peak": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: state.update(peak=0))
+    cuda = torch.device("cuda")
+    recorder.forget_device_peak()
+    state["peak"] = 900  # an early, large allocation
+    recorder.reset_device_peak(cuda)  # a per-variant probe resets the counter
+    state["peak"] = 100
+    assert recorder.device_peak(cuda) == 900
+    state["peak"] = 1200
+    assert recorder.device_peak(cuda) == 1200
+    assert recorder.device_peak(torch.device("cpu")) is None
+    recorder.forget_device_peak()

@@ -146,6 +146,29 @@ class Recorder:
         return track(iterable, total=total, description=description, console=self.console, transient=True)
 
 
+_DEVICE_PEAK_SEEN: dict[str, int] = {}
+
+
+def reset_device_peak(device: torch.device) -> None:
+    """``torch.cuda.reset_peak_memory_stats`` that first remembers the peak so far, so the run's
+    ``peak_device_mem_bytes`` (see :func:`device_peak`) still covers the whole run."""
+    if device.type == "cuda":
+        key = str(device)
+        _DEVICE_PEAK_SEEN[key] = max(_DEVICE_PEAK_SEEN.get(key, 0), int(torch.cuda.max_memory_allocated(device)))
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_peak(device: torch.device) -> int | None:
+    """The highest CUDA memory allocated since the run started (across any resets); None on CPU."""
+    if device.type != "cuda":
+        return None
+    return max(_DEVICE_PEAK_SEEN.get(str(device), 0), int(torch.cuda.max_memory_allocated(device)))
+
+
+def forget_device_peak() -> None:
+    _DEVICE_PEAK_SEEN.clear()
+
+
 def within(observed: float, threshold: float) -> bool:
     """``observed <= threshold``, with NaN and inf never within."""
     return math.isfinite(observed) and observed <= threshold
@@ -159,7 +182,7 @@ def measure(fn: Callable[[], Any], device: torch.device, repeats: int = 5,
         fn()
     if is_cuda:
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_device_peak(device)
     walls: list[float] = []
     devs: list[float] = []
     for _ in range(max(1, repeats)):

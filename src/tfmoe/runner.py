@@ -118,7 +118,7 @@ def execute(cfg: DictConfig) -> int:
     from rich.console import Console
 
     from tfmoe.notebook import RunWriter, environment
-    from tfmoe.recorder import Recorder
+    from tfmoe.recorder import Recorder, device_peak, forget_device_peak
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -144,6 +144,7 @@ def execute(cfg: DictConfig) -> int:
         writer.device = str(device)
         writer.env = environment(device)
         seed_everything(seed)
+        forget_device_peak()
         if device.type == "cuda":
             import torch
 
@@ -167,11 +168,7 @@ def execute(cfg: DictConfig) -> int:
         log.error("run crashed:\n%s", traceback.format_exc())
         err.print(f"{exp.name} crashed ({error}); traceback in {run_dir}/{exp.name}.log", markup=False)
     finally:
-        peak_dev = None
-        if device is not None and device.type == "cuda":
-            import torch
-
-            peak_dev = int(torch.cuda.max_memory_allocated(device))
+        peak_dev = device_peak(device) if device is not None else None
         writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
                       int(cfg.get("tensor_max_numel", 1_000_000)))
         log.info("run %s: %s (exit %d) in %s", writer.run_id, status, code, run_dir)

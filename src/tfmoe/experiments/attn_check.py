@@ -33,7 +33,7 @@ from tfmoe.components.attention import KVCache
 from tfmoe.components.chunked_attention import naive_attention, naive_attention_bytes
 from tfmoe.components.masks import combine_masks, padding_mask_from_lengths, visible_queries
 from tfmoe.errors import BadInput
-from tfmoe.recorder import Recorder
+from tfmoe.recorder import Recorder, reset_device_peak
 from tfmoe.validate import require_int
 
 MODES = ("full", "chunked")
@@ -394,7 +394,7 @@ def measure_peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_device_peak(device)  # keeps the run-wide peak
         fn()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device) - base)

@@ -27,7 +27,7 @@ from tfmoe import complexity_model as cm
 from tfmoe.components.attention import KVCache
 from tfmoe.components.block import TransformerBlock
 from tfmoe.errors import BadInput
-from tfmoe.recorder import Recorder
+from tfmoe.recorder import Recorder, reset_device_peak
 from tfmoe.validate import require_int
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
@@ -256,7 +256,7 @@ def step_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_device_peak(device)  # keeps the run-wide peak
         base = torch.cuda.memory_allocated(device)
         fn()
         torch.cuda.synchronize(device)
