@@ -83,6 +83,7 @@ def test_hydra_cfg_job_prints_config_and_runs_nothing(workdir: Path) -> None:
 def test_multirun_basic_launcher_writes_sweep_parquet(workdir: Path) -> None:
     r = run_cli(["shift-labels", "-m", "pad_side=left,right", "seed=0,1"], workdir)
     assert r.exit_code == 0, r.stderr
+    assert "tfmoe sweep: 4 jobs" in r.stdout  # each job listed once
     sweep = next((workdir / "runs" / "shift-labels").glob("multirun-*"))
     df = pd.read_parquet(sweep / "sweep.parquet")
     assert set(df["job"]) == {"0", "1", "2", "3"}
