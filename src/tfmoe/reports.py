@@ -58,10 +58,10 @@ def _runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path]) -> None:
+def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | None = None) -> None:
     df = _runs_frame(run_dirs)
     table_df = df.drop(columns=["path"])
-    table = Table(title="tfmoe run" if len(df) == 1 else f"tfmoe sweep: {len(df)} jobs")
+    table = Table(title=title or ("tfmoe run" if len(df) == 1 else f"tfmoe sweep: {len(df)} jobs"))
     for col in table_df.columns:
         table.add_column(col, no_wrap=True)
     for row in table_df.itertuples(index=False):
@@ -76,7 +76,7 @@ def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path]) -> None:
 
 def print_runs_table(run_dirs: list[Path]) -> None:
     if run_dirs:
-        print_outcome(run_dirs, [])
+        print_outcome(run_dirs, [], title=f"tfmoe all: {len(run_dirs)} runs")
 
 
 def _emit(df: pd.DataFrame, fmt: str, title: str = "") -> None:
