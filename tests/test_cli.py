@@ -210,3 +210,32 @@ def test_concurrent_processes_get_separate_complete_runs(tmp_path: Path) -> None
     runs = notebook.find_runs(tmp_path / "runs")
     assert len(runs) == 3
     assert sorted(notebook.load_run(p).run["seed"] for p in runs) == [0, 1, 2]
+
+
+def test_every_experiment_config_ships_in_the_package() -> None:
+    from importlib.resources import files
+
+    for exp in EXPERIMENTS.values():
+        assert (files("tfmoe.conf") / f"{exp.config}.yaml").is_file(), exp.config
+    assert (files("tfmoe.conf") / "base.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_a_non_editable_wheel_runs_from_any_directory(tmp_path: Path) -> None:
+    """Build the wheel, install it into a folder, and run an experiment with it from an unrelated directory."""
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "whl"), str(repo)], check=True, timeout=300)
+    wheel = next((tmp_path / "whl").glob("tfmoe-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
+                    str(wheel)], check=True, timeout=300)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    out = subprocess.run([sys.executable, "-m", "tfmoe.cli", "shift-labels"], cwd=work, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert str(tmp_path / "site" / "tfmoe" / "conf") in subprocess.run(
+        [sys.executable, "-c", "from tfmoe.launch import config_dir; print(config_dir())"], cwd=work, env=env,
+        capture_output=True, text=True, timeout=60).stdout
+    assert len(notebook.find_runs(work / "runs")) == 1
