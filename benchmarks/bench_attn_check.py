@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tfmoe.components.chunked_attention import chunked_attention, naive_attention, naive_attention_bytes
-from tfmoe.experiments.attn_check import measure_peak_memory
+from tfmoe.memory import peak_memory_bytes
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -70,13 +70,13 @@ def main() -> None:
         with torch.no_grad():
             if T <= 8192:
                 out_c, out_s = variants["chunked"](), variants["sdpa"]()
-                peak = {name: measure_peak_memory(fn, device) for name, fn in variants.items()}
+                peak = {name: peak_memory_bytes(fn, device) for name, fn in variants.items()}
                 secs = {name: timed(fn, device, args.repeats) for name, fn in variants.items()}
             else:  # one call each: time the profiled call itself and keep its output
                 peak, secs, outs = {}, {}, {}
                 for name, fn in variants.items():
                     t0 = time.perf_counter()
-                    peak[name] = measure_peak_memory(lambda fn=fn, name=name, outs=outs: outs.__setitem__(name, fn()), device)
+                    peak[name] = peak_memory_bytes(lambda fn=fn, name=name, outs=outs: outs.__setitem__(name, fn()), device)
                     secs[name] = time.perf_counter() - t0
                 out_c, out_s = outs["chunked"], outs["sdpa"]
             rel = float((out_c - out_s).abs().max() / out_s.abs().max())

@@ -17,6 +17,7 @@ from tfmoe.components.attention import (
 from tfmoe.components.chunked_attention import chunked_attention, naive_attention, naive_attention_bytes
 from tfmoe.components.masks import causal_mask, combine_masks, padding_mask_from_lengths, visible_queries
 from tfmoe.experiments import attn_check as ac
+from tfmoe.memory import peak_memory_bytes
 
 
 def qkv(B=2, H=3, Tq=5, Tk=5, Dh=4, dtype=torch.float64, seed=0):
@@ -158,15 +159,15 @@ def test_chunked_bad_input():
 def test_chunked_memory_is_a_fraction_of_naive():
     q, k, v = qkv(B=1, H=4, Tq=512, Tk=512, Dh=32, dtype=torch.float32)
     dev = torch.device("cpu")
-    naive = ac.measure_peak_memory(lambda: naive_attention(q, k, v), dev)
-    chunked = ac.measure_peak_memory(lambda: chunked_attention(q, k, v, block_size=32), dev)
+    naive = peak_memory_bytes(lambda: naive_attention(q, k, v), dev)
+    chunked = peak_memory_bytes(lambda: chunked_attention(q, k, v, block_size=32), dev)
     assert naive >= 2 * 4 * 512 * 512 * 4  # scores + weights at least
     assert chunked < 0.15 * naive
     assert naive_attention_bytes(1, 4, 512, 512, torch.float16) == 3 * 4 * 512 * 512 * 4
 
 
 def test_measure_peak_memory_sees_a_known_allocation():
-    peak = ac.measure_peak_memory(lambda: torch.empty(1 << 20).fill_(1.0), torch.device("cpu"))
+    peak = peak_memory_bytes(lambda: torch.empty(1 << 20).fill_(1.0), torch.device("cpu"))
     assert 4 * (1 << 20) <= peak < 5 * (1 << 20)
 
 

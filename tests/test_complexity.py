@@ -14,6 +14,7 @@ from tfmoe import complexity_model as cm
 from tfmoe.components.block import TransformerBlock
 from tfmoe.errors import BadInput
 from tfmoe.experiments import complexity as cx
+from tfmoe.memory import peak_memory_bytes
 
 SMALL = cm.BlockShape(B=2, T=16, D=32, H=4)
 
@@ -191,14 +192,14 @@ def test_step_peak_bytes_sees_two_live_buffers():
         b = a + 1
         return float(b[0])
 
-    peak = cx.step_peak_bytes(fn, torch.device("cpu"))
+    peak = peak_memory_bytes(fn, torch.device("cpu"))
     assert 2 * 4 * n <= peak < 2.2 * 4 * n
 
 
 def test_step_peak_of_a_training_step_is_near_the_estimate():
     shape = cm.BlockShape(1, 64, 32, 4)
     block, x = _block(shape), _x(shape)
-    peak = cx.step_peak_bytes(lambda: block(x).sum().backward(), torch.device("cpu"))
+    peak = peak_memory_bytes(lambda: block(x).sum().backward(), torch.device("cpu"))
     estimate = cm.training_peak_estimate_bytes(shape, 4) - cm.block_params(shape)["total"] * 4
     assert cm.training_activation_bytes(shape, 4) < peak <= estimate
 

@@ -14,12 +14,10 @@ layer's values and every gradient) and must not disturb the other rows (check ``
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import math
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +31,8 @@ from tfmoe.components.attention import KVCache
 from tfmoe.components.chunked_attention import naive_attention, naive_attention_bytes
 from tfmoe.components.masks import combine_masks, padding_mask_from_lengths, visible_queries
 from tfmoe.errors import BadInput
-from tfmoe.recorder import Recorder, reset_device_peak
+from tfmoe.memory import available_memory_bytes, peak_memory_bytes
+from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int
 
 MODES = ("full", "chunked")
@@ -368,62 +367,6 @@ def classify_rows(rows: torch.Tensor, mean_v_rows: torch.Tensor, dtype: torch.dt
 
 
 # ============================================================================================ memory
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Silence C-level stderr (kineto prints 'profiler_start/stop' lines) for the duration."""
-    import sys
-
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-def measure_peak_memory(fn: Callable[[], Any], device: torch.device) -> int:
-    """Peak bytes allocated while ``fn`` runs, above what was allocated before it.
-
-    CUDA: torch.cuda.max_memory_allocated after reset_peak_memory_stats. CPU: torch.profiler with
-    profile_memory=True records every allocation and free of PyTorch's CPU allocator (op outputs and the
-    kernels' scratch buffers); the peak is the maximum of their running sum in time order.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        reset_device_peak(device)  # keeps the run-wide peak
-        fn()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - base)
-    from torch.profiler import ProfilerActivity, profile
-
-    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-    with _quiet_stderr():
-        prof.start()
-    try:
-        fn()
-    finally:
-        with _quiet_stderr():
-            prof.stop()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    current = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        current += e.nbytes()
-        peak = max(peak, current)
-    return int(peak)
-
-
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -799,7 +742,7 @@ def chunked_probe(ctx: Ctx, B: int, H: int, T: int, Dh: int, dtype: torch.dtype,
         variants = [("chunked", run_chunked), ("sdpa", run_sdpa)] + ([("naive", run_naive)] if measure_naive else [])
         peaks, times = {}, {}
         for name, fn in variants:
-            peaks[name] = measure_peak_memory(fn, ctx.device)
+            peaks[name] = peak_memory_bytes(fn, ctx.device)
             times[name] = rec.time(f"attention_{name}", fn, repeats=s.timing_repeats, warmup=1, variant=name, T=T)
             rec.metric("peak_mem_bytes", peaks[name], variant=name, T=T)
             rec.metric("time_ms", times[name], variant=name, T=T)

@@ -27,7 +27,8 @@ from tfmoe import complexity_model as cm
 from tfmoe.components.attention import KVCache
 from tfmoe.components.block import TransformerBlock
 from tfmoe.errors import BadInput
-from tfmoe.recorder import Recorder, reset_device_peak
+from tfmoe.memory import available_memory_bytes, peak_memory_bytes
+from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
@@ -116,14 +117,6 @@ def estimated_run_bytes(shape: cm.BlockShape, dtype_bytes: int, peak_matmul_n: i
     temporaries), two extra fp32 score matrices of the timing inputs, and the peak-matmul operands."""
     return (cm.block_params(shape)["total"] * dtype_bytes + cm.training_peak_estimate_bytes(shape, dtype_bytes)
             + 2 * cm.score_elements(shape) * cm.FP32_BYTES + 3 * peak_matmul_n ** 2 * dtype_bytes)
-
-
-def available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    import psutil
-
-    return int(psutil.virtual_memory().available)
 
 
 def refuse_oversized(settings: Settings, dtype_bytes: int, available: int) -> None:
@@ -246,30 +239,6 @@ def saved_activation_bytes(block: torch.nn.Module, x: torch.Tensor, backward: bo
     if backward:
         y.float().sum().backward()
     return sum(storages.values())
-
-
-def step_peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
-    """Peak bytes allocated while ``fn`` runs, above what was allocated before.
-
-    CUDA: max_memory_allocated. CPU: torch.profiler's memory events (profile_memory=True), each op's own
-    allocations minus frees taken in the order the ops end, the running sum's maximum.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        reset_device_peak(device)  # keeps the run-wide peak
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - base)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.end):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return int(peak)
 
 
 # ------------------------------------------------------------------------------------- checks
@@ -399,7 +368,7 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
 
     s = settings_from(cfg)
     e = cm.DTYPE_BYTES[str(cfg.dtype)]
-    refuse_oversized(s, e, available_bytes(rec.device))
+    refuse_oversized(s, e, available_memory_bytes(rec.device))
     dtype_name = DTYPE_NAMES.get(rec.dtype, str(cfg.dtype))
     load_before = psutil.getloadavg()[0]
     threads_before = torch.get_num_threads()
@@ -504,7 +473,7 @@ def measure_group(rec: Recorder, s: Settings, shape: cm.BlockShape, e: int) -> d
     def train_step() -> None:
         saved_box.append(saved_activation_bytes(block, x, backward=True))
 
-    peak_mem = step_peak_bytes(train_step, rec.device)
+    peak_mem = peak_memory_bytes(train_step, rec.device)
     block.zero_grad(set_to_none=True)
     saved = saved_box[0]
     act = cm.training_activation_bytes(shape, e)
