@@ -12,7 +12,6 @@ chunked peak <= 10 % of naive at T=8192 and rel err vs SDPA <= 1e-5; T=32768 com
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -20,21 +19,7 @@ import torch.nn.functional as F
 
 from tfmoe.components.chunked_attention import chunked_attention, naive_attention, naive_attention_bytes
 from tfmoe.memory import peak_memory_bytes
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median wall seconds of fn over `repeats` calls after one warm-up (CUDA synchronised)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from tfmoe.recorder import measure
 
 
 def main() -> None:
@@ -71,7 +56,7 @@ def main() -> None:
             if T <= 8192:
                 out_c, out_s = variants["chunked"](), variants["sdpa"]()
                 peak = {name: peak_memory_bytes(fn, device) for name, fn in variants.items()}
-                secs = {name: timed(fn, device, args.repeats) for name, fn in variants.items()}
+                secs = {name: measure(fn, device, repeats=args.repeats, warmup=1)[0] / 1e3 for name, fn in variants.items()}
             else:  # one call each: time the profiled call itself and keep its output
                 peak, secs, outs = {}, {}, {}
                 for name, fn in variants.items():
