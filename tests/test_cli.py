@@ -104,6 +104,13 @@ def test_multirun_on_real_launcher_plugins(workdir: Path, launcher: str) -> None
     assert sorted(set(df["pad_side"])) == ["left", "right"] and (df["status"] == "ok").all()
 
 
+def test_multirun_range_sweep(workdir: Path) -> None:
+    r = run_cli(["shift-labels", "-m", "seed=range(0,3)"], workdir)
+    assert r.exit_code == 0, r.stderr
+    df = pd.read_parquet(next((workdir / "runs" / "shift-labels").glob("multirun-*")) / "sweep.parquet")
+    assert sorted(set(df["seed"])) == [0, 1, 2]
+
+
 def test_multirun_exit_code_is_the_worst_job(workdir: Path) -> None:
     r = run_cli(["shift-labels", "-m", "pad_side=left,middle"], workdir)
     assert r.exit_code == 2
