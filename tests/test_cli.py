@@ -78,6 +78,8 @@ def test_unwritable_runs_root_exits_2_before_running(workdir: Path) -> None:
 def test_hydra_cfg_job_prints_config_and_runs_nothing(workdir: Path) -> None:
     r = run_cli(["shift-labels", "--cfg", "job", "pad_side=left"], workdir)
     assert r.exit_code == 0 and "pad_side: left" in r.stdout and r.run_dir is None
+    info = run_cli(["shift-labels", "--info", "defaults"], workdir)
+    assert info.exit_code == 0 and "shift_labels" in info.stdout and info.run_dir is None
 
 
 def test_multirun_basic_launcher_writes_sweep_parquet(workdir: Path) -> None:
@@ -122,6 +124,10 @@ def test_runs_show_diff_replay(workdir: Path) -> None:
     c = run_cli(["shift-labels", "--dtype", "fp64"], workdir).run_dir
     listing = run_cli(["runs", "--format", "json"], workdir)
     assert listing.exit_code == 0 and len(json.loads(listing.stdout)) == 3
+    assert json.loads(run_cli(["runs", "--experiment", "route-sim", "--format", "json"], workdir).stdout) == []
+    assert len(json.loads(run_cli(["runs", "--status", "ok", "--format", "json"], workdir).stdout)) == 3
+    assert run_cli(["runs", "--experiment", "nosuch"], workdir).exit_code == 2
+    assert "| run_id |" in run_cli(["runs", "--format", "md"], workdir).stdout
     assert len(json.loads(run_cli(["runs", "--last", "1", "--format", "json"], workdir).stdout)) == 1
     shown = run_cli(["show", "latest", "--format", "json"], workdir)
     assert json.loads(shown.stdout)["run"]["run_id"] == c.name
@@ -135,6 +141,11 @@ def test_runs_show_diff_replay(workdir: Path) -> None:
     body = json.loads(moved.stdout)
     assert moved.exit_code == 1 and {r["key"] for r in body["config"]} == {"dtype"}
     assert "token_loss" not in {r["tensor"] for r in body["tensors"]}
+    # the public Python API rebuilds the saved tensor exactly
+    import tfmoe
+
+    saved = tfmoe.load_tensors(a)
+    assert torch.equal(tfmoe.load_tensor(a, "labels"), saved["labels"]) and saved["labels"].dtype == torch.int64
     # replay reproduces bit for bit
     rep = run_cli(["replay", str(a)], workdir)
     assert rep.exit_code == 0 and "reproduced" in rep.stdout
