@@ -278,6 +278,10 @@ def test_embedding_check_passes_and_fails_on_a_wrong_table():
     assert arch.check_embedding(rec, nn.Embedding(V, D), x, D, V)
     assert not arch.check_embedding(rec, WideEmbedding(V + 1, D), x, D, V)
     assert not arch.check_embedding(rec, nn.Embedding(V, D + 2), x, D, V)
+    # the run checks every model's own tables: one wrong table among correct ones fails the check
+    tables = {"encoder.tok_emb": nn.Embedding(V, D), "encdec.tgt_emb": WideEmbedding(V + 1, D)}
+    assert not arch.check_embedding(rec, tables, x, D, V)
+    assert arch.check_embedding(rec, {"a": nn.Embedding(V, D), "b": nn.Embedding(V, D)}, x, D, V)
 
 
 def test_flows_mermaid_and_pictures_carry_traced_shapes(base_cfg):

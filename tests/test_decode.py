@@ -427,6 +427,10 @@ def test_missing_corpus_file_is_bad_input(tmp_path):
     with pytest.raises(BadInput, match="not a file"):
         decode.load_corpus(str(tmp_path / "nope.txt"))
     (tmp_path / "empty.txt").write_text("\n \n")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café au lait\n".encode("latin-1"))
+    with pytest.raises(BadInput, match="not UTF-8"):
+        decode.load_corpus(str(latin1))
     with pytest.raises(BadInput, match="no text"):
         decode.load_corpus(str(tmp_path / "empty.txt"))
 

@@ -248,14 +248,22 @@ def check_cross_weights(rec: Recorder, rows: list[TraceRow], B: int, H: int, T_t
                      f"expected (B,H,T_tgt,T_src) = {expected}; got {got}")
 
 
-def check_embedding(rec: Recorder, emb: nn.Embedding, ids: torch.Tensor, D: int, V: int) -> bool:
-    """token ids (B,T) -> (B,T,D) through a V x D table."""
-    with torch.no_grad():
-        out = emb(ids)
-    ok = tuple(out.shape) == (*ids.shape, D) and tuple(emb.weight.shape) == (V, D)
-    return rec.check("embedding_shapes", ok, float(emb.weight.numel()), float(V * D),
-                     f"ids {tuple(ids.shape)} -> {tuple(out.shape)} (expected {(*ids.shape, D)}); "
-                     f"table {tuple(emb.weight.shape)} (expected {(V, D)}); observed/threshold = parameters")
+def check_embedding(rec: Recorder, emb: nn.Module | dict[str, nn.Module], ids: torch.Tensor, D: int,
+                    V: int) -> bool:
+    """token ids (B,T) -> (B,T,D) through a V x D table, for every embedding table of the models under test
+    (``emb``: one table, or {name: table}). observed/threshold = total parameters vs V·D per table."""
+    tables = emb if isinstance(emb, dict) else {"embedding": emb}
+    ok, params, parts = True, 0, []
+    for name, table in tables.items():
+        with torch.no_grad():
+            out = table(ids)
+        good = tuple(out.shape) == (*ids.shape, D) and tuple(table.weight.shape) == (V, D)
+        ok &= good
+        params += table.weight.numel()
+        parts.append(f"{name}: ids {tuple(ids.shape)} -> {tuple(out.shape)}, table {tuple(table.weight.shape)}"
+                     + ("" if good else " ✗"))
+    return rec.check("embedding_shapes", ok, float(params), float(V * D * len(tables)),
+                     f"expected ids -> {(*ids.shape, D)} through a {(V, D)} table; " + "; ".join(parts))
 
 
 # ---------------------------------------------------------------------------------- data-flow graphs
@@ -414,8 +422,7 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     ids = distinct_ids(B, T, s.vocab_size, g).to(dev)  # (B,T)
 
     # §2.1: ids -> embeddings; attention is permutation-equivariant until positions are injected.
-    emb = nn.Embedding(s.vocab_size, D).to(dev, dt)
-    check_embedding(rec, emb, ids, D, s.vocab_size)
+    emb = nn.Embedding(s.vocab_size, D).to(dev, dt)  # feeds the permutation test below
     attn = MultiHeadSelfAttention(D, H, causal=False).to(dev, dt).eval()
     perm = nontrivial_permutation(T, g).to(dev)
     with torch.no_grad():
@@ -433,6 +440,9 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
 
     # §2.3: three tiny architectures, shapes traced by hooks, data flow drawn.
     encoder, decoder, encdec = build_models(s, dev, dt)
+    check_embedding(rec, {"encoder.tok_emb": encoder.tok_emb, "decoder.tok_emb": decoder.tok_emb,
+                          "encdec.src_emb": encdec.src_emb, "encdec.tgt_emb": encdec.tgt_emb},
+                    ids, D, s.vocab_size)
     src = ids  # (B,T_src)
     tgt = distinct_ids(B, Tt, s.vocab_size, g).to(dev)  # (B,T_tgt)
     traces = {

@@ -77,7 +77,13 @@ def load_corpus(path: str | None) -> list[str]:
         p = Path(path)
         if not p.is_file():
             raise BadInput(f"corpus_path={path!r} is not a file: name a UTF-8 text file, or null for the built-in corpus")
-        text = p.read_text(encoding="utf-8")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"corpus_path={path!r} is not UTF-8 text (bad byte at offset {exc.start}): "
+                           "convert it to UTF-8") from None
+        except OSError as exc:
+            raise BadInput(f"corpus_path={path!r} cannot be read ({exc.strerror}): fix its permissions") from None
     else:
         text = resources.files("tfmoe").joinpath("data/decode_corpus.txt").read_text(encoding="utf-8")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
