@@ -140,6 +140,14 @@ class HeadAveragedWeights(PlainMHA):
         return w.mean(dim=1)
 
 
+class TimeMajorOutput(PlainMHA):
+    """returns the output time-major (T,B,D), nn.MultiheadAttention's default batch_first=False layout."""
+
+    def forward(self, x, padding_mask=None, cache=None):
+        out, w = super().forward(x, padding_mask, cache)
+        return out.transpose(0, 1), w
+
+
 class _BadSoftmax(torch.autograd.Function):
     """A 'fused' softmax with a hand-written backward that forgets the -Σ g·y term."""
 

@@ -208,7 +208,10 @@ def test_classify_fully_masked_rows():
 def test_dropout_readout_reveals_mask_and_scale():
     torch.manual_seed(0)
     m = MultiHeadSelfAttention(8, 2, causal=False, dropout=0.25)
-    r = ac.dropout_readout(m, 0.25, False, 8, 20000, torch.device("cpu"), torch.float32)
+    ref = MultiHeadSelfAttention(8, 2, causal=False, dropout=0.0)
+    r = ac.dropout_readout(m, ref, 0.25, False, 8, 20000, torch.device("cpu"), torch.float32)
+    assert r.values.numel() == r.n_expected == 313 * 64  # every visible (query, key) pair read once
+    assert ac._readout_prerequisite(r) == ""
     dropped = r.values == 0
     assert abs(float(dropped.double().mean()) - 0.25) < 0.01
     assert torch.allclose(r.values[~dropped], r.expected_kept[~dropped], rtol=1e-6)

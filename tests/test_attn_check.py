@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tfmoe.errors import BadInput
+from tfmoe.experiments import attn_check as ac
 from tfmoe.testing import run_cli, run_recorded
 
 # Small probe sizes keep each battery run to a second or two; the defaults are exercised by the CLI test.
@@ -94,6 +95,7 @@ PLANTED = [  # (impl or chunked impl override, extra overrides, the check that m
     ("impl=buggy_attention:PaddingOnQueries", ["causal=false"], "padding_zero"),
     ("impl=buggy_attention:MissingTransposeMerge", [], "sdpa_match"),
     ("impl=buggy_attention:HeadAveragedWeights", [], "shapes"),
+    ("impl=buggy_attention:TimeMajorOutput", [], "shapes"),
     ("impl=buggy_attention:NaiveMHAWrapper", [], "fully_masked_rows"),
     ("impl=buggy_attention:WrongSoftmaxBackward", [], "gradcheck"),
     ("impl=buggy_attention:WrongSoftmaxBackward", [], "grad_match"),
@@ -148,6 +150,60 @@ def test_scale_bug_hides_at_one_head_but_head_counts_catches_it():
 def test_failed_check_saves_its_failing_inputs():
     _, rec = battery("impl=buggy_attention:CausalOffByOne", "checks=[masks]")
     assert {"failing.causal_zero.x", "failing.causal_zero.attn"} <= set(rec.tensors_saved)
+
+
+def test_failed_dropout_and_memory_checks_save_their_inputs():
+    """dropout_rate / chunked_memory failures carry what reproduces them (readout x, both outputs, the kept
+    mask; the probe's q, k, v) so `tfmoe failures add` can point at them."""
+    checks, rec = battery("impl=buggy_attention:DropoutKeepProb", "checks=[dropout]")
+    assert not checks["dropout_rate"].passed
+    saved = set(rec.tensors_saved)
+    assert {f"failing.dropout_rate.{n}" for n in ("x", "padding_mask", "w_qkv", "out_train", "out_no_dropout",
+                                                  "kept_mask")} <= saved
+    kept = rec.tensors_saved["failing.dropout_rate.kept_mask"]
+    assert kept.dtype == torch.bool and 0.05 < kept.double().mean() < 0.2  # keeps ~p of the entries (keep_prob bug)
+    checks, rec = battery("chunked.impl=buggy_attention:chunked_materialized", "checks=[chunked]")
+    assert not checks["chunked_memory"].passed
+    assert {"failing.chunked_memory.q", "failing.chunked_memory.k", "failing.chunked_memory.v"} <= set(rec.tensors_saved)
+
+
+def test_dropout_checks_do_not_blame_dropout_for_a_merge_bug():
+    """The dropout readout divides train-mode by a dropout=0 readout of the same class, so a bug elsewhere
+    (heads merged without the transpose) does not fail the dropout checks; a masking bug is named as a
+    prerequisite in the detail instead of being blamed on dropout."""
+    checks, _ = battery("impl=buggy_attention:MissingTransposeMerge", "checks=[dropout]")
+    for name in ("dropout_eval_identity", "dropout_rate", "dropout_scale", "dropout_seed"):
+        assert checks[name].passed, checks[name].detail
+    checks, _ = battery("impl=buggy_attention:CausalOffByOne", "checks=[dropout]")
+    assert checks["dropout_rate"].passed and "PREREQUISITE" in checks["dropout_rate"].detail
+
+
+def test_kv_cache_compares_with_the_modules_own_forward():
+    # ScaleByDModel's forward is off SDPA, but its cache reproduces its own full forward: kv_cache_decode passes
+    checks, rec = battery("impl=buggy_attention:ScaleByDModel", "checks=[kv_cache]")
+    assert checks["kv_cache_decode"].passed, checks["kv_cache_decode"].detail
+    by_cmp = {r.get("comparison"): r["value"] for r in rec.metrics_rows if r["name"] == "max_abs_err"}
+    assert by_cmp["kv_cache_vs_full_forward"] <= checks["kv_cache_decode"].threshold
+    assert by_cmp["kv_cache_vs_sdpa"] > 1e-3  # the extra SDPA metric still shows the forward's own error
+    # the merge bug makes T=1 steps (correct) disagree with the full forward (wrong): failed, and the detail
+    # points at the forward rather than the cache
+    checks, _ = battery("impl=buggy_attention:MissingTransposeMerge", "checks=[kv_cache]")
+    assert not checks["kv_cache_decode"].passed and "not from the cache" in checks["kv_cache_decode"].detail
+
+
+def test_shapes_judges_only_what_the_module_shows():
+    rows = [ac.ShapeRow("qkv", "(B, T, 3D)", (2, 4, 24), None, "module", True),
+            ac.ShapeRow("scores", "(B, H, T, T)", (2, 2, 4, 4), (9, 9), "derived", False),
+            ac.ShapeRow("output", "(B, T, D)", (2, 4, 8), (4, 2, 8), "module", True)]
+    wrong, unobserved = ac.judge_shapes(rows)
+    assert wrong == ["output: (4, 2, 8) != (2, 4, 8)"] and unobserved == ["qkv"]  # derived rows never judged
+    assert ac.judge_shapes(rows[1:2]) == ([], [])
+    # a module that never calls qkv/out as layers (weights handed to nn.MultiheadAttention): said, not hidden
+    checks, rec = battery("impl=buggy_attention:MHAWrapper", "checks=[masks]")
+    assert checks["shapes"].passed and "NOT observed" in checks["shapes"].detail
+    assert "qkv = x·W_qkvᵀ" in checks["shapes"].detail and any("not observed" in n for n in rec.notes)
+    checks, _ = battery("checks=[masks]")
+    assert "NOT observed" not in checks["shapes"].detail
 
 
 def test_module_that_raises_fails_its_checks_instead_of_crashing():
