@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tfmoe import failures, notebook
+from tfmoe.errors import BadInput
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.testing import run_cli
 
@@ -61,6 +62,31 @@ def test_cuda_without_cuda_says_use_cpu(workdir: Path) -> None:
     r = run_cli(["shift-labels", "--device", "cuda"], workdir)
     assert r.exit_code == 2 and "--device cpu" in r.stderr
     assert notebook.load_run(r.run_dir).run["status"] == "error"  # the run directory says what happened
+
+
+@pytest.mark.parametrize("override", ["ignore_index=-1e2", "model.d_model=64", "seed=range(0,2)", "seed=3,4"])
+def test_override_types_follow_hydras_grammar(override: str) -> None:
+    """1e-5 is a float in Hydra's grammar (YAML 1.1 would read it as a string): no false type errors."""
+    from tfmoe.launch import validate_overrides
+
+    exp = EXPERIMENTS["shift-labels"]
+    if override.startswith("ignore_index"):
+        with pytest.raises(BadInput, match="expected an integer"):  # a float where an int belongs
+            validate_overrides(exp, [override])
+    else:
+        validate_overrides(exp, [override])
+
+
+def test_small_float_overrides_are_accepted_and_typed_checks_still_bite(workdir: Path) -> None:
+    from tfmoe.launch import validate_overrides
+
+    exp = EXPERIMENTS["route-sim"]
+    for ok in (["aux_loss_coef=1e-5"], ["aux_loss_coef=1e-5,1e-3"], ["capacity_factor=1.25e0"], ["aux_loss_coef=0"]):
+        validate_overrides(exp, ok)
+    with pytest.raises(BadInput, match="expected a number"):
+        validate_overrides(exp, ["aux_loss_coef=abc"])
+    with pytest.raises(BadInput, match="expected a number"):
+        validate_overrides(exp, ["aux_loss_coef=1e-5,abc"])  # every swept value is checked
 
 
 def test_unknown_experiment_and_bad_dtype_exit_2(workdir: Path) -> None:

@@ -78,6 +78,7 @@ def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Transformer
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
@@ -94,21 +95,21 @@ def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
     first_values, checks = [], []
     for o in parsed:
         key = o.key_or_group
-        if o.is_sweep_override():
-            try:
-                values = list(o.sweep_string_iterator())
-            except Exception:
-                values = []
-            text_values = values
-        else:
-            text_values = [o.get_value_element_as_str()]
+        try:
+            if o.is_sweep_override():
+                text_values = list(o.sweep_string_iterator())
+                typed_values = list(o.sweep_iterator(transformer=Transformer.identity))
+            else:
+                text_values, typed_values = [o.get_value_element_as_str()], [o.value()]
+        except Exception:
+            text_values, typed_values = [], []
         if not text_values:
             first_values.append(o.input_line)
             continue
         prefix = {"ADD": "+", "DEL": "~", "FORCE_ADD": "++"}.get(o.type.name, "")
         first_values.append(f"{prefix}{key}={text_values[0]}")
         if not o.is_hydra_override() and "/" not in key and o.type.name == "CHANGE":
-            checks.append((key, text_values))
+            checks.append((key, list(zip(text_values, typed_values, strict=False))))
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
@@ -125,17 +126,13 @@ def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
         raise BadInput(f"bad override {' '.join(overrides)!r} for {exp.name}: {' '.join(str(exc).split())[:300]}") from None
     finally:
         GlobalHydra.instance().clear()
-    import yaml
-
-    for key, values in checks:
+    for key, values in checks:  # values typed by Hydra's own override grammar (1e-5 is a float there)
         default = OmegaConf.select(defaults, key, throw_on_missing=False)
         if OmegaConf.is_config(default):
             default = OmegaConf.to_container(default)
-        for text in values:
-            try:
-                value = yaml.safe_load(text)
-            except yaml.YAMLError:
-                value = text
+        for text, value in values:
+            if isinstance(value, str) and "${" in value:
+                continue  # an interpolation: OmegaConf resolves and types it later
             if not _compatible(default, value):
                 raise BadInput(f"{key}={text}: expected {_type_name(default)} like the default "
                                f"({key}={default!r}): fix the value")
