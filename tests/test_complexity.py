@@ -80,6 +80,41 @@ def test_flops_check_fails_on_a_block_with_an_extra_matmul():
     assert not o.passed and o.observed == 2 * SMALL.B * SMALL.T * SMALL.D ** 2
 
 
+class _MatmulTwiceInBackward(torch.autograd.Function):
+    """y = x @ wᵀ whose backward (planted bug) computes the input gradient twice: one extra matmul."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad_x = grad @ w
+        grad_x = 0.5 * (grad_x + grad @ w)  # the wasted matmul
+        return grad_x, grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
+def test_fwd_bwd_check_fails_on_a_backward_with_an_extra_matmul():
+    class WastefulFc2(nn.Module):
+        def __init__(self, fc2: nn.Linear):
+            super().__init__()
+            self.weight, self.bias = fc2.weight, fc2.bias
+
+        def forward(self, x):  # (B,T,d_ff) -> (B,T,D)
+            return _MatmulTwiceInBackward.apply(x, self.weight) + self.bias
+
+    block = _block(SMALL)
+    block.ffn.fc2 = WastefulFc2(block.ffn.fc2)
+    f = cm.forward_flops(SMALL)
+    fwd = cx.counted_flops(block, _x(SMALL, grad=True))
+    fwd_bwd = cx.counted_flops(block, _x(SMALL, grad=True), backward=True)
+    assert cx.exact_outcome("fwd", f["matmul"], fwd).passed  # the forward count cannot see it
+    o = cx.exact_outcome("fwd+bwd", 3 * f["matmul"], fwd_bwd)
+    assert not o.passed and o.observed == 2 * SMALL.B * SMALL.T * SMALL.hidden * SMALL.D
+
+
 def test_decode_flops_with_cache():
     f = cm.forward_flops(cm.BlockShape(1, 1, 32, 4), T_k=100)
     assert f["scores"] == 2 * 100 * 32 and f["qkv"] == 2 * 32 * 96
@@ -169,13 +204,50 @@ def test_kv_cache_check_fails_on_a_formula_missing_v():
     assert not o.passed
 
 
-@pytest.mark.parametrize("dtype,shape", [(torch.float32, SMALL), (torch.float32, cm.BlockShape(1, 1, 8, 2)),
-                                         (torch.bfloat16, cm.BlockShape(2, 8, 16, 2)),
-                                         (torch.float32, cm.BlockShape(3, 5, 12, 3, d_ff=20))])
+@pytest.mark.parametrize("dtype,shape", [
+    (torch.float32, SMALL), (torch.float32, cm.BlockShape(1, 1, 8, 2)), (torch.float32, cm.BlockShape(1, 16, 32, 4)),
+    (torch.float32, cm.BlockShape(3, 5, 12, 3, d_ff=20)), (torch.float32, cm.BlockShape(2, 8, 16, 1)),
+    (torch.float64, cm.BlockShape(1, 8, 16, 2)), (torch.float64, cm.BlockShape(2, 8, 16, 2)),
+    (torch.bfloat16, cm.BlockShape(1, 8, 16, 2)), (torch.bfloat16, cm.BlockShape(2, 8, 16, 2)),
+    (torch.bfloat16, cm.BlockShape(2, 4, 8, 1)), (torch.float16, cm.BlockShape(1, 8, 16, 2)),
+    (torch.float16, cm.BlockShape(2, 5, 16, 2, d_ff=24)),
+])
 def test_activation_bytes_equal_saved_tensors(dtype, shape):
+    """Exact in every dtype, at B = 1 (heads fold as a view) and B > 1 (the fold copies), H = 1 included."""
     e = torch.finfo(dtype).bits // 8
     saved = cx.saved_activation_bytes(_block(shape, dtype), _x(shape, dtype))
     assert saved == cm.training_activation_bytes(shape, e)
+
+
+def _fp32_only_formula(shape: cm.BlockShape, e: int) -> int:
+    """The previous formula: fp32 upcast copies for every dtype and the B > 1 layout of the attention operands."""
+    btd, f32 = shape.B * shape.T * shape.D, 4
+    return (2 * btd * f32 + 4 * shape.B * shape.T * f32 + 3 * btd * e + 2 * btd * f32 + btd * e
+            + cm.score_elements(shape) * (f32 + e) + 2 * shape.B * shape.T * shape.hidden * e
+            + shape.T ** 2 + shape.T + (4 * shape.D * f32 if e != f32 else 0))
+
+
+@pytest.mark.parametrize("B,T,D,H,e,missed", [
+    (1, 64, 64, 4, 2, 16_384), (1, 16, 16, 2, 2, 1_024), (1, 64, 64, 4, 8, 131_072), (2, 64, 64, 4, 2, 0),
+    (1, 64, 64, 4, 4, 0), (2, 64, 64, 4, 4, 0),
+])
+def test_activation_bytes_explain_the_reviewed_gaps(B, T, D, H, e, missed):
+    """The bytes the old formula missed in the reviewed runs (bf16 at B=1: the whole qkv output stays alive,
+    as v is a view into it; fp64: norms and softmax are never downcast), and nothing changes where it held."""
+    shape = cm.BlockShape(B, T, D, H)
+    assert cm.training_activation_bytes(shape, e) - _fp32_only_formula(shape, e) == missed
+    assert cm.heads_fold_as_view(shape) == (B == 1)
+    assert cm.heads_fold_as_view(cm.BlockShape(3, 8, 16, 1))  # H = 1 folds as a view too
+    assert cm.accumulate_bytes(2) == cm.accumulate_bytes(4) == 4 and cm.accumulate_bytes(8) == 8
+
+
+def test_activation_check_fails_with_the_fp32_only_formula():
+    """Planted: the old formula misses fp64 and B=1 bf16; the check sees it, the new formula passes."""
+    for dtype, shape in ((torch.float64, cm.BlockShape(2, 8, 16, 2)), (torch.bfloat16, cm.BlockShape(1, 8, 16, 2))):
+        e = torch.finfo(dtype).bits // 8
+        saved = cx.saved_activation_bytes(_block(shape, dtype), _x(shape, dtype))
+        assert not cx.exact_outcome("act", _fp32_only_formula(shape, e), saved).passed
+        assert cx.exact_outcome("act", cm.training_activation_bytes(shape, e), saved).passed
 
 
 def test_activation_check_fails_when_dropout_saves_masks():
@@ -232,6 +304,30 @@ def test_timings_check():
         assert not cx.timings_outcome(bad).passed
 
 
+def test_timings_plausibility():
+    ok = cx.timings_plausibility({"ffn.median": 0.93, "qkv.cpu": 1.07, "softmax.best": 0.02, "x.cpu": float("nan")})
+    assert ok.passed and ok.observed == 1.07
+    edge = cx.timings_plausibility({"ffn.median": cx.PLAUSIBLE_PEAK_FRACTION})
+    assert edge.passed  # at the limit: still plausible
+    # planted: the 2-thread run on the shared box (qkv at 181 % of the peak)
+    bad = cx.timings_plausibility({"ffn.median": 0.9, "qkv.median": 1.81, "out_proj.best": 1.61})
+    assert not bad.passed and bad.observed == 1.81 and "qkv.median" in bad.detail and "out_proj.best" in bad.detail
+    assert not cx.timings_plausibility({}).passed
+
+
+def test_time_fn_uses_benchmark_timer_on_both_clocks():
+    from tfmoe.recorder import Recorder
+
+    rec = Recorder(OmegaConf.create({}), torch.device("cpu"), torch.float32, seed=0)
+    a = torch.randn(128, 128)
+    threads = torch.get_num_threads()
+    med, best, cpu = cx.time_fn(rec, "mm", lambda: a @ a, min_run_time=0.01, warmup=1)
+    assert 0 < best <= med < 50 and 0 < cpu < 50
+    assert torch.get_num_threads() == threads  # Timer runs with the run's threads (its default would be 1)
+    row = rec.timings_rows[-1]
+    assert row["stage"] == "mm" and row["repeats"] >= 1 and row["calls_per_block"] >= 1 and row["cpu_ms"] == cpu
+
+
 # -------------------------------------------------------------------------------------- bad input
 def _cfg(**kw):
     base = OmegaConf.load("conf/complexity.yaml")
@@ -246,6 +342,7 @@ def _cfg(**kw):
     ({"T": 0, "D": 64}, "T=0"), ({"T": 64, "D": -8}, "D=-8"), ({"T": 64, "D": 30}, "not divisible"),
     ({"dtype": "fp8"}, "dtype"), ({"T": 64}, "give both"), ({"top_k": 9}, "top_k=9"),
     ({"groups": [[64]]}, "pair"), ({"d_ff": 0}, "d_ff"), ({"B": 0}, "B=0"), ({"threads": 0}, "threads"),
+    ({"min_run_time": 0}, "min_run_time"),
 ])
 def test_bad_input(kw, words):
     with pytest.raises(BadInput, match=words):
@@ -268,7 +365,8 @@ def test_settings_single_group_and_boundaries():
 
 
 # --------------------------------------------------------------------------------- whole run, CLI
-QUICK = ["T=32", "D=16", "n_heads=2", "repeats=1", "warmup=0", "peak_matmul_n=64", "n_layers=2", "vocab=100"]
+QUICK = ["T=32", "D=16", "n_heads=2", "min_run_time=0.002", "warmup=0", "peak_matmul_n=64", "n_layers=2",
+         "vocab=100"]
 
 
 def test_run_records_every_name_with_T_and_D():
@@ -285,6 +383,7 @@ def test_run_records_every_name_with_T_and_D():
     assert value["flops_forward_block"] == value["flops_counted_forward_block"]
     assert value["crossover_T"] == 64
     assert set(m[m["name"] == "peak_fraction"]["component"]) >= {"ffn", "ffn_fc1", "qkv", "prefill"}
+    assert value["timings_plausible"] in (0.0, 1.0) and value["peak_fraction_max"] > 0
     assert {c.check.split(".")[0] for c in rec.checks_rows} == {
         "sdpa_counted_with_custom_mapping", "moe_active_lt_total", "flops_forward_match", "flops_fwd_bwd_match",
         "params_match", "kv_cache_bytes_match", "activation_bytes_match", "timings_valid"}
@@ -293,6 +392,29 @@ def test_run_records_every_name_with_T_and_D():
     df = pd.concat([pd.DataFrame(rec.metrics_rows), pd.DataFrame(rec2.metrics_rows)], ignore_index=True)
     figs = cx.sweep_plots(df)
     assert list(figs) == ["sweep_attention_vs_ffn"] and figs["sweep_attention_vs_ffn"].axes
+
+
+def test_run_warns_on_implausible_timings_but_passes(monkeypatch):
+    """Planted timings: a matmul peak 1000x too slow (as when the peak's threads wait for a busy core) makes every
+    component run at an impossible fraction of it: recorded, noted, printed, and no check fails."""
+    from tfmoe.testing import run_recorded
+
+    monkeypatch.setattr(cx, "peak_matmul_flops", lambda *a, **k: (1e6, 1e6, 1e6))
+    rec = run_recorded("complexity", QUICK)
+    assert rec.all_passed
+    m = pd.DataFrame(rec.metrics_rows).set_index("name")["value"]
+    assert m["timings_plausible"] == 0.0 and m["peak_fraction_max"] > cx.PLAUSIBLE_PEAK_FRACTION
+    assert any("NOT trustworthy" in n and "threads" in n and "load average" in n for n in rec.notes)
+
+
+@pytest.mark.parametrize("dtype,extra", [("bf16", []), ("fp64", ["B=2"])])
+def test_run_activation_bytes_match_in_low_and_high_precision(dtype, extra):
+    """The reviewer's failing runs, tiny: bf16 at the default B=1 and fp64 (never downcast to fp32)."""
+    from tfmoe.testing import run_recorded
+
+    rec = run_recorded("complexity", ["T=8", "D=16", *QUICK[2:], f"dtype={dtype}", *extra])
+    failed = [c for c in rec.checks_rows if not c.passed]
+    assert not failed, failed
 
 
 def test_cli_exit_codes(tmp_path):

@@ -30,7 +30,9 @@ non-embedding parameters. Its attention term counts only the keys a causal query
 
 Memory: :func:`training_activation_bytes` is the exact byte count of the tensors autograd saves for the
 backward pass of this block (measured with ``torch.autograd.graph.saved_tensors_hooks``; the block computes
-LayerNorm, QKᵀ and softmax in fp32 whatever the run's dtype, so those tensors are 4 bytes/element).
+LayerNorm, QKᵀ and softmax in at least fp32: fp16/bf16 are upcast, fp64 stays fp64). Which tensors are saved
+for the attention matmuls depends on B and H (:func:`heads_fold_as_view`, a torch.matmul detail modelled
+explicitly), so the formula is exact for torch 2.13 CPU in every dtype, at B = 1 and B > 1.
 Compare Korthikanti et al. 2022 (a Megatron block in fp16 with dropout): 34·B·T·D + 5·H·B·T² bytes.
 """
 
@@ -43,7 +45,7 @@ COMPONENTS = ("qkv", "scores", "softmax", "attn_v", "out_proj", "ffn", "bias")
 MATMUL_COMPONENTS = ("qkv", "scores", "attn_v", "out_proj", "ffn")
 GROWTH = {"qkv": "T", "scores": "T^2", "softmax": "T^2", "attn_v": "T^2", "out_proj": "T", "ffn": "T",
           "bias": "T"}
-FP32_BYTES = 4  # LayerNorm, QKᵀ and softmax run in fp32 in this block
+FP32_BYTES = 4  # LayerNorm, QKᵀ and softmax run in at least fp32 in this block (fp64 stays fp64)
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,8 @@ def score_elements(s: BlockShape, T_k: int | None = None) -> int:
 
 
 def score_bytes(s: BlockShape) -> dict[str, int]:
-    """Bytes of one score matrix per dtype (this block materialises it in fp32 whatever the dtype)."""
+    """Bytes of one score matrix per dtype (this block materialises it in fp32 for fp16/bf16/fp32 runs,
+    in fp64 for fp64 runs: :func:`accumulate_bytes`)."""
     n = score_elements(s)
     return {name: n * size for name, size in DTYPE_BYTES.items()}
 
@@ -220,37 +223,68 @@ def kv_cache_bytes_per_token(s: BlockShape, dtype_bytes: int, n_layers: int = 1)
     return 2 * s.D * dtype_bytes * n_layers
 
 
+def accumulate_bytes(dtype_bytes: int) -> int:
+    """Bytes per element of what the block computes "in (at least) fp32": LayerNorm, QKᵀ and softmax.
+
+    fp16/bf16 (2 bytes) are upcast to fp32; fp32 stays fp32 and fp64 stays fp64 (never downcast)."""
+    return max(dtype_bytes, FP32_BYTES)
+
+
+def heads_fold_as_view(s: BlockShape) -> bool:
+    """Whether ``torch.matmul`` can fold q/kᵀ/v of shape (B, H, T, Dh) into (B·H, T, Dh) without a copy.
+
+    q, k, v are strided views into the qkv projection's (B, T, 3D) output. Merging the B and H axes is a
+    view only when one of them has size 1 (B == 1 or H == 1); otherwise ``reshape`` copies. This decides
+    which tensors autograd saves for the two attention matmuls (see :func:`training_activation_bytes`)."""
+    return s.B == 1 or s.H == 1
+
+
 def training_activation_bytes(s: BlockShape, dtype_bytes: int) -> int:
     """Bytes autograd saves for backward in one pre-norm GELU block (causal mask, no padding mask).
 
-    Saved: the two LayerNorm inputs (fp32 copies) and their mean/rstd; the inputs of qkv, out_proj and fc1
-    (run dtype); q and kᵀ as contiguous fp32 copies and v (run dtype) for the two attention matmuls;
-    the fp32 softmax output and the weights cast to the run dtype; GELU's input and fc2's input (B·T·d_ff);
-    the bool causal mask (T·T) and its row-any (T); LayerNorm's fp32 weight/bias copies when the run
-    dtype is not fp32.
+    Exact for torch 2.13 on CPU in fp32, fp64, fp16 and bf16 (tested against
+    ``torch.autograd.graph.saved_tensors_hooks``, counting distinct storages, parameters excluded).
+    With e = ``dtype_bytes`` and a = :func:`accumulate_bytes` (fp32 for fp16/bf16, else e), it saves:
+
+    - the two LayerNorm inputs (dtype a: upcast copies for fp16/bf16, the tensors themselves otherwise)
+      and their mean/rstd (B·T each, dtype a); for fp16/bf16 also the fp32 copies of LayerNorm's weight/bias;
+    - the inputs of qkv, out_proj and fc1 (e);
+    - the operands of QKᵀ and weights·V. This part depends on how ``torch.matmul`` folds (B, H) into one
+      batch axis (:func:`heads_fold_as_view`), an implementation detail of torch, modelled explicitly:
+      * B > 1 and H > 1: the fold copies, so autograd keeps copies of q and kᵀ (a each) and of v (e);
+      * B == 1 or H == 1: the fold is a view, so the saved q/kᵀ/v are views that keep the whole qkv output
+        (3·B·T·D, e) alive; for fp16/bf16 q and kᵀ are upcast first, so their fp32 copies (a each) are
+        saved as well: 2 extra B·T·D tensors compared with B > 1;
+    - the softmax output (a) and the weights cast to the run dtype (e), B·H·T² each;
+    - GELU's input and fc2's input (B·T·d_ff, e); the bool causal mask (T·T) and its row-any (T).
     """
     if s.ffn != "gelu":
         raise ValueError("training_activation_bytes models the GELU block only")
-    e, f32 = dtype_bytes, FP32_BYTES
+    e, a = dtype_bytes, accumulate_bytes(dtype_bytes)
     B, T, D = s.B, s.T, s.D
     btd = B * T * D
+    if heads_fold_as_view(s):
+        attn_operands = 3 * btd * e + (2 * btd * a if a != e else 0)  # qkv output (+ upcast q, kᵀ)
+    else:
+        attn_operands = 2 * btd * a + btd * e  # copies of q, kᵀ (accumulate dtype) and v (run dtype)
     total = (
-        2 * btd * f32  # LayerNorm inputs (x, resid1) upcast to fp32
-        + 2 * 2 * B * T * f32  # LayerNorm mean and rstd, two norms
+        2 * btd * a  # LayerNorm inputs (x, resid1), fp32 copies for fp16/bf16
+        + 2 * 2 * B * T * a  # LayerNorm mean and rstd, two norms
         + 3 * btd * e  # inputs of qkv, out_proj, fc1
-        + 2 * btd * f32  # q and kᵀ contiguous fp32 copies for QKᵀ
-        + btd * e  # v contiguous copy for weights·V
-        + score_elements(s) * (f32 + e)  # softmax output (fp32) + weights in the run dtype
+        + attn_operands
+        + score_elements(s) * (a + e)  # softmax output + weights in the run dtype
         + 2 * B * T * s.hidden * e  # GELU input, fc2 input
         + T * T + T  # bool causal mask and its row-any
     )
-    if e != f32:
-        total += 2 * 2 * D * f32  # LayerNorm weight and bias upcast to fp32
+    if a != e:
+        total += 2 * 2 * D * FP32_BYTES  # LayerNorm weight and bias upcast to fp32
     return total
 
 
 def training_peak_estimate_bytes(s: BlockShape, dtype_bytes: int) -> int:
     """A rough upper estimate of one training step's memory: params + grads + saved activations + the
-    three fp32 score-sized temporaries alive during attention's forward (scores, masked scores, softmax)."""
+    three score-sized temporaries (fp32, fp64 in fp64 runs) alive during attention's forward (scores, masked
+    scores, softmax)."""
     params = block_params(s)["total"] * dtype_bytes
-    return 2 * params + training_activation_bytes(s, dtype_bytes) + 3 * score_elements(s) * FP32_BYTES
+    return (2 * params + training_activation_bytes(s, dtype_bytes)
+            + 3 * score_elements(s) * accumulate_bytes(dtype_bytes))
