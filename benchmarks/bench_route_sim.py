@@ -6,7 +6,8 @@ Floors:
   matmul     one GEMM (N*k, d) @ (d, 2h): the same FLOPs in a single call (the issue's floor)
   dense_ffn  one GELU FFN d -> h -> d on N*k rows: the same FLOPs and the same activation
   chunked    the dense FFN on E contiguous chunks of N*k/E rows (what the experts do, minus routing)
-Prints median times and the ratios layer / floor.
+"layer" is the whole MoELayer forward: router + top-k + capacity + dispatch + the residual add x + mixture;
+"dispatch" is the expert part alone. Prints median times and the ratios layer / floor.
 
     .venv/bin/python benchmarks/bench_route_sim.py [--tokens 16384 --experts 64 ...]
 """

@@ -176,9 +176,10 @@ def test_loop_and_sorted_dispatch_bit_identical_fp32(cf):
         a, b = layer(x, dispatch="loop"), layer(x, dispatch="sorted")
         ref = rs.dense_mixture(x, a.routing.topk_idx, a.routing.topk_weight, a.keep, layer.experts,
                                torch.float64)
-    assert torch.equal(a.out, b.out)
+    assert torch.equal(a.out, b.out) and torch.equal(a.mixture, b.mixture)
     assert torch.equal(a.processed, b.processed)
-    torch.testing.assert_close(b.out.double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.mixture.double(), ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(b.out, x + b.mixture)
     if cf is not None:
         assert int(b.processed.max()) <= a.capacity
 
@@ -190,23 +191,45 @@ def test_dispatch_bf16_tiny_agrees():
         assert torch.equal(layer(x, dispatch="loop").out, layer(x, dispatch="sorted").out)
 
 
-def test_dropped_tokens_get_zero_output_and_shape_kept():
-    layer = _layer(E=4, k=1, cf=0.25)  # capacity ceil(20/4*0.25) = 2 per expert
+@pytest.mark.parametrize("dispatch", ["sorted", "loop"])
+def test_dropped_token_passes_through_residual_kept_token_gets_mixture(dispatch):
+    """Regression: the layer returned the mixture alone, so a dropped token came out as 0, not as itself."""
+    layer = _layer(E=4, k=2, cf=0.25)  # capacity ceil(20*2/4*0.25) = 3 per expert
     x = torch.randn(2, 10, 16)
     with torch.no_grad():
+        res = layer(x, dispatch=dispatch)
+        r = res.routing
+        ref = rs.dense_mixture(x.reshape(20, 16), r.topk_idx, r.topk_weight, res.keep, layer.experts,
+                               torch.float64)
+    assert res.out.shape == res.mixture.shape == (2, 10, 16) and res.capacity == 3
+    out, mix, x2 = res.out.reshape(20, 16), res.mixture.reshape(20, 16), x.reshape(20, 16)
+    dropped = ~res.keep.any(dim=-1)  # (N,) every assignment of the token dropped
+    kept = res.keep.all(dim=-1)  # (N,) both assignments kept
+    assert dropped.sum() > 0 and kept.sum() > 0 and (~dropped & ~kept).sum() > 0
+    assert torch.equal(out[dropped], x2[dropped])  # exactly its input
+    assert (mix[dropped] == 0).all()
+    assert torch.equal(out[~dropped], x2[~dropped] + mix[~dropped])  # input + mixture (partial drops too)
+    torch.testing.assert_close(mix.double(), ref, rtol=1e-5, atol=1e-6)
+    assert (mix[kept].abs().sum(-1) > 0).all()
+
+
+def test_residual_false_returns_the_mixture_alone():
+    layer = _layer(E=4, k=1, cf=0.25)
+    layer.residual = False
+    x = torch.randn(20, 16)
+    with torch.no_grad():
         res = layer(x)
-    assert res.out.shape == (2, 10, 16) and res.capacity == 2
-    dropped_tokens = ~res.keep.any(dim=-1)
-    assert dropped_tokens.sum() == 20 - int(res.processed.sum()) > 0
-    assert (res.out.reshape(20, 16)[dropped_tokens] == 0).all()
+    assert torch.equal(res.out, res.mixture)
+    assert (res.out[~res.keep.any(dim=-1)] == 0).all()
 
 
-def test_single_expert_top1_is_the_dense_ffn():
+def test_single_expert_top1_is_the_dense_ffn_plus_residual():
     layer = _layer(E=1, k=1)
     x = torch.randn(7, 16)
     with torch.no_grad():
-        out = layer(x).out
-        assert torch.equal(out, layer.experts[0](x))
+        res = layer(x)
+        assert torch.equal(res.mixture, layer.experts[0](x))
+        assert torch.equal(res.out, x + layer.experts[0](x))
 
 
 def test_unknown_dispatch_rejected():
@@ -413,13 +436,33 @@ def test_training_checks_pass_and_metrics_per_step(small_cfg):
     rs.check_training(p, rec, traces)
     assert all(c.passed for c in rec.checks_rows), [c for c in rec.checks_rows if not c.passed]
     df = pd.DataFrame(rec.metrics_rows)
-    for name in ("cv", "maxvio", "dropped_fraction", "balance_loss", "router_entropy"):
+    for name in ("cv", "maxvio", "dropped_fraction", "tokens_dropped_fraction", "balance_loss", "router_entropy"):
         sub = df[df["name"] == name]
         assert sorted(sub["strategy"].unique()) == sorted(p.strategies)
         assert sub.groupby("strategy")["step"].apply(list).map(lambda s: s == list(range(6))).all()
     applied = df[df["name"] == "applied_loss"].groupby("strategy")["value"].max()
     assert applied["none"] == 0 and applied["aux_free"] == 0 and applied["aux_loss"] > 0 and applied["z_loss"] > 0
     assert set(rs._training_plots(p, traces)) == {"cv_maxvio", "train_cost", "final_loads"}
+
+
+def test_training_task_loss_is_on_the_residual_output(small_cfg):
+    """Regression: the training MSE was taken on the mixture alone (dropped tokens output 0). Step 0's
+    recorded task loss, recomputed independently from the same init and batch, is MSE(x + mixture, y)."""
+    p, cfg = _params(small_cfg, steps=1, strategies=["none"], capacity_factor=0.5)
+    rec = make_recorder(cfg)
+    rs.train_strategies(p, rec)
+    recorded = [r["value"] for r in rec.metrics_rows if r["name"] == "task_loss"][0]
+    task = rs.ClusterTask.make(p.d_model, p.clusters, rec.seed + 3)
+    layer = moe.MoELayer(p.d_model, p.d_hidden, p.n_experts, p.top_k, p.capacity_factor, residual=False)
+    layer.load_state_dict(rs.initial_state(p, task, rec.seed + 4))
+    x, y = task.sample(p.train_tokens, torch.Generator().manual_seed(rec.seed + 1))
+    with torch.no_grad():
+        res = layer(x)
+    assert (~res.keep.any(-1)).any()  # some tokens fully dropped
+    tokens_dropped = [r["value"] for r in rec.metrics_rows if r["name"] == "tokens_dropped_fraction"][0]
+    assert tokens_dropped == int((~res.keep.any(-1)).sum()) / p.train_tokens
+    assert recorded == pytest.approx(float(F.mse_loss(x + res.mixture, y)), rel=1e-6)
+    assert recorded != pytest.approx(float(F.mse_loss(res.mixture, y)), rel=1e-2)
 
 
 def test_identical_init_and_data_across_strategies(small_cfg):
@@ -451,6 +494,25 @@ def test_training_planted_bugs(small_cfg, monkeypatch):
     assert not _check(rec, "train.dropped_plus_kept.none").passed
     assert not _check(rec, "train.loads_sum.none").passed
     assert not _check(rec, "train.cv_maxvio_recomputed.none").passed
+    assert not _check(rec, "train.cv_maxvio_every_step.none").passed
+
+
+def test_training_planted_bug_cv_wrong_at_one_middle_step(small_cfg, monkeypatch):
+    """A CV bug that shows only at step 1 of 3: the final-step recomputation cannot see it, the every-step
+    check must."""
+    real, calls = moe.load_cv, {"n": 0}
+
+    def wrong_once(load):
+        calls["n"] += 1
+        return real(load) * (1.5 if calls["n"] == 2 else 1.0)
+
+    monkeypatch.setattr(moe, "load_cv", wrong_once)
+    p, cfg = _params(small_cfg, steps=3, strategies=["none"])
+    rec = make_recorder(cfg)
+    rs.check_training(p, rec, rs.train_strategies(p, rec))
+    assert calls["n"] == 3
+    assert _check(rec, "train.cv_maxvio_recomputed.none").passed
+    assert not _check(rec, "train.cv_maxvio_every_step.none").passed
 
 
 def test_interrupt_keeps_steps_done_so_far(small_cfg):

@@ -6,8 +6,9 @@ renormalised to sum to 1 and become the combine weights.
 
 Capacity: C = ceil(tokens * k / n_experts * capacity_factor) assignments per expert; ``None`` = dropless.
 Overflow assignments are dropped in a fixed priority order: every token's 1st choice in token order, then
-every 2nd choice in token order, ... (GShard / Switch). A dropped assignment contributes 0 to the layer's
-output, so a token whose every assignment is dropped passes through the block's residual unchanged.
+every 2nd choice in token order, ... (GShard / Switch). A dropped assignment contributes 0 to the expert
+mixture; the layer adds the residual (out = x + mixture), so a token whose every assignment is dropped
+comes out equal to its input.
 
 Dispatch, two ways with the same arithmetic order on CPU (so the outputs agree to the last bit):
   loop   - the course's teaching loop: for each expert, torch.where(topk_idx == e) -> gather -> FFN -> index_add_
@@ -218,7 +219,8 @@ def update_selection_bias(bias: torch.Tensor, load: torch.Tensor, rate: float = 
 # ----------------------------------------------------------------------------- the layer
 @dataclass
 class MoEOutput:
-    out: torch.Tensor  # (..., D) weighted sum of kept expert outputs (0 for fully dropped tokens)
+    out: torch.Tensor  # (..., D) x + mixture (residual=True) or the mixture alone (residual=False)
+    mixture: torch.Tensor  # (..., D) weighted sum of kept expert outputs (0 for fully dropped tokens)
     routing: Routing
     keep: torch.Tensor  # (N,k) bool, assignments that fit the capacity
     processed: torch.Tensor  # (E,) int64, rows each expert actually ran on
@@ -226,18 +228,20 @@ class MoEOutput:
 
 
 class MoELayer(nn.Module):
-    """Router + E GELU FFN experts (d -> d_hidden -> d, no bias). Returns the expert mixture only; the
-    caller adds the residual (y = x + moe(x).out), which is what carries dropped tokens."""
+    """Router + E GELU FFN experts (d -> d_hidden -> d, no bias) + residual:
+    out = x + sum_k w_k * expert_k(x) over the kept assignments, so a token whose assignments were all
+    dropped by the capacity limit passes through unchanged (out == x exactly). ``residual=False`` returns
+    the mixture alone (for a caller that adds its own residual); ``MoEOutput.mixture`` always holds it."""
 
     def __init__(self, d_model: int, d_hidden: int, n_experts: int, top_k: int,
                  capacity_factor: float | None = None, score_func: str = "softmax", noisy: bool = False,
-                 dispatch: str = "sorted"):
+                 dispatch: str = "sorted", residual: bool = True):
         super().__init__()
         if dispatch not in DISPATCH:
             raise ValueError(f"unknown dispatch {dispatch!r}: choose one of {DISPATCHES}")
         self.router = Router(d_model, n_experts, top_k, score_func, noisy)
         self.experts = nn.ModuleList(FeedForward(d_model, d_hidden, "gelu", bias=False) for _ in range(n_experts))
-        self.capacity_factor, self.dispatch = capacity_factor, dispatch
+        self.capacity_factor, self.dispatch, self.residual = capacity_factor, dispatch, residual
         self.n_experts, self.top_k = n_experts, top_k
 
     def forward(self, x: torch.Tensor, generator: torch.Generator | None = None,
@@ -248,5 +252,7 @@ class MoELayer(nn.Module):
         capacity = expert_capacity(x2.shape[0], self.top_k, self.n_experts, self.capacity_factor)
         keep = capacity_keep(routing.topk_idx, self.n_experts, capacity)
         fn = DISPATCH[dispatch or self.dispatch]
-        out, processed = fn(x2, routing.topk_idx, routing.topk_weight.to(x.dtype), keep, self.experts)
-        return MoEOutput(out.view(shape), routing, keep, processed, capacity)
+        mixture, processed = fn(x2, routing.topk_idx, routing.topk_weight.to(x.dtype), keep, self.experts)
+        mixture = mixture.view(shape)  # (..., D)
+        out = x + mixture if self.residual else mixture
+        return MoEOutput(out, mixture, routing, keep, processed, capacity)

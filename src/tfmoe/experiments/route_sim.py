@@ -7,9 +7,10 @@ aux-loss-free bias) undoes a router that has collapsed onto a few experts — at
 Part 1, the course's exercise: ``tokens`` random tokens routed once (default 100 tokens, 8 experts, top-2):
 loads, CV, MaxVio, capacity drops, the Switch aux penalty; both dispatches (loop and sorted) run and
 compared with each other and with a dense float64 reference.
-Part 2, a training simulation: a router + experts trained with Adam on clustered inputs, the router
-initialised so that experts 0..k-1 win every token; each strategy on identical data and init; per step
-CV, MaxVio, dropped fraction, balance loss, router entropy, task loss.
+Part 2, a training simulation: an MoE layer (output x + expert mixture, so a dropped token passes through
+unchanged) trained with Adam on clustered inputs, the router initialised so that experts 0..k-1 win every
+token; each strategy on identical data and init; per step CV, MaxVio, dropped fraction, balance loss,
+router entropy, task loss.
 
 ``balance_loss`` is the Switch aux loss alpha*E*sum_i f_i*P_i (f_i = load_i/(N*k), P_i = mean router
 probability) measured for every strategy as a common yardstick; it is added to the training loss only
@@ -39,8 +40,8 @@ from tfmoe.validate import require_int, require_number
 
 COEF_FIX = "pass a coefficient >= 0 (0 switches it off)"
 
-STEP_METRICS = ("cv", "maxvio", "dropped_fraction", "balance_loss", "z_loss", "applied_loss",
-                "router_entropy", "task_loss")
+STEP_METRICS = ("cv", "maxvio", "dropped_fraction", "tokens_dropped_fraction", "balance_loss", "z_loss",
+                "applied_loss", "router_entropy", "task_loss")
 
 
 # ------------------------------------------------------------------------------ config
@@ -373,7 +374,8 @@ def _course_plot(load: torch.Tensor, kept: torch.Tensor, capacity: int | None, p
 @dataclass
 class ClusterTask:
     """Tokens x = offset + centers[c] + 0.5*noise, target y = maps[c] @ x: clusters reward specialised
-    experts; the shared offset is what the skewed router init keys on."""
+    experts; the shared offset is what the skewed router init keys on. The layer outputs x + mixture, so
+    its experts must learn (maps[c] - I) x, and a dropped token is left with the error (maps[c] - I) x."""
 
     offset: torch.Tensor  # (D,)
     centers: torch.Tensor  # (C,D)
@@ -415,6 +417,7 @@ class StrategyTrace:
     worst_load_sum_error: int = 0
     worst_capacity_excess: int | None = None
     worst_total_error: int = 0
+    worst_cv_maxvio_error: float = 0.0  # max over steps of |recorded - numpy recomputation from topk_idx|
     final_topk_idx: torch.Tensor | None = None
     final_load: torch.Tensor | None = None
     steps_done: int = 0
@@ -424,7 +427,8 @@ def train_strategy(p: Params, rec: Recorder, strategy: str, task: ClusterTask,
                    state: dict[str, torch.Tensor],
                    on_step: Callable[[str, int], None] | None = None) -> StrategyTrace:
     """Train router + experts for ``p.steps`` steps under one strategy; metrics are recorded every step
-    (so an interrupted run keeps the steps done so far). Runs in fp32: the dynamics are the subject."""
+    (so an interrupted run keeps the steps done so far). Task loss = MSE(x + mixture, y): dropped
+    assignments leave the token on the residual path. Runs in fp32: the dynamics are the subject."""
     device = rec.device
     layer = moe.MoELayer(p.d_model, p.d_hidden, p.n_experts, p.top_k, p.capacity_factor, p.score_func,
                          noisy=strategy == "noisy_topk", dispatch=p.dispatch)
@@ -455,7 +459,9 @@ def train_strategy(p: Params, rec: Recorder, strategy: str, task: ClusterTask,
             dropped = int((~res.keep).sum())
             values = {
                 "cv": float(moe.load_cv(load)), "maxvio": float(moe.load_maxvio(load)),
-                "dropped_fraction": dropped / (n * k), "balance_loss": float(balance), "z_loss": float(zl),
+                "dropped_fraction": dropped / (n * k),
+                "tokens_dropped_fraction": int((~res.keep.any(dim=-1)).sum()) / n,  # all k dropped: out = x
+                "balance_loss": float(balance), "z_loss": float(zl),
                 "applied_loss": float(applied), "router_entropy": float(moe.router_entropy(r.probs)),
                 "task_loss": float(task_loss),
             }
@@ -468,6 +474,9 @@ def train_strategy(p: Params, rec: Recorder, strategy: str, task: ClusterTask,
             trace.worst_capacity_excess, excess)
         trace.worst_load_sum_error = max(trace.worst_load_sum_error, abs(int(load.sum()) - n * k))
         trace.worst_total_error = max(trace.worst_total_error, abs(int(processed.sum()) + dropped - n * k))
+        cv_ref, maxvio_ref = recompute_cv_maxvio(r.topk_idx, p.n_experts)  # numpy, this step's assignments
+        err = max(abs(cv_ref - values["cv"]), abs(maxvio_ref - values["maxvio"]))
+        trace.worst_cv_maxvio_error = max(trace.worst_cv_maxvio_error, err if math.isfinite(err) else math.inf)
         trace.final_topk_idx, trace.final_load = r.topk_idx.detach().cpu(), load
         trace.steps_done = step + 1
         if on_step is not None:
@@ -489,8 +498,9 @@ def train_strategies(p: Params, rec: Recorder,
 
 
 def check_training(p: Params, rec: Recorder, traces: dict[str, StrategyTrace]) -> None:
-    """Per strategy, over every step: loads sum to N*k, no expert above capacity, kept + dropped = N*k;
-    and the final step's CV/MaxVio recomputed from its saved assignments."""
+    """Per strategy, over every step: loads sum to N*k, no expert above capacity, kept + dropped = N*k,
+    recorded CV/MaxVio = a numpy recomputation from that step's assignments; and the final step's CV/MaxVio
+    recomputed from its saved assignments (only the final step's topk_idx is saved)."""
     n, k = p.train_tokens, p.top_k
     for s, t in traces.items():
         rec.check(f"train.loads_sum.{s}", t.worst_load_sum_error == 0, t.worst_load_sum_error, 0.0,
@@ -500,6 +510,9 @@ def check_training(p: Params, rec: Recorder, traces: dict[str, StrategyTrace]) -
                   f"max over steps of processed rows - capacity {t.capacity if t.capacity else '(dropless: load)'}")
         rec.check(f"train.dropped_plus_kept.{s}", t.worst_total_error == 0, t.worst_total_error, 0.0,
                   f"max over steps of |kept + dropped - {n * k}|")
+        rec.check(f"train.cv_maxvio_every_step.{s}", t.worst_cv_maxvio_error <= 1e-12, t.worst_cv_maxvio_error,
+                  1e-12, f"max over {t.steps_done} steps of |recorded CV or MaxVio - numpy float64 recomputation "
+                  "from that step's topk_idx|")
         rec.tensor(f"train.{s}.topk_idx", t.final_topk_idx)
         rec.tensor(f"train.{s}.expert_load", t.final_load)
         last = t.steps_done - 1
@@ -529,9 +542,10 @@ def _training_plots(p: Params, traces: dict[str, StrategyTrace]) -> dict[str, Fi
     fig = Figure(figsize=(10, 4))
     ax_drop, ax_loss = fig.subplots(1, 2)
     for s, t in traces.items():
-        ax_drop.plot(t.history["dropped_fraction"], label=s, lw=1)
+        (line,) = ax_drop.plot(t.history["dropped_fraction"], label=s, lw=1)
+        ax_drop.plot(t.history["tokens_dropped_fraction"], color=line.get_color(), ls=":", lw=1)
         ax_loss.plot(t.history["task_loss"], label=s, lw=1)
-    ax_drop.set(xlabel="step", ylabel="dropped fraction", title="assignments dropped by capacity")
+    ax_drop.set(xlabel="step", ylabel="dropped fraction", title="dropped: assignments (solid), whole tokens (dotted)")
     ax_loss.set(xlabel="step", ylabel="task MSE", yscale="log", title="task loss (the cost side)")
     ax_drop.legend(fontsize=8)
     fig.tight_layout()
@@ -594,8 +608,8 @@ def _summary(p: Params, course: CourseResult, traces: dict[str, StrategyTrace]) 
             "",
             "Mean over the last 10% of steps (first step in brackets):",
             "",
-            "| strategy | CV | MaxVio | dropped | balance_loss | entropy | task loss |",
-            "|---|---|---|---|---|---|---|",
+            "| strategy | CV | MaxVio | dropped | tokens dropped | balance_loss | entropy | task loss |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for s, t in traces.items():
             h = t.history
@@ -603,10 +617,12 @@ def _summary(p: Params, course: CourseResult, traces: dict[str, StrategyTrace]) 
                 continue
             lines.append(
                 f"| {s} | {_tail_mean(h['cv']):.3f} ({h['cv'][0]:.3f}) | {_tail_mean(h['maxvio']):.3f} | "
-                f"{_tail_mean(h['dropped_fraction']):.3f} | {_tail_mean(h['balance_loss']):.5f} | "
+                f"{_tail_mean(h['dropped_fraction']):.3f} | {_tail_mean(h['tokens_dropped_fraction']):.3f} | "
+                f"{_tail_mean(h['balance_loss']):.5f} | "
                 f"{_tail_mean(h['router_entropy']):.3f} | {_tail_mean(h['task_loss']):.4f} |")
-        lines += ["", "balance_loss is the Switch aux loss measured under every strategy; it is trained on only "
-                  "under `aux_loss`."]
+        lines += ["", "dropped: fraction of assignments over capacity; tokens dropped: fraction of tokens with "
+                  "all k assignments dropped (their output is their input). balance_loss is the Switch aux loss "
+                  "measured under every strategy; it is trained on only under `aux_loss`."]
     return "\n".join(lines)
 
 
@@ -614,9 +630,9 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     p = params_from_cfg(cfg)
     rec.note("aux loss normalisation: alpha*E*sum_i f_i*P_i with f_i = load_i/(tokens*k) (balanced value alpha, "
              "Megatron-LM form; HF Mixtral's is k*alpha); CV uses the population std over experts")
-    rec.note(f"capacity priority: 1st choices in token order, then 2nd choices, ...; dropped assignments "
-             f"contribute 0 (the residual carries the token); training simulation in fp32 with "
-             f"{p.dispatch} dispatch")
+    rec.note("capacity priority: 1st choices in token order, then 2nd choices, ...; dropped assignments "
+             "contribute 0 to the mixture and the layer outputs x + mixture (a fully dropped token passes "
+             f"through unchanged); training simulation in fp32 with {p.dispatch} dispatch")
     course = course_case(p, rec)
     traces: dict[str, StrategyTrace] = {}
     if p.steps > 0:
@@ -625,12 +641,13 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
         for name, fig in _training_plots(p, traces).items():
             rec.plot(name, fig)
         table = Table(title=f"training simulation, mean of the last 10% of {p.steps} steps")
-        for col in ("strategy", "CV", "MaxVio", "dropped", "balance_loss", "entropy", "task loss"):
+        for col in ("strategy", "CV", "MaxVio", "dropped", "tok. dropped", "balance_loss", "entropy",
+                    "task loss"):
             table.add_column(col, justify="right")
         for s, t in traces.items():
             h = t.history
             table.add_row(s, *(f"{_tail_mean(h[m]):.4f}" for m in
-                               ("cv", "maxvio", "dropped_fraction", "balance_loss", "router_entropy",
-                                "task_loss")))
+                               ("cv", "maxvio", "dropped_fraction", "tokens_dropped_fraction",
+                                "balance_loss", "router_entropy", "task_loss")))
         rec.print(table)
     rec.summary(_summary(p, course, traces))
