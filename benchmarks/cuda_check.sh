@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The device check to run on a CUDA machine (one prepared script, as the workplace's GPU loans are short):
+# the headline attn-check in fp16 and bf16, shift-labels on CUDA, and the CUDA-only tests. Results land in
+# $OUT (or ./cuda-check) for the lab reports. Needs the CUDA build of torch 2.13.0 (README, "GPU install").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-cuda-check}
+mkdir -p "$out"
+py=${PYTHON:-.venv/bin/python}
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+$py -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0))" \
+  > "$out/torch.txt" 2>&1
+for args in "attn-check --device cuda --dtype fp16" "attn-check --device cuda --dtype bf16" \
+            "attn-check --device cuda --dtype fp32" "shift-labels --device cuda --dtype fp16"; do
+  echo "== tfmoe $args" | tee -a "$out/runs.txt"
+  $py -m tfmoe.cli $args run_root="$out/runs" >> "$out/runs.txt" 2>&1
+  echo "exit=$?" | tee -a "$out/runs.txt"
+done
+$py -m pytest -q -m "cuda or not slow" -k "cuda" tests > "$out/pytest-cuda.txt" 2>&1
+echo "pytest exit=$?" | tee -a "$out/runs.txt"
+$py -m tfmoe.cli runs --runs-root "$out/runs" --format md > "$out/runs.md" 2>&1
