@@ -17,19 +17,13 @@ from tfmoe.components.lm import sinusoidal_positions
 from tfmoe.components.positions import RoPESelfAttention, SinusoidalPositions, apply_rope, rope_angles
 from tfmoe.errors import BadInput
 from tfmoe.experiments import arch
-from tfmoe.recorder import Recorder
+from tfmoe.testing import check_passed, cpu_recorder
 
 V, D, H, L, T, TT = 40, 32, 4, 2, 8, 6
 
 
-def make_rec() -> Recorder:
-    return Recorder(cfg=None, device=torch.device("cpu"), dtype=torch.float32, seed=0)
-
-
-def passed(rec: Recorder, name: str) -> bool:
-    rows = [c for c in rec.checks_rows if c.check == name]
-    assert len(rows) == 1, f"check {name} recorded {len(rows)} times"
-    return rows[0].passed
+make_rec = cpu_recorder
+passed = check_passed
 
 
 @pytest.fixture(scope="module")

@@ -15,21 +15,15 @@ from tfmoe.components.attention import KVCache
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
 from tfmoe.experiments import decode
-from tfmoe.recorder import Recorder
+from tfmoe.testing import check_passed, cpu_recorder
 
 SMALL = ["d_model=32", "n_heads=4", "n_layers=1", "train_steps=60", "batch_size=8", "block_size=32", "lr=1e-2",
          "max_new_tokens=20", "check_tokens=16", "chi2_draws=4000", "timing_lengths=[8,24]", "timing_repeats=1",
          "max_len=64", "beam_width=3"]
 
 
-def make_rec(seed: int = 0) -> Recorder:
-    return Recorder(cfg=None, device=torch.device("cpu"), dtype=torch.float32, seed=seed)
-
-
-def passed(rec: Recorder, name: str) -> bool:
-    rows = [c for c in rec.checks_rows if c.check == name]
-    assert len(rows) == 1, f"check {name} recorded {len(rows)} times"
-    return rows[0].passed
+make_rec = cpu_recorder
+passed = check_passed
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import io
 import os
-from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +66,22 @@ def make_recorder(cfg: DictConfig):
     return Recorder(cfg=cfg, device=device, dtype=dtype, seed=int(cfg.seed))
 
 
+def cpu_recorder(seed: int = 0, dtype=None):
+    """A bare fp32 CPU Recorder for calling check functions directly in tests."""
+    import torch
+
+    from tfmoe.recorder import Recorder
+
+    return Recorder(cfg=None, device=torch.device("cpu"), dtype=dtype or torch.float32, seed=seed)
+
+
+def check_passed(rec, name: str) -> bool:
+    """Whether the one check called ``name`` passed (fails the test if it was recorded 0 or 2+ times)."""
+    rows = [c for c in rec.checks_rows if c.check == name]
+    assert len(rows) == 1, f"check {name} recorded {len(rows)} times"
+    return rows[0].passed
+
+
 def run_recorded(experiment: str, overrides: list[str] | None = None):
     """compose + make_recorder + the experiment's run(); returns the Recorder (no files written)."""
     import importlib
@@ -80,4 +94,4 @@ def run_recorded(experiment: str, overrides: list[str] | None = None):
     return rec
 
 
-__all__ = ["CliResult", "run_cli", "compose", "make_recorder", "run_recorded", "io", "redirect_stderr", "redirect_stdout"]
+__all__ = ["CliResult", "run_cli", "compose", "make_recorder", "run_recorded", "cpu_recorder", "check_passed"]
