@@ -245,6 +245,18 @@ def test_failures_add_refuses_a_passing_run(workdir: Path) -> None:
     assert r.exit_code == 2 and "no failure to log" in r.stderr and not (workdir / "failures.md").exists()
 
 
+def test_failures_add_from_a_failed_check_run_names_checks_and_evidence(fake_experiment) -> None:
+    from tfmoe import launch, runner
+
+    assert launch.run_experiment(fake_experiment, ["mode=fail_check"], quiet=True) == 1
+    run_dir = runner.LAST_RUN_DIRS[-1]
+    title = failures.add(str(run_dir), Path("runs"), Path("failures.md"), None, "h", "f", "t")
+    text = Path("failures.md").read_text()
+    assert title == "F-1: fake: always_true_for_ok" and "\n\n## F-1:" in text  # a blank line after the header
+    assert "`always_true_for_ok` observed 1 vs threshold 0" in text and "`failing.always_true_for_ok.x`" in text
+    assert "nan" not in text.lower()  # no empty fields rendered as NaN
+
+
 def test_concurrent_processes_get_separate_complete_runs(tmp_path: Path) -> None:
     env = {**os.environ, "COLUMNS": "120"}
     procs = [subprocess.Popen([*TFMOE, "shift-labels", f"seed={i}"], cwd=tmp_path, env=env,

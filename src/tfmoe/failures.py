@@ -33,8 +33,9 @@ def format_entry(number: int, run_ref: str, runs_root: Path, title: str | None, 
         obs = "" if c.observed is None or c.observed != c.observed else f" observed {c.observed:.6g}"
         thr = "" if c.threshold is None or c.threshold != c.threshold else f" vs threshold {c.threshold:.6g}"
         lines.append(f"  - `{c.check}`{obs}{thr}{' — ' + c.detail if c.detail else ''}")
-    if run.get("error"):
-        lines.append(f"  - run status `{run['status']}`: {run['error']}")
+    error = run.get("error")
+    if isinstance(error, str) and error:
+        lines.append(f"  - run status `{run['status']}`: {error}")
     saved = [n for n in data.tensor_table.get("name", []) if str(n).startswith("failing.")]
     title = title or (f"{run['experiment']}: " + ", ".join(failed["check"]) if not failed.empty
                       else f"{run['experiment']}: {run['status']}")
@@ -70,7 +71,7 @@ def add(run_ref: str, runs_root: Path, file: Path, title: str | None, hypothesis
             entry = format_entry(number, run_ref, runs_root, title, hypothesis, fix, test)
             with open(file, "a", encoding="utf-8") as fh:
                 if not text:
-                    fh.write(HEADER)
+                    fh.write(HEADER + "\n")
                 fh.write(("\n" if text and not text.endswith("\n\n") else "") + entry)
     except Timeout:
         raise BadInput(f"{file} is locked by another process for 30 s: retry, or remove a stale {file}.lock") from None
