@@ -335,6 +335,11 @@ def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, f
         print(f"A: {a.path}\nB: {b.path}")
         for k, df in sections.items():
             if len(df):
-                _emit(df, fmt, k)
+                shown = df
+                if not all_rows and k != "timings":  # every row shown differs: the column says nothing
+                    shown = shown.drop(columns=["differs"])
+                if "measured" in shown and not shown["measured"].any():
+                    shown = shown.drop(columns=["measured"])
+                _emit(shown, fmt, k)
         print("differ" if differs else "no differences beyond tolerance (environment and timings are context only)")
     return 1 if differs else 0
