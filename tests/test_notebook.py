@@ -220,3 +220,15 @@ def test_device_and_dtype_resolution_refuses_what_the_machine_cannot_do(monkeypa
     with pytest.raises(BadInput, match="only 1 CUDA device"):
         runner.resolve_device("cuda:1")
     assert runner.resolve_device("auto") == torch.device("cuda")
+
+
+def test_runner_applies_threads_and_restores_them(fake_experiment) -> None:
+    before = torch.get_num_threads()
+    code, run_dir = _run_fake(fake_experiment, "threads=1")
+    assert code == 0 and torch.get_num_threads() == before
+    assert any("1 torch intra-op thread" in n for n in notebook.load_run(run_dir).run["notes"])
+    code, _ = _run_fake(fake_experiment, "threads=0")
+    assert code == 2  # bad input, one line
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_experiment(fake_experiment, ["mode=interrupt", "threads=1"], quiet=True)
+    assert torch.get_num_threads() == before

@@ -530,14 +530,20 @@ def test_interrupt_keeps_steps_done_so_far(small_cfg):
 
 
 def test_thread_count_restored_after_interrupt():
+    """route-sim runs on conf's `threads: 1`; the runner restores torch's thread count even after Ctrl-C."""
+    from tfmoe.runner import torch_threads
+    from tfmoe.testing import compose
+
+    assert compose("route-sim").threads == 1
+    before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with pytest.raises(KeyboardInterrupt), rs._one_thread(torch.device("cpu")):
+        with pytest.raises(KeyboardInterrupt), torch_threads(1):
             assert torch.get_num_threads() == 1
             raise KeyboardInterrupt
         assert torch.get_num_threads() == 2
     finally:
-        torch.set_num_threads(1)
+        torch.set_num_threads(before)
 
 
 def test_sweep_plots():

@@ -7,6 +7,7 @@ run.parquet, which the CLI turns into the process's exit code.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import random
@@ -15,6 +16,7 @@ import resource
 import sys
 import traceback
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +103,27 @@ def _check_seed(cfg: DictConfig) -> int:
     return seed
 
 
+def check_threads(cfg: DictConfig) -> int | None:
+    threads = cfg.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise BadInput(f"threads={threads!r} must be a positive integer or null (torch's default): pass threads=1")
+    return threads
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run with ``n`` intra-op threads (None: torch's setting), restored afterwards, also after Ctrl-C."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _peak_rss_bytes() -> int:
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(kb * (1 if sys.platform == "darwin" else 1024))
@@ -149,9 +172,15 @@ def execute(cfg: DictConfig) -> int:
             import torch
 
             torch.cuda.reset_peak_memory_stats(device)
+        threads = check_threads(cfg)
         rec = Recorder(cfg=cfg, device=device, dtype=dtype, seed=seed)
         module = importlib.import_module(f"tfmoe.experiments.{exp.module}")
-        module.run(cfg, rec)
+        with torch_threads(threads):
+            if device.type == "cpu":
+                import torch
+
+                rec.note(f"{torch.get_num_threads()} torch intra-op thread(s) (config threads={threads})")
+            module.run(cfg, rec)
         if not rec.all_passed:
             status, code = "failed", EXIT_CHECK_FAILED
             failed = [c.check for c in rec.checks_rows if not c.passed]

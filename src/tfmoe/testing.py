@@ -87,10 +87,12 @@ def run_recorded(experiment: str, overrides: list[str] | None = None):
     import importlib
 
     from tfmoe.registry import EXPERIMENTS
+    from tfmoe.runner import check_threads, torch_threads
 
     cfg = compose(experiment, overrides)
     rec = make_recorder(cfg)
-    importlib.import_module(f"tfmoe.experiments.{EXPERIMENTS[experiment].module}").run(cfg, rec)
+    with torch_threads(check_threads(cfg)):
+        importlib.import_module(f"tfmoe.experiments.{EXPERIMENTS[experiment].module}").run(cfg, rec)
     return rec
 
 

@@ -28,6 +28,7 @@ from tfmoe.components.block import TransformerBlock
 from tfmoe.errors import BadInput
 from tfmoe.memory import available_memory_bytes, peak_memory_bytes
 from tfmoe.recorder import Recorder
+from tfmoe.runner import check_threads
 from tfmoe.validate import require_int, require_number
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
@@ -107,9 +108,7 @@ def settings_from(cfg: DictConfig) -> Settings:
     fraction = cfg.get("memory_fraction")
     if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise BadInput(f"memory_fraction={fraction!r} must be in (0, 1]: pass e.g. memory_fraction=0.8")
-    threads = cfg.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise BadInput(f"threads={threads!r} must be a positive integer or null (torch's default): pass threads=1")
+    threads = check_threads(cfg)  # the same rule the runner applies
     return Settings(threads=threads, groups=groups, H=H, d_ff=d_ff, B=require_int(cfg, "B"), n_layers=require_int(cfg, "n_layers"),
                     vocab=require_int(cfg, "vocab"), n_experts=n_experts, top_k=top_k,
                     min_run_time=require_number(cfg, "min_run_time", positive=True), warmup=require_int(cfg, "warmup", 0),
@@ -395,13 +394,7 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     refuse_oversized(s, e, available_memory_bytes(rec.device))
     dtype_name = DTYPE_NAMES.get(rec.dtype, str(cfg.dtype))
     load_before = psutil.getloadavg()[0]
-    threads_before = torch.get_num_threads()
-    if s.threads is not None:
-        torch.set_num_threads(s.threads)
-    try:
-        _run_groups(rec, s, e, dtype_name, load_before)
-    finally:
-        torch.set_num_threads(threads_before)
+    _run_groups(rec, s, e, dtype_name, load_before)  # the runner applies `threads` (conf: 1) around run()
 
 
 def _run_groups(rec: Recorder, s: Settings, e: int, dtype_name: str, load_before: float) -> None:

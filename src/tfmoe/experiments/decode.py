@@ -132,7 +132,6 @@ class DecodeSettings:
     logit_tol_eps: float
     timing_lengths: list[int]
     timing_repeats: int
-    num_threads: int | None
 
 
 
@@ -178,7 +177,6 @@ def validate(cfg: DictConfig) -> DecodeSettings:
         top_p_grid=[float(p) for p in grid], chi2_draws=require_int(cfg, "chi2_draws", 100),
         chi2_alpha=require_number(cfg, "chi2_alpha"), logit_tol_eps=require_number(cfg, "logit_tol_eps"),
         timing_lengths=[int(n) for n in lengths], timing_repeats=require_int(cfg, "timing_repeats", 1),
-        num_threads=None if cfg.get("num_threads") is None else require_int(cfg, "num_threads", 1),
     )
     if s.d_model % s.n_heads:
         raise BadInput(f"d_model={s.d_model} is not divisible by n_heads={s.n_heads}: pick n_heads dividing d_model")
@@ -495,18 +493,6 @@ def loss_figure(losses: list[float], val_loss: float, unigram: float) -> Figure:
 
 
 @contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Use n intra-op threads inside the block (None: leave torch's setting), then restore."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@contextmanager
 def stage(rec: Recorder, name: str) -> Iterator[None]:
     """Record the wall time of one phase of the run as a timings row."""
     t0 = time.perf_counter()
@@ -518,8 +504,7 @@ def stage(rec: Recorder, name: str) -> Iterator[None]:
 
 def run(cfg: DictConfig, rec: Recorder) -> None:
     s = validate(cfg)
-    with torch_threads(s.num_threads):
-        _run(s, rec)
+    _run(s, rec)  # `threads` (conf: 1) is applied by the runner
 
 
 def _run(s: DecodeSettings, rec: Recorder) -> None:

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,19 +244,6 @@ def _recorded(rec: Recorder, name: str, strategy: str, step: int | None = None) 
     raise KeyError(f"no recorded metric {name} strategy={strategy} step={step}")
 
 
-@contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
-    """This experiment's tensors are tiny: on a shared 2-core CPU, 2 intra-op threads made each training
-    step up to 60x slower (threads spinning against other processes). One thread, restored afterwards."""
-    before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 # ----------------------------------------------------------------- part 1: course's case
 @dataclass
 class CourseResult:
@@ -273,8 +259,7 @@ class CourseResult:
 
 def course_case(p: Params, rec: Recorder) -> CourseResult:
     """The course's exercise: route ``tokens`` random tokens once; record, save, plot and check."""
-    with _one_thread(rec.device):
-        return _course_case(p, rec)
+    return _course_case(p, rec)
 
 
 def _course_case(p: Params, rec: Recorder) -> CourseResult:
@@ -491,9 +476,8 @@ def train_strategies(p: Params, rec: Recorder,
     task = ClusterTask.make(p.d_model, p.clusters, rec.seed + 3)
     state = initial_state(p, task, rec.seed + 4)
     traces: dict[str, StrategyTrace] = {}
-    with _one_thread(rec.device):
-        for strategy in p.strategies:
-            traces[strategy] = train_strategy(p, rec, strategy, task, state, on_step)
+    for strategy in p.strategies:
+        traces[strategy] = train_strategy(p, rec, strategy, task, state, on_step)
     return traces
 
 
