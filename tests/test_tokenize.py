@@ -252,7 +252,7 @@ def test_hub_name_is_read_from_the_local_cache_only(tmp_path, monkeypatch, train
     t0 = time.perf_counter()
     with pytest.raises(BadInput, match="already in the local HF cache"):
         lab.load_tokenizer("acme/not-downloaded", [], 1000)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 5.0  # no retries or sleeps: a lookup, not a download
 
 
 def test_bert_uncased_missing_is_bad_input_when_asked_and_a_note_as_extra(monkeypatch, texts):
