@@ -164,7 +164,7 @@ def check_cv_maxvio(rec: Recorder, name: str, topk_idx: torch.Tensor, n_experts:
                     cv_recorded: float, maxvio_recorded: float) -> bool:
     cv, maxvio = recompute_cv_maxvio(topk_idx, n_experts)
     err = max(abs(cv - cv_recorded), abs(maxvio - maxvio_recorded))
-    return rec.check(name, math.isfinite(err) and err <= 1e-12, err, 1e-12,
+    return rec.check_le(name, err, 1e-12,
                      f"from saved topk_idx: cv={cv:.6f} maxvio={maxvio:.6f}; recorded cv={cv_recorded:.6f} "
                      f"maxvio={maxvio_recorded:.6f}", evidence={"topk_idx": topk_idx})
 
@@ -193,7 +193,7 @@ def check_aux_formula(rec: Recorder, name: str, probs: torch.Tensor, topk_idx: t
     ref = aux_loss_reference(probs, topk_idx, coef)
     tol = 1e-5 * abs(ref) + 1e-12  # recorded value is fp32 arithmetic
     err = abs(recorded - ref)
-    return rec.check(name, math.isfinite(err) and err <= tol, err, tol,
+    return rec.check_le(name, err, tol,
                      f"balance_loss recorded {recorded:.8g} vs float64 recomputation {ref:.8g}",
                      evidence={"router_probs": probs, "topk_idx": topk_idx})
 
@@ -205,7 +205,7 @@ def check_aux_balanced(rec: Recorder, name: str, n_experts: int, top_k: int,
     probs, topk_idx = uniform_routing(n_experts, top_k)
     value = float(aux_fn(probs, topk_idx, coef=1.0))
     err = abs(value - 1.0)
-    return rec.check(name, math.isfinite(err) and err <= 1e-6, err, 1e-6,
+    return rec.check_le(name, err, 1e-6,
                      f"aux loss with coef=1 under uniform routing = {value:.8g}, balanced value 1 "
                      f"(HF's Mixtral form would give k={top_k})")
 
@@ -218,7 +218,7 @@ def check_dispatch_agree(rec: Recorder, name: str, out_loop: torch.Tensor, out_s
         tol = 0.0
     else:
         tol = 4 * torch.finfo(out_loop.dtype).eps * max(float(out_loop.double().abs().max()), 1e-30)
-    return rec.check(name, math.isfinite(diff) and diff <= tol, diff, tol,
+    return rec.check_le(name, diff, tol,
                      "max |loop - sorted| over the layer output",
                      evidence={"out_loop": out_loop, "out_sorted": out_sorted})
 
@@ -231,7 +231,7 @@ def check_dispatch_dense(rec: Recorder, name: str, out: torch.Tensor, ref64: tor
     plain_err = float((plain.double() - ref64).abs().max())
     floor = 4 * torch.finfo(out.dtype).eps * max(float(ref64.abs().max()), 1e-30)
     tol = max(2 * plain_err, floor)
-    return rec.check(name, math.isfinite(err) and err <= tol, err, tol,
+    return rec.check_le(name, err, tol,
                      f"max |dispatch - float64 dense reference|; plain {out.dtype} dense error {plain_err:.3g}",
                      evidence={"out": out, "reference": ref64})
 
