@@ -7,10 +7,11 @@ or Ctrl-C, so the steps done so far stay readable).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +120,15 @@ class Recorder:
         wall_ms, device_ms, peak = measure(fn, self.device, repeats=repeats, warmup=warmup)
         self.timing(stage, wall_ms, device_ms, repeats, peak, **tags)
         return wall_ms
+
+    @contextlib.contextmanager
+    def stage(self, stage: str, **tags: Any) -> Iterator[None]:
+        """Time one phase of the run (once, wall clock) as a timings row, also when it raises."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timing(stage, (time.perf_counter() - t0) * 1e3, **tags)
 
     # ------------------------------------------------------------ plots & text
     def plot(self, name: str, fig: Any) -> None:

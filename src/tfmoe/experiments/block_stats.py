@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -686,9 +685,8 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     results: dict[str, StackStats] = {}
     summaries: dict[str, dict[str, float]] = {}
     for v in rec.progress(variants, total=len(variants), description="variants"):
-        t0 = time.perf_counter()
-        s = collect_stats(stacks[v.name], ids, targets)
-        rec.timing("forward_backward_stats", (time.perf_counter() - t0) * 1e3, variant=v.name)
+        with rec.stage("forward_backward_stats", variant=v.name):
+            s = collect_stats(stacks[v.name], ids, targets)
         results[v.name] = s
         rec.metric("shared_param_fraction", shared[v.name], variant=v.name)
         rec.tensor(f"final_hidden.{v.name}", s.hidden)

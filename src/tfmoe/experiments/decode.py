@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import copy
 import math
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -492,16 +489,6 @@ def loss_figure(losses: list[float], val_loss: float, unigram: float) -> Figure:
 # --------------------------------------------------------------------------------------------- run
 
 
-@contextmanager
-def stage(rec: Recorder, name: str) -> Iterator[None]:
-    """Record the wall time of one phase of the run as a timings row."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        rec.timing(name, (time.perf_counter() - t0) * 1e3)
-
-
 def run(cfg: DictConfig, rec: Recorder) -> None:
     s = validate(cfg)
     _run(s, rec)  # `threads` (conf: 1) is applied by the runner
@@ -519,7 +506,7 @@ def _run(s: DecodeSettings, rec: Recorder) -> None:
     train, val = stream[:-n_val], stream[-n_val:]
 
     # Train briefly (fp32), then decode in the configured dtype.
-    with stage(rec, "train"):
+    with rec.stage("train"):
         model = train_lm(rec, s, train, vocab.size)
     losses = [r["value"] for r in rec.metrics_rows if r["name"] == "train_loss"]
     val_loss = eval_loss(model, val.to(rec.device), s.block_size)
@@ -536,12 +523,12 @@ def _run(s: DecodeSettings, rec: Recorder) -> None:
     model = model.to(rec.dtype)
 
     # The strategies on the user's prompt.
-    with stage(rec, "generate"):
+    with rec.stage("generate"):
         outputs = generations(rec, model, prompt, s, vocab)
 
     # The check battery (fixed lengths independent of max_new_tokens).
     n = s.check_tokens
-    with stage(rec, "checks"):
+    with rec.stage("checks"):
         check_greedy_limits(rec, model, prompt, n, s, rec.seed)
         check_seed_reproducible(rec, model, prompt, n, rec.seed)
         check_eos_stops(rec, model, prompt, n)
