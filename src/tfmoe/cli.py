@@ -6,7 +6,9 @@ reports.py/failures.py format. torch is imported only when an experiment actuall
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
@@ -47,6 +49,15 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(EXIT_BAD_INPUT)
 
 
+@contextlib.contextmanager
+def bad_input_exits_2() -> Iterator[None]:
+    """Turn a BadInput raised inside the block into one line on stderr and exit code 2."""
+    try:
+        yield
+    except BadInput as exc:
+        raise fail(str(exc)) from None
+
+
 RUNS_ROOT = typer.Option(Path("runs"), "--runs-root", help="Where the runs live (default: ./runs).")
 
 
@@ -68,10 +79,8 @@ def _experiment_command(exp: Experiment):
             typed.append(f"dtype={dtype.value}")
         if seed is not None:
             typed.append(f"seed={seed}")
-        try:
+        with bad_input_exits_2():
             code = run_experiment(exp, [*ctx.args, *typed], multirun=multirun)
-        except BadInput as exc:
-            raise fail(str(exc)) from None
         raise typer.Exit(code)
 
     command.__doc__ = (
@@ -126,10 +135,8 @@ def runs_cmd(
         raise fail(f"unknown experiment {experiment!r}: choose one of {', '.join(EXPERIMENTS)}")
     if last is not None and last < 1:
         raise fail(f"--last {last}: pass a positive number")
-    try:
+    with bad_input_exits_2():
         reports.runs(runs_root, experiment, status, last, fmt.value)
-    except BadInput as exc:
-        raise fail(str(exc)) from None
 
 
 @app.command("show")
@@ -141,10 +148,8 @@ def show_cmd(
     """One run: config, environment, checks, metrics, timings, tensors, plots."""
     from tfmoe import reports
 
-    try:
+    with bad_input_exits_2():
         reports.show(run, runs_root, fmt.value)
-    except BadInput as exc:
-        raise fail(str(exc)) from None
 
 
 @app.command("diff")
@@ -159,10 +164,8 @@ def diff_cmd(
     """What differs between two runs. Exit 0: nothing beyond tolerance (timings excluded); 1: something does."""
     from tfmoe import reports
 
-    try:
+    with bad_input_exits_2():
         code = reports.diff(a, b, runs_root, all_rows, force, fmt.value)
-    except BadInput as exc:
-        raise fail(str(exc)) from None
     raise typer.Exit(code)
 
 
@@ -174,10 +177,8 @@ def replay_cmd(
     """Re-run with the recorded config and seed, then diff the new run against the old one."""
     from tfmoe.launch import replay
 
-    try:
+    with bad_input_exits_2():
         code = replay(run, runs_root)
-    except BadInput as exc:
-        raise fail(str(exc)) from None
     raise typer.Exit(code)
 
 
@@ -194,10 +195,8 @@ def failures_add(
     """Append an entry to failures.md: phenomenon, hypothesis, evidence, fix, regression test."""
     from tfmoe import failures
 
-    try:
+    with bad_input_exits_2():
         entry_title = failures.add(run, runs_root, file, title, hypothesis, fix, test)
-    except BadInput as exc:
-        raise fail(str(exc)) from None
     typer.echo(f"appended to {file}: {entry_title}")
 
 
@@ -206,10 +205,8 @@ def failures_list(file: Path = typer.Option(Path("failures.md"), "--file")) -> N
     """List the entries of failures.md."""
     from tfmoe import failures
 
-    try:
+    with bad_input_exits_2():
         failures.list_entries(file)
-    except BadInput as exc:
-        raise fail(str(exc)) from None
 
 
 def main() -> None:
