@@ -560,6 +560,24 @@ def _with_depth(rows: Any, df: Any) -> Any:
     return rows
 
 
+def _per_layer_by_depth(rows: Any, variants: list[str], depths: list[int], color: dict[int, Any], title: str,
+                        xlabel: str, ylabel: str, log: bool) -> Any:
+    """One panel per variant: the mean value per layer, one line per depth."""
+    fig, axes = _figure(len(variants), title)
+    for ax, variant in zip(axes, variants, strict=True):
+        g = rows[rows["variant"] == variant]
+        for depth in depths:
+            m = g[g["depth"] == depth].groupby("layer")["value"].mean()
+            ax.plot(list(m.index + 1), list(m.values), marker="o", ms=3, color=color[depth], label=f"L={depth}")
+        ax.set_title(variant)
+        ax.set_xlabel(xlabel)
+        if log:
+            ax.set_yscale("log")
+    axes[0].set_ylabel(ylabel)
+    axes[-1].legend(fontsize=7)
+    return fig
+
+
 def sweep_plots(df: Any) -> dict[str, Any]:
     """After ``-m n_layers=...``: per-layer ||dL/dW2|| (pre vs post) across depths, the last layer's
     gradient against depth with a 1/sqrt(L) reference, and the residual stream's std per layer."""
@@ -575,18 +593,9 @@ def sweep_plots(df: Any) -> dict[str, Any]:
     cmap = colormaps["viridis"]
     color = {d: cmap(i / max(1, len(depths) - 1)) for i, d in enumerate(depths)}
 
-    fig, axes = _figure(len(variants), "||dL/dW2|| per layer at init, across depths (mean over jobs)")
-    for ax, variant in zip(axes, variants, strict=True):
-        g = w2[w2["variant"] == variant]
-        for depth in depths:
-            m = g[g["depth"] == depth].groupby("layer")["value"].mean()
-            ax.plot(list(m.index + 1), list(m.values), marker="o", ms=3, color=color[depth], label=f"L={depth}")
-        ax.set_title(variant)
-        ax.set_xlabel("layer (1 = nearest the input)")
-        ax.set_yscale("log")
-    axes[0].set_ylabel("||dL/dW2||")
-    axes[-1].legend(fontsize=7)
-    figs["sweep_grad_norm_per_layer"] = fig
+    figs["sweep_grad_norm_per_layer"] = _per_layer_by_depth(
+        w2, variants, depths, color, "||dL/dW2|| per layer at init, across depths (mean over jobs)",
+        "layer (1 = nearest the input)", "||dL/dW2||", log=True)
 
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullFormatter
@@ -614,17 +623,9 @@ def sweep_plots(df: Any) -> dict[str, Any]:
     figs["sweep_last_layer_grad_vs_depth"] = fig
 
     resid = _with_depth(df[df["name"] == "resid_std"], df)
-    fig, axes = _figure(len(variants), "residual stream std per layer at init, across depths")
-    for ax, variant in zip(axes, variants, strict=True):
-        g = resid[resid["variant"] == variant]
-        for depth in depths:
-            m = g[g["depth"] == depth].groupby("layer")["value"].mean()
-            ax.plot(list(m.index + 1), list(m.values), marker="o", ms=3, color=color[depth], label=f"L={depth}")
-        ax.set_title(variant)
-        ax.set_xlabel("layer")
-    axes[0].set_ylabel("std of block output")
-    axes[-1].legend(fontsize=7)
-    figs["sweep_std_per_layer"] = fig
+    figs["sweep_std_per_layer"] = _per_layer_by_depth(
+        resid, variants, depths, color, "residual stream std per layer at init, across depths", "layer",
+        "std of block output", log=False)
     return figs
 
 
