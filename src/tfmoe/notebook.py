@@ -150,6 +150,15 @@ def git_state(start: Path) -> tuple[str | None, bool | None]:
         return None, None
 
 
+def device_name(device: Any = None) -> str:
+    """The GPU's name for a CUDA device, else the host processor."""
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
 def environment(device: Any = None) -> dict[str, Any]:
     """Versions and machine facts recorded in run.parquet."""
     import hydra
@@ -158,16 +167,13 @@ def environment(device: Any = None) -> dict[str, Any]:
 
     commit, dirty = git_state(Path(__file__).resolve().parent)
     cuda_ok = torch.cuda.is_available()
-    device_name = platform.processor() or platform.machine()
-    if device is not None and getattr(device, "type", None) == "cuda":
-        device_name = torch.cuda.get_device_name(device)
     return {
         "git_commit": commit, "git_dirty": dirty, "hostname": socket.gethostname(),
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "cuda": torch.version.cuda if cuda_ok else None,
         "cudnn": str(torch.backends.cudnn.version()) if cuda_ok and torch.backends.cudnn.is_available() else None,
         "numpy": numpy.__version__, "pandas": pd.__version__, "pyarrow": pa.__version__,
-        "hydra": hydra.__version__, "device_name": device_name,
+        "hydra": hydra.__version__, "device_name": device_name(device),
     }
 
 

@@ -48,13 +48,13 @@ def find_runs_quick(runs_root: Path) -> list[Path]:
 
 def _runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
     rows = []
-    for d in run_dirs:
-        data = load_run(d)
-        checks = data.checks
+    for d in run_dirs:  # only run.parquet and checks.parquet: the summary needs no tensors or metrics
+        run = read_parquet(d / "run.parquet").iloc[0]
+        checks = read_parquet(d / "checks.parquet") if (d / "checks.parquet").exists() else pd.DataFrame()
         n_ok = int(checks["passed"].sum()) if not checks.empty else 0
-        rows.append({"run_id": data.run["run_id"], "experiment": data.run["experiment"],
-                     "status": data.run["status"], "checks": f"{n_ok}/{len(checks)}",
-                     "wall_s": round(float(data.run["wall_s"] or 0.0), 2), "path": str(d)})
+        rows.append({"run_id": run["run_id"], "experiment": run["experiment"], "status": run["status"],
+                     "checks": f"{n_ok}/{len(checks)}", "wall_s": round(float(run["wall_s"] or 0.0), 2),
+                     "path": str(d)})
     return pd.DataFrame(rows)
 
 

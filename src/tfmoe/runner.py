@@ -140,7 +140,7 @@ def execute(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
     from rich.console import Console
 
-    from tfmoe.notebook import RunWriter, environment
+    from tfmoe.notebook import RunWriter, device_name, environment
     from tfmoe.recorder import Recorder, device_peak, forget_device_peak
 
     hc = HydraConfig.get()
@@ -165,7 +165,7 @@ def execute(cfg: DictConfig) -> int:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         writer.device = str(device)
-        writer.env = environment(device)
+        writer.env["device_name"] = device_name(device)  # the rest of the environment is already known
         seed_everything(seed)
         forget_device_peak()
         if device.type == "cuda":
