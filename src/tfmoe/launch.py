@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.errors import EXIT_BAD_INPUT, BadInput
 from tfmoe.registry import EXPERIMENTS, Experiment
 
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
@@ -198,8 +198,11 @@ EXIT_FROM_HYDRA = 2
 
 
 def replay(ref: str, runs_root: Path) -> int:
-    """Rerun RUN with its recorded overrides (seed included), then diff new against old."""
-    from tfmoe import reports
+    """Rerun RUN with its recorded overrides (seed included), then diff new against old.
+
+    A replay that cannot start (the experiment refuses its recorded config, e.g. a user module that can no longer
+    be imported) is bad input (BadInput: exit 2, one line), not a failed reproduction."""
+    from tfmoe import reports, runner
     from tfmoe.notebook import load_run, resolve_run
 
     old_dir = resolve_run(ref, runs_root)
@@ -209,11 +212,14 @@ def replay(ref: str, runs_root: Path) -> int:
         raise BadInput(f"{old_dir} is a run of unknown experiment {old.run['experiment']!r}")
     overrides = [o for o in list(old.run["overrides"]) if not o.startswith("run_root=")]
     overrides += [f"seed={int(old.run['seed'])}", f"run_root={runs_root}"]
-    before = set(map(str, reports.find_runs_quick(runs_root)))
-    run_experiment(exp, _dedupe(overrides), multirun=False, quiet=True)
-    new_dirs = [p for p in reports.find_runs_quick(runs_root) if str(p) not in before]
+    code = run_experiment(exp, _dedupe(overrides), multirun=False, quiet=True)
+    new_dirs = list(runner.LAST_RUN_DIRS)
     if len(new_dirs) != 1:
         raise BadInput("replay could not find the new run directory")
+    new = load_run(new_dirs[0])
+    if code == EXIT_BAD_INPUT and str(new.run["status"]) == "error" and str(old.run["status"]) != "error":
+        raise BadInput(f"replay of {old.run['run_id']} could not start: {new.run['error']} "
+                       f"(the attempt is recorded in {new_dirs[0]})")
     code = reports.diff(str(old_dir), str(new_dirs[0]), runs_root, False, False, "table")
     print("reproduced" if code == 0 else "NOT reproduced: see the differences above")
     return code

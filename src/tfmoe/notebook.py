@@ -378,39 +378,42 @@ def find_runs(runs_root: Path) -> list[Path]:
 
 
 def run_index(runs_root: Path) -> pd.DataFrame:
-    """One row per run (run.parquet of each run directory) plus its ``path``; unreadable runs are listed as such."""
-    rows = []
-    for p in find_runs(runs_root):
-        try:
-            row = read_parquet(p / RUN_FILE).iloc[0].to_dict()
-        except BadInput as exc:
-            row = {"run_id": p.name, "status": "unreadable", "error": str(exc)}
-        row["path"] = str(p)
-        rows.append(row)
-    return pd.DataFrame(rows)
+    """One row per run (run.parquet's columns, ``path``, ``checks_passed``/``checks_total``) from the catalog,
+    synced with the directories first (see catalog.py); unreadable runs are listed as such."""
+    from tfmoe import catalog
+
+    if not Path(runs_root).is_dir():
+        return pd.DataFrame()
+    conn = catalog.open_catalog(Path(runs_root))
+    try:
+        return catalog.frame(conn, Path(runs_root))
+    finally:
+        conn.close()
 
 
 def resolve_run(ref: str, runs_root: Path) -> Path:
-    """A run directory from a path, a run id, a unique prefix of one, or ``latest``."""
+    """A run directory from a path, a run id, a unique prefix of one, or ``latest`` (looked up in the catalog)."""
+    from tfmoe import catalog
+
     path = Path(ref)
     if (path / RUN_FILE).exists():
         return path
     if path.exists() and path.is_dir():
         raise BadInput(f"{ref} is not a run directory (no {RUN_FILE}): pass a run path, id or `latest`")
-    index = run_index(runs_root)
-    if index.empty:
+    if not Path(runs_root).is_dir():
         raise BadInput(f"no runs under {runs_root}: run an experiment first, or pass --runs-root")
-    if ref == "latest":
-        if "started_at" not in index:
-            raise BadInput(f"no readable runs under {runs_root}")
-        return Path(index.sort_values("started_at").iloc[-1]["path"])
-    exact = index[index["run_id"] == ref]
-    if len(exact) == 1:
-        return Path(exact.iloc[0]["path"])
-    matches = index[index["run_id"].astype(str).str.startswith(ref)]
-    if matches.empty:
+    conn = catalog.open_catalog(Path(runs_root))
+    try:
+        if catalog.count(conn) == 0:
+            raise BadInput(f"no runs under {runs_root}: run an experiment first, or pass --runs-root")
+        matches = catalog.lookup(conn, Path(runs_root), ref)
+    finally:
+        conn.close()
+    if ref == "latest" and not matches:
+        raise BadInput(f"no readable runs under {runs_root}")
+    if not matches:
         raise BadInput(f"run {ref!r} not found under {runs_root}: `tfmoe runs` lists the run ids")
     if len(matches) > 1:
-        ids = ", ".join(matches["run_id"].astype(str).head(5))
-        raise BadInput(f"run prefix {ref!r} is ambiguous ({len(matches)} runs: {ids}…): give more characters")
-    return Path(matches.iloc[0]["path"])
+        ids = ", ".join(run_id for run_id, _ in matches[:5])
+        raise BadInput(f"run prefix {ref!r} is ambiguous ({len(matches) if len(matches) < 6 else '6 or more'} runs: {ids}…): give more characters")
+    return matches[0][1]

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import STATUS_EXIT, RunData, find_runs, load_run, read_parquet, resolve_run, run_index
+from tfmoe.notebook import STATUS_EXIT, RunData, load_run, read_parquet, resolve_run
 
 console = Console(highlight=False)
 
@@ -40,10 +40,6 @@ def exit_code_of(run_dirs: list[Path]) -> int:
         code = run.get("exit_code")
         codes.append(int(code) if code is not None and not pd.isna(code) else STATUS_EXIT.get(run["status"], 3))
     return worst_exit_code(codes)
-
-
-def find_runs_quick(runs_root: Path) -> list[Path]:
-    return find_runs(runs_root)
 
 
 def _runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
@@ -116,17 +112,32 @@ def _cell(v: Any) -> str:
 
 # --------------------------------------------------------------------------------------------- runs
 def runs(runs_root: Path, experiment: str | None, status: str | None, last: int | None, fmt: str) -> None:
-    index = run_index(runs_root)
-    if index.empty:
+    from tfmoe import catalog
+
+    if not Path(runs_root).is_dir():
         print(f"no runs under {runs_root}")
         return
-    if experiment:
-        index = index[index["experiment"] == experiment]
-    if status:
-        index = index[index["status"] == status]
-    index = index.sort_values("started_at", na_position="first")
-    if last:
-        index = index.tail(last)
+    conn = catalog.open_catalog(Path(runs_root))
+    try:
+        if catalog.count(conn) == 0:
+            print(f"no runs under {runs_root}")
+            return
+        where, params = [], []
+        if experiment:
+            where.append("experiment = ?")
+            params.append(experiment)
+        if status:
+            where.append("status = ?")
+            params.append(status)
+        clause = ("WHERE " + " AND ".join(where)) if where else ""
+        if last:  # the newest N by start time (runs not started yet sort first, as before)
+            clause += (" AND" if where else "WHERE") + (
+                " path IN (SELECT path FROM runs " + clause + " ORDER BY started_at IS NULL, started_at DESC, "
+                "path DESC LIMIT ?)")
+            params = [*params, *params, last]
+        index = catalog.frame(conn, Path(runs_root), catalog.LIST_COLUMNS, clause, tuple(params))
+    finally:
+        conn.close()
     cols = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
     out = index.reindex(columns=cols).copy()
     out["overrides"] = out["overrides"].map(lambda o: " ".join(o) if o is not None and len(o) else "")
