@@ -182,6 +182,25 @@ def replay_cmd(
     raise typer.Exit(code)
 
 
+class SqlFormat(str, Enum):
+    table = "table"
+    json = "json"
+    csv = "csv"
+
+
+@app.command("sql")
+def sql_cmd(
+    query: str = typer.Argument(..., help='One read-only SELECT, e.g. "SELECT run_id, status FROM runs".'),
+    fmt: SqlFormat = typer.Option(SqlFormat.table, "--format", help="table | json (a list of row objects) | csv"),
+    runs_root: Path = RUNS_ROOT,
+) -> None:
+    """Read-only SQL (DuckDB) over every run: views runs, metrics, checks, timings (each with run_id)."""
+    from tfmoe import sql
+
+    with bad_input_exits_2():
+        sql.emit(sql.query(runs_root, query), fmt.value)
+
+
 @failures_app.command("add")
 def failures_add(
     run: str = typer.Argument(..., help="The run that shows the failure (path, id, prefix or 'latest')."),

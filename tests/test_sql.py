@@ -1,0 +1,81 @@
+"""`tfmoe sql`: read-only DuckDB over the runs, metrics, checks and timings views; writes and bad SQL exit 2."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from tfmoe import launch, runner, sql
+from tfmoe.errors import BadInput
+from tfmoe.testing import run_cli
+
+
+@pytest.fixture
+def two_runs(fake_experiment) -> list[Path]:
+    dirs = []
+    for args in (["seed=1"], ["seed=2", "mode=fail_check"]):
+        launch.run_experiment(fake_experiment, args, quiet=True)
+        dirs.append(runner.LAST_RUN_DIRS[-1])
+    return dirs
+
+
+def test_views_join_runs_with_metrics_checks_and_timings(two_runs: list[Path]) -> None:
+    df = sql.query(Path("runs"), "SELECT r.run_id, r.seed, r.status, r.checks_passed, r.checks_total, "
+                   "max(m.value) AS top FROM runs r JOIN metrics m USING (run_id) WHERE m.name = 'loss' "
+                   "GROUP BY ALL ORDER BY r.seed")
+    assert list(df["seed"]) == [1, 2] and list(df["status"]) == ["ok", "failed"]
+    assert list(df["checks_passed"]) == [1, 0] and list(df["checks_total"]) == [1, 1]
+    assert list(df["run_id"]) == [d.name for d in two_runs] and (df["top"] > 0).all()
+    tags = sql.query(Path("runs"), "SELECT DISTINCT variant, step FROM metrics WHERE name = 'loss' ORDER BY step")
+    assert list(tags["variant"]) == ["a"] * 5 and list(tags["step"]) == list(range(5))  # tag columns and steps
+    failed = sql.query(Path("runs"), "SELECT run_id FROM checks WHERE NOT passed")
+    assert list(failed["run_id"]) == [two_runs[1].name]
+    stages = sql.query(Path("runs"), "SELECT run_id, stage, wall_ms FROM timings ORDER BY run_id")
+    assert list(stages["stage"]) == ["sum", "sum"] and (stages["wall_ms"] > 0).all()
+
+
+def test_formats_json_is_a_list_of_rows_and_csv_parses(two_runs: list[Path], capsys) -> None:
+    df = sql.query(Path("runs"), "SELECT run_id, seed, started_at FROM runs ORDER BY seed")
+    sql.emit(df, "json")
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["seed"] for r in rows] == [1, 2] and set(rows[0]) == {"run_id", "seed", "started_at"}
+    sql.emit(df, "csv")
+    parsed = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["run_id"] for r in parsed] == [d.name for d in two_runs]
+    sql.emit(df, "table")
+    assert two_runs[0].name in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("statement", [
+    "DROP VIEW runs", "INSERT INTO runs SELECT * FROM runs", "COPY (SELECT * FROM runs) TO 'out.csv'",
+    "ATTACH 'other.duckdb'", "CREATE TABLE t AS SELECT * FROM runs", "UPDATE runs SET status = 'ok'",
+    "DELETE FROM runs", "PRAGMA enable_profiling", "SET threads = 1", "INSTALL httpfs", "EXPORT DATABASE 'dump'",
+    "SELECT 1; DROP VIEW runs",
+])
+def test_writing_statements_are_refused_with_exit_2(workdir: Path, statement: str) -> None:
+    from test_catalog import make_run
+
+    make_run(workdir / "runs", "fake/20260101T000000Z-aaaaaaaa")
+    r = run_cli(["sql", statement], workdir)
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1
+    assert "read-only" in r.stderr or "statements given" in r.stderr
+    assert not any((workdir / name).exists() for name in ("out.csv", "other.duckdb", "dump"))
+    assert len(sql.query(workdir / "runs", "SELECT * FROM runs")) == 1  # nothing was changed
+
+
+def test_syntax_and_name_errors_are_one_line_exit_2(two_runs: list[Path]) -> None:
+    r = run_cli(["sql", "SELEC run_id FROM runs"], Path.cwd())
+    assert r.exit_code == 2 and r.stderr.startswith("error: Parser Error: syntax error") and r.stderr.count("\n") == 1
+    r = run_cli(["sql", "SELECT nosuch FROM runs"], Path.cwd())
+    assert r.exit_code == 2 and "Binder Error" in r.stderr and r.stderr.count("\n") == 1
+    with pytest.raises(BadInput, match="no SQL statement"):
+        sql.query(Path("runs"), "  ")
+
+
+def test_empty_runs_root_has_empty_views(tmp_path: Path) -> None:
+    df = sql.query(tmp_path / "none", "SELECT count(*) AS n FROM runs r JOIN metrics m USING (run_id)")
+    assert int(df["n"].iloc[0]) == 0
