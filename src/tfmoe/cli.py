@@ -69,6 +69,8 @@ def _experiment_command(exp: Experiment):
         dtype: DType | None = typer.Option(None, "--dtype", help="Floating-point dtype of the run."),
         seed: int | None = typer.Option(None, "--seed", help="Seed for torch/numpy/random."),
         multirun: bool = typer.Option(False, "-m", "--multirun", help="Hydra multirun: sweep comma lists / range()."),
+        expect: list[str] | None = typer.Option(None, "--expect", help='Your prediction, judged by the run: '
+                                                '"METRIC OP VALUE", e.g. "cv < 0.1" (repeatable; exit 4 if it misses).'),
     ) -> None:
         from tfmoe.launch import run_experiment
 
@@ -80,6 +82,10 @@ def _experiment_command(exp: Experiment):
         if seed is not None:
             typed.append(f"seed={seed}")
         with bad_input_exits_2():
+            if expect:
+                from tfmoe.expectations import cli_override
+
+                typed += cli_override(expect)
             code = run_experiment(exp, [*ctx.args, *typed], multirun=multirun)
         raise typer.Exit(code)
 
@@ -123,7 +129,7 @@ def run_all(
 @app.command("runs")
 def runs_cmd(
     experiment: str | None = typer.Option(None, "--experiment", "-e", help="Only this experiment."),
-    status: str | None = typer.Option(None, "--status", help="ok | failed | error | interrupted | crashed | running"),
+    status: str | None = typer.Option(None, "--status", help="ok | failed | unexpected | error | interrupted | crashed | running"),
     last: int | None = typer.Option(None, "--last", help="Only the N most recent runs."),
     fmt: Format = typer.Option(Format.table, "--format"),
     runs_root: Path = RUNS_ROOT,
@@ -217,6 +223,24 @@ def failures_add(
     with bad_input_exits_2():
         entry_title = failures.add(run, runs_root, file, title, hypothesis, fix, test)
     typer.echo(f"appended to {file}: {entry_title}")
+
+
+@app.command("conclude")
+def conclude_cmd(
+    run: str = typer.Argument(..., help="The run the conclusion is about (path, id, prefix or 'latest')."),
+    proven: list[str] | None = typer.Option(None, "--proven", help="What a check or a number of this run shows."),
+    inferred: list[str] | None = typer.Option(None, "--inferred", help="What you infer beyond what it shows."),
+    unverified: list[str] | None = typer.Option(None, "--unverified", help="What is not yet verified."),
+    runs_root: Path = RUNS_ROOT,
+) -> None:
+    """Append conclusions (never rewriting earlier ones) to the run's conclusions.parquet and summary.md."""
+    from tfmoe import conclusions
+
+    entries = [("proven", t) for t in proven or []] + [("inferred", t) for t in inferred or []] + \
+        [("unverified", t) for t in unverified or []]
+    with bad_input_exits_2():
+        run_dir, rows = conclusions.append(run, runs_root, entries)
+    typer.echo(f"{run_dir}/{conclusions.CONCLUSIONS_FILE}: {len(rows)} conclusion(s), {len(entries)} new")
 
 
 @failures_app.command("list")

@@ -14,4 +14,5 @@ class BadInput(Exception):
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
+EXIT_UNEXPECTED = 4  # every check passed, but an expectation (the user's prediction) did not hold
 EXIT_INTERRUPTED = 130

@@ -25,10 +25,17 @@ def format_entry(number: int, run_ref: str, runs_root: Path, title: str | None, 
     data = load_run(resolve_run(run_ref, runs_root))
     run = data.run
     failed = data.checks[~data.checks["passed"]] if not data.checks.empty else data.checks
-    if failed.empty and run["status"] == "ok":
-        raise BadInput(f"run {run['run_id']} passed all its checks: there is no failure to log "
-                       "(pass a failed run, e.g. from `tfmoe runs --status failed`)")
+    missed = data.expectations[data.expectations["held"] == False] if not data.expectations.empty \
+        else data.expectations  # noqa: E712 (a nullable column)
+    if failed.empty and missed.empty and run["status"] == "ok":
+        raise BadInput(f"run {run['run_id']} passed all its checks and met its expectations: there is no failure "
+                       "to log (pass a failed or surprising run, e.g. from `tfmoe runs --status failed`)")
     lines = []
+    for e in missed.to_dict("records"):
+        obs = "no rows" if e["observed"] is None or e["observed"] != e["observed"] else f"{e['observed']:.6g}"
+        by = "" if e["miss"] is None or e["miss"] != e["miss"] else f" (misses by {e['miss']:.4g})"
+        lines.append(f"  - expected `{e['selector']} {e['expected']}` (written {_when(e['written_at'])}), "
+                     f"observed {obs}{by} — {e['detail']}")
     for c in failed.itertuples(index=False):
         obs = "" if c.observed is None or c.observed != c.observed else f" observed {c.observed:.6g}"
         thr = "" if c.threshold is None or c.threshold != c.threshold else f" vs threshold {c.threshold:.6g}"
@@ -37,6 +44,9 @@ def format_entry(number: int, run_ref: str, runs_root: Path, title: str | None, 
     if isinstance(error, str) and error:
         lines.append(f"  - run status `{run['status']}`: {error}")
     saved = [n for n in data.tensor_table.get("name", []) if str(n).startswith("failing.")]
+    if title is None and failed.empty and not missed.empty:
+        title = f"{run['experiment']}: expected " + ", ".join(f"{e['selector']} {e['expected']}"
+                                                             for e in missed.to_dict("records"))
     title = title or (f"{run['experiment']}: " + ", ".join(failed["check"]) if not failed.empty
                       else f"{run['experiment']}: {run['status']}")
     overrides = " ".join(run["overrides"]) or "(none)"
@@ -53,10 +63,36 @@ def format_entry(number: int, run_ref: str, runs_root: Path, title: str | None, 
         f"{run['seed']}, device {run['device']} / {run['dtype']}; torch {run['torch']}, python {run['python']}, "
         f"git {str(run['git_commit'])[:12]}{' dirty' if run['git_dirty'] else ''}); failing tensors saved: "
         f"{', '.join(f'`{s}`' for s in saved) or 'none'}",
+        *[f"  - {line}" for line in _metric_evidence(data, missed)],
         f"- **Fix**: {fix}",
         f"- **Regression test**: {test}",
         "",
     ])
+
+
+def _when(t: object) -> str:
+    import pandas as pd
+
+    return "?" if t is None else pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _metric_evidence(data: object, missed: object, max_rows: int = 8) -> list[str]:
+    """The metrics rows each missed expectation was judged on (the run's own numbers), as short lines."""
+    from tfmoe.expectations import parse_one, select_rows
+
+    out = []
+    rows = data.metrics.to_dict("records") if not data.metrics.empty else []
+    for e in missed.to_dict("records"):
+        picked = select_rows(parse_one(e["label"], f"{e['selector']} {e['expected']}"), rows)
+        shown = []
+        for r in picked[-max_rows:]:
+            tags = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("name", "value", "measured")
+                            and v is not None and not (isinstance(v, float) and v != v) and str(v) != "<NA>")
+            shown.append(f"{r['value']:.6g}" + (f" ({tags})" if tags else ""))
+        more = f" (last {max_rows} of {len(picked)})" if len(picked) > max_rows else ""
+        out.append(f"metrics.parquet rows of `{e['selector']}` in run `{data.run['run_id']}`{more}: "
+                   + ("; ".join(shown) or "none"))
+    return out
 
 
 def add(run_ref: str, runs_root: Path, file: Path, title: str | None, hypothesis: str, fix: str, test: str) -> str:

@@ -139,6 +139,25 @@ def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
     return composed
 
 
+def force_expect(override: str) -> str:
+    """``expect={cv: "< 0.1"}`` / ``expect.cv=...`` -> ``++expect...``: Hydra's struct mode refuses new keys in
+    the empty default mapping otherwise."""
+    if override.startswith(("expect=", "expect.", "+expect=", "+expect.")):
+        return "++" + override.lstrip("+")
+    return override
+
+
+def validate_expectations(exp: Experiment, composed: Any) -> None:
+    """Refuse a malformed expectation, or one on a metric or tag the experiment does not record, before any
+    run (or any job of a sweep) starts."""
+    from tfmoe import expectations
+    from tfmoe.declared_metrics import declared_for
+
+    parsed = expectations.parse(composed.get("expect"))
+    if parsed:
+        expectations.validate(parsed, declared_for(exp.name), exp.name)
+
+
 def check_writable(run_root: str) -> None:
     """Refuse an unwritable runs root before any run starts (nothing is lost, nothing half-written)."""
     import tempfile
@@ -163,7 +182,9 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     from tfmoe.reports import exit_code_of, print_outcome
 
     overrides, flags = split_args(args)
+    overrides = [force_expect(o) for o in overrides]
     composed = validate_overrides(exp, overrides)
+    validate_expectations(exp, composed)
     if not any(f in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for f in flags):
         check_writable(str(composed.run_root))
     if multirun:

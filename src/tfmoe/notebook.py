@@ -32,7 +32,14 @@ TABLE_FILES = {
     "timings": "timings.parquet",
     "tensors": "tensors.parquet",
 }
-STATUS_EXIT = {"ok": 0, "failed": 1, "error": 2, "interrupted": 130, "crashed": 3, "running": 3}
+STATUS_EXIT = {"ok": 0, "failed": 1, "error": 2, "interrupted": 130, "crashed": 3, "running": 3, "unexpected": 4}
+EXPECTATIONS_FILE = "expectations.parquet"
+EXPECTATIONS_SCHEMA = pa.schema([
+    ("label", pa.string()), ("metric", pa.string()), ("selector", pa.string()), ("aggregate", pa.string()),
+    ("expected", pa.string()), ("observed", pa.float64()), ("held", pa.bool_()), ("miss", pa.float64()),
+    ("rows", pa.int64()), ("detail", pa.string()), ("written_at", pa.timestamp("us", tz="UTC")),
+    ("judged_at", pa.timestamp("us", tz="UTC")),
+])
 
 # --------------------------------------------------------------------------------------------- writing
 
@@ -205,6 +212,7 @@ class RunWriter:
     sweep_dir: str | None = None
     started_at: dt.datetime = field(default_factory=utcnow)
     env: dict[str, Any] = field(default_factory=dict)
+    expectations: pd.DataFrame | None = None  # rows of EXPECTATIONS_SCHEMA (see tfmoe.expectations)
 
     def _row(self, status: str, **extra: Any) -> dict[str, Any]:
         row = {name: None for name in RUN_SCHEMA.names}
@@ -218,6 +226,12 @@ class RunWriter:
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.write_run(self._row("running"))
+
+    def write_expectations(self, df: pd.DataFrame) -> None:
+        """expectations.parquet: written before the experiment runs (observed/held empty), completed at the end."""
+        self.expectations = df
+        write_parquet(df.reindex(columns=EXPECTATIONS_SCHEMA.names), self.run_dir / EXPECTATIONS_FILE,
+                      schema=EXPECTATIONS_SCHEMA)
 
     def write_run(self, row: dict[str, Any]) -> None:
         write_parquet(pd.DataFrame([row]), self.run_dir / RUN_FILE, schema=RUN_SCHEMA)
@@ -279,6 +293,8 @@ class RunWriter:
             lines += [f"| {c.check} | {'yes' if c.passed else '**NO**'} | {_fmt(c.observed)} | {_fmt(c.threshold)} |"
                       for c in rec.checks_rows]
             lines.append("")
+        if self.expectations is not None and len(self.expectations):
+            lines += expectations_markdown(self.expectations)
         lines += [f"- {n}" for n in notes]
         if rec is not None:
             lines += ["", *rec.summary_parts]
@@ -286,7 +302,18 @@ class RunWriter:
 
 
 def _fmt(x: float | None) -> str:
-    return "" if x is None else f"{x:.4g}"
+    return "" if x is None or x != x else f"{x:.4g}"
+
+
+def expectations_markdown(df: pd.DataFrame) -> list[str]:
+    """The expectations table of summary.md (beside the checks): prediction, observation, held, when written."""
+    lines = ["| expectation | expected | observed | held | written at |", "|---|---|---|---|---|"]
+    for r in df.to_dict("records"):
+        held = r.get("held")
+        mark = "" if held is None or held != held else ("yes" if held else "**NO**")
+        when = "" if r.get("written_at") is None else pd.Timestamp(r["written_at"]).strftime("%Y-%m-%d %H:%M:%S")
+        lines.append(f"| {r['selector']} | {r['expected']} | {_fmt(r.get('observed'))} | {mark} | {when} |")
+    return [*lines, ""]
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -303,6 +330,7 @@ class RunData:
     timings: pd.DataFrame
     tensor_table: pd.DataFrame
     config: str  # .hydra/config.yaml text
+    expectations: pd.DataFrame = field(default_factory=pd.DataFrame)  # expectations.parquet (empty if none)
 
     @property
     def tensors(self) -> dict[str, Any]:
@@ -334,7 +362,9 @@ def load_run(path: str | Path) -> RunData:
         frames[key] = read_parquet(path / fname) if (path / fname).exists() else pd.DataFrame()
     cfg_file = path / ".hydra" / "config.yaml"
     config = cfg_file.read_text(encoding="utf-8") if cfg_file.exists() else ""
-    return RunData(path, run, frames["metrics"], frames["checks"], frames["timings"], frames["tensors"], config)
+    expectations = read_parquet(path / EXPECTATIONS_FILE) if (path / EXPECTATIONS_FILE).exists() else pd.DataFrame()
+    return RunData(path, run, frames["metrics"], frames["checks"], frames["timings"], frames["tensors"], config,
+                   expectations)
 
 
 def tensors_from_frame(df: pd.DataFrame) -> dict[str, Any]:

@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.table import Table
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import STATUS_EXIT, RunData, load_run, read_parquet, resolve_run
+from tfmoe.notebook import EXPECTATIONS_FILE, STATUS_EXIT, RunData, load_run, read_parquet, resolve_run
 
 console = Console(highlight=False)
 
-EXIT_PRIORITY = [130, 2, 3, 1, 0]
+EXIT_PRIORITY = [130, 2, 3, 1, 4, 0]
 # Metric rows that are measurements of this machine (speed, memory) are reported by diff but do not make
 # two runs "differ": like timings, they move from run to run.
 MEASURED_NAME = re.compile(r"(^|_)(ms|s|wall|time|times|seconds|per_s|flops_per_s|gflops|tflops|peak_fraction|"
@@ -49,9 +49,21 @@ def _runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
         checks = read_parquet(d / "checks.parquet") if (d / "checks.parquet").exists() else pd.DataFrame()
         n_ok = int(checks["passed"].sum()) if not checks.empty else 0
         rows.append({"run_id": run["run_id"], "experiment": run["experiment"], "status": run["status"],
-                     "checks": f"{n_ok}/{len(checks)}", "wall_s": round(float(run["wall_s"] or 0.0), 2),
-                     "path": str(d)})
-    return pd.DataFrame(rows)
+                     "checks": f"{n_ok}/{len(checks)}", "expected": _expectations_cell(d),
+                     "wall_s": round(float(run["wall_s"] or 0.0), 2), "path": str(d)})
+    df = pd.DataFrame(rows)
+    if not df.empty and (df["expected"] == "").all():
+        df = df.drop(columns=["expected"])
+    return df
+
+
+def _expectations_cell(run_dir: Path) -> str:
+    """'1/2 held' for the outcome table ('' when the run stated no expectation)."""
+    path = run_dir / EXPECTATIONS_FILE
+    if not path.exists():
+        return ""
+    df = read_parquet(path)
+    return f"{int((df['held'] == True).sum())}/{len(df)} held" if len(df) else ""  # noqa: E712 (nullable)
 
 
 def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | None = None) -> None:
@@ -153,9 +165,11 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
         print(json.dumps({
             "path": str(data.path), "run": {k: _jsonable(v) for k, v in data.run.items()},
             "config": data.config, "checks": data.checks.to_dict("records"),
+            "expectations": data.expectations.to_dict("records"),
             "metrics": data.metrics.to_dict("records"), "timings": data.timings.to_dict("records"),
             "tensors": data.tensor_table.drop(columns=["values"], errors="ignore").to_dict("records"),
             "plots": [str(p) for p in data.plots],
+            "conclusions": _conclusions_records(data.path),
         }, default=_jsonable))
         return
     run = data.run
@@ -169,6 +183,9 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
         console.print("[bold]config[/]\n" + data.config)
     if not data.checks.empty:
         _emit(data.checks, fmt, "checks")
+    if not data.expectations.empty:
+        _emit(data.expectations.drop(columns=["label", "metric", "aggregate", "judged_at"], errors="ignore"), fmt,
+              "expectations (your predictions, written before the run)")
     if not data.metrics.empty:
         m = data.metrics
         _emit(m.head(60), fmt, f"metrics ({len(m)} rows{', first 60' if len(m) > 60 else ''})")
@@ -180,6 +197,21 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
     plots = data.plots
     if plots:
         print("plots: " + ", ".join(str(p) for p in plots))
+    _show_conclusions(data.path)
+
+
+def _show_conclusions(run_dir: Path) -> None:
+    from tfmoe.conclusions import markdown, read
+
+    df = read(run_dir)
+    if not df.empty:
+        print("\nconclusions\n\n" + "\n".join(markdown(df)).rstrip())
+
+
+def _conclusions_records(run_dir: Path) -> list[dict[str, Any]]:
+    from tfmoe.conclusions import read
+
+    return read(run_dir).to_dict("records")
 
 
 def _jsonable(v: Any) -> Any:
@@ -284,6 +316,7 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
     sections["checks"] = pd.DataFrame([
         {"check": k, "A": cka.get(k), "B": ckb.get(k), "differs": cka.get(k) != ckb.get(k)}
         for k in sorted(set(cka) | set(ckb))])
+    sections["expectations"] = _diff_expectations(a, b)
     # tensors
     ta, tb = a.tensor_table, b.tensor_table
     rows = []
@@ -327,6 +360,24 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
             if "differs" in df and k != "timings":
                 sections[k] = df[df["differs"]]
     return sections
+
+
+def _diff_expectations(a: RunData, b: RunData) -> pd.DataFrame:
+    """Each expectation (by selector and expected) in A and B: held or not, observed; differs when it moved."""
+    def keyed(data: RunData) -> dict[tuple[str, str], dict[str, Any]]:
+        df = data.expectations
+        return {} if df.empty else {(r["selector"], r["expected"]): r for r in df.to_dict("records")}
+
+    ea, eb = keyed(a), keyed(b)
+    rows = []
+    for key in sorted(set(ea) | set(eb)):
+        ra, rb = ea.get(key), eb.get(key)
+        held_a, held_b = (None if r is None else r.get("held") for r in (ra, rb))
+        obs_a, obs_b = (None if r is None else r.get("observed") for r in (ra, rb))
+        moved = ra is None or rb is None or held_a != held_b or not _same(obs_a, obs_b)
+        rows.append({"expectation": f"{key[0]} {key[1]}", "A_held": held_a, "B_held": held_b, "A": obs_a,
+                     "B": obs_b, "differs": bool(moved)})
+    return pd.DataFrame(rows, columns=["expectation", "A_held", "B_held", "A", "B", "differs"])
 
 
 def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, fmt: str) -> int:

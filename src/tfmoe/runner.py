@@ -22,7 +22,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tfmoe.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INTERRUPTED, EXIT_OK, BadInput
+from tfmoe.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CHECK_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_UNEXPECTED,
+    BadInput,
+)
 from tfmoe.registry import EXPERIMENTS
 
 log = logging.getLogger("tfmoe")
@@ -135,6 +142,32 @@ def _run_id(run_dir: Path, sweep_dir: str | None) -> str:
     return run_dir.name
 
 
+def start_expectations(cfg: DictConfig, exp: Any, writer: Any) -> list:
+    """Parse and validate ``cfg.expect`` and write expectations.parquet before the experiment runs."""
+    from tfmoe import expectations as ex
+    from tfmoe.declared_metrics import declared_for
+    from tfmoe.notebook import utcnow
+
+    parsed = ex.parse(cfg.get("expect"))
+    if parsed:
+        ex.validate(parsed, declared_for(exp.name), exp.name)
+        writer.write_expectations(ex.frame(parsed, utcnow()))
+    return parsed
+
+
+def finish_expectations(parsed: list, rec: Any, writer: Any) -> list[str]:
+    """Judge each expectation on the recorded metrics, complete expectations.parquet; the misses, described."""
+    from tfmoe import expectations as ex
+    from tfmoe.notebook import utcnow
+
+    if not parsed or rec is None:
+        return []
+    judged = [ex.judge(e, rec.metrics_rows) for e in parsed]
+    written_at = writer.expectations["written_at"].iloc[0]
+    writer.write_expectations(ex.frame(parsed, written_at, judged, utcnow()))
+    return [ex.describe_miss(e, j) for e, j in zip(parsed, judged, strict=True) if not j.held]
+
+
 def execute(cfg: DictConfig) -> int:
     """Hydra task function: run ``cfg.experiment`` and record everything. Returns the exit code."""
     from hydra.core.hydra_config import HydraConfig
@@ -158,9 +191,11 @@ def execute(cfg: DictConfig) -> int:
     rec = None
     status, code, error = "ok", EXIT_OK, None
     device = None
+    expectations: list = []
     try:
         writer.env = environment()
         writer.start()
+        expectations = start_expectations(cfg, exp, writer)
         seed = _check_seed(cfg)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
@@ -185,6 +220,11 @@ def execute(cfg: DictConfig) -> int:
             status, code = "failed", EXIT_CHECK_FAILED
             failed = [c.check for c in rec.checks_rows if not c.passed]
             err.print(f"[red]{exp.name}: {len(failed)} check(s) failed:[/] {', '.join(failed)}")
+        missed = finish_expectations(expectations, rec, writer)
+        if missed:
+            err.print(f"[yellow]{exp.name}: {len(missed)} expectation(s) did not hold:[/] " + "; ".join(missed))
+            if status == "ok":
+                status, code = "unexpected", EXIT_UNEXPECTED
     except BadInput as exc:
         status, code, error = "error", EXIT_BAD_INPUT, str(exc)
         err.print(f"error: {exc}", markup=False)
@@ -197,6 +237,10 @@ def execute(cfg: DictConfig) -> int:
         log.error("run crashed:\n%s", traceback.format_exc())
         err.print(f"{exp.name} crashed ({error}); traceback in {run_dir}/{exp.name}.log", markup=False)
     finally:
+        if rec is not None and expectations and writer.expectations is not None \
+                and writer.expectations["held"].isna().all():  # crashed or interrupted: judge what was recorded
+            with contextlib.suppress(Exception):
+                finish_expectations(expectations, rec, writer)
         peak_dev = device_peak(device) if device is not None else None
         writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
                       int(cfg.get("tensor_max_numel", 1_000_000)))

@@ -1,0 +1,213 @@
+"""Expectations: the grammar (normal, boundary, malformed), validation before the run, expectations.parquet
+written before the result, exit code 4, and failures add from a surprise."""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tfmoe import declared_metrics, expectations, failures, launch, notebook, runner
+from tfmoe.errors import EXIT_UNEXPECTED, BadInput
+from tfmoe.expectations import judge, parse, parse_one
+from tfmoe.registry import EXPERIMENTS
+from tfmoe.testing import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rows(*values: float, step: bool = False, **tags):
+    return [{"name": "cv", "value": v, **({"step": i} if step else {}), **tags} for i, v in enumerate(values)]
+
+
+# ------------------------------------------------------------------------------------------ grammar
+@pytest.mark.parametrize(("label", "text", "op", "low", "high"), [
+    ("cv", "< 0.1", "<", 0.1, None),
+    ("cv", "<=0.1", "<=", 0.1, None),
+    ("cv", ">  1e-3", ">", 1e-3, None),
+    ("cv", ">= -2", ">=", -2.0, None),
+    ("cv", "== 0", "==", 0.0, None),
+    ("cv", "!= 0", "!=", 0.0, None),
+    ("cv", "~ 0.3 ± 0.05", "~", 0.3, 0.05),
+    ("cv", "~ 0.3 +- 0.05", "~", 0.3, 0.05),
+    ("cv", "in [0, 1]", "in", 0.0, 1.0),
+    ("cv", "in [.5,.5]", "in", 0.5, 0.5),  # a one-point interval is allowed
+    ("anything", "cv < inf", "<", math.inf, None),
+])
+def test_grammar_normal_forms(label, text, op, low, high) -> None:
+    e = parse_one(label, text)
+    assert (e.metric, e.op, e.low, e.high, e.aggregate, e.tags) == ("cv", op, low, high, None, ())
+
+
+def test_selectors_and_aggregates() -> None:
+    e = parse_one("x", "max(cv[strategy=aux_free, seed=1]) < 0.5")
+    assert (e.metric, e.aggregate, e.tags) == ("cv", "max", (("strategy", "aux_free"), ("seed", "1")))
+    assert e.selector == "max(cv[strategy=aux_free,seed=1])" and e.expected == "< 0.5"
+    key = parse_one("cv[strategy=aux_free]", "~ 0.3 ± 0.1")  # the YAML-key form
+    assert key.tags == (("strategy", "aux_free"),) and key.op == "~"
+    assert [x.label for x in parse({"a": "cv < 1", "b": "mean(cv) > 0"})] == ["a", "b"]
+    assert parse({}) == [] and parse(None) == []
+
+
+@pytest.mark.parametrize(("label", "text", "needle"), [
+    ("cv", "0.1", "no operator"),
+    ("cv", "< abc", "not a number"),
+    ("cv", "<", "not a number"),
+    ("cv", "~ 0.3", "needs a tolerance"),
+    ("cv", "~ 0.3 ± -1", "negative"),
+    ("cv", "in [1, 0]", "is empty"),
+    ("cv", "in (0, 1)", "write an interval"),
+    ("x", "median(cv) < 1", "unknown aggregate"),
+    ("x", "cv[strategy] < 1", "not tag=value"),
+    ("x", "", "is empty"),
+    ("x", "1 2 3", "no operator"),
+])
+def test_grammar_malformed_is_refused_with_the_fix(label, text, needle) -> None:
+    with pytest.raises(BadInput, match=needle):
+        parse_one(label, text)
+    with pytest.raises(BadInput, match="not a mapping"):
+        parse(["cv < 1"])
+    with pytest.raises(BadInput, match="not a string"):
+        parse({"cv": [1, 2]})
+
+
+def test_boundaries_strict_and_closed() -> None:
+    assert not judge(parse_one("cv", "< 0.5"), rows(0.5)).held  # strict: the boundary misses, by 0
+    assert judge(parse_one("cv", "< 0.5"), rows(0.5)).miss == 0.0
+    assert judge(parse_one("cv", "<= 0.5"), rows(0.5)).held
+    assert judge(parse_one("cv", "in [0.5, 1]"), rows(0.5)).held and judge(parse_one("cv", "in [0.5, 1]"), rows(1)).held
+    assert judge(parse_one("cv", "~ 1 ± 0.25"), rows(1.25)).held  # the tolerance's edge holds
+    j = judge(parse_one("cv", "~ 1 ± 0.25"), rows(1.5))
+    assert not j.held and j.miss == pytest.approx(0.25)
+    nan = judge(parse_one("cv", "!= 0"), rows(float("nan")))
+    assert not nan.held and math.isinf(nan.miss)  # NaN never holds
+
+
+def test_per_step_metric_is_judged_at_its_last_step_unless_aggregated() -> None:
+    r = rows(0.9, 0.5, 0.05, step=True)
+    assert judge(parse_one("cv", "< 0.1"), r).held  # last step: 0.05
+    j = judge(parse_one("x", "max(cv) < 0.1"), r)
+    assert not j.held and j.observed == 0.9 and j.miss == pytest.approx(0.8)
+    assert judge(parse_one("x", "first(cv) == 0.9"), r).held and judge(parse_one("x", "mean(cv) ~ 0.4833 ± 1e-3"), r).held
+
+
+def test_tag_selection_and_every_remaining_row_must_hold() -> None:
+    r = rows(0.2, step=True, strategy="aux_free") + rows(0.9, step=True, strategy="none")
+    assert judge(parse_one("cv[strategy=aux_free]", "< 0.5"), r).held
+    both = judge(parse_one("cv", "< 0.5"), r)  # one row per strategy at the last step: the worst is shown
+    assert not both.held and both.observed == 0.9 and "all 2 rows must hold" in both.detail
+    none = judge(parse_one("cv[strategy=nosuch]", "< 0.5"), r)
+    assert not none.held and none.observed is None and "no rows" in none.detail
+    assert judge(parse_one("x", "cv[seed=1] < 1"), [{"name": "cv", "value": 0.5, "seed": 1}]).held  # int tags
+
+
+def test_validation_names_unknown_metric_and_tag_and_lists_what_exists() -> None:
+    declared = declared_metrics.declared_for("route-sim")
+    expectations.validate(parse({"cv[strategy=aux_free]": "< 0.5", "x": "max(cv[step=3]) < 1"}), declared, "route-sim")
+    with pytest.raises(BadInput, match=r"records no metric 'cvv': it records .*balance_loss.*cv"):
+        expectations.validate(parse({"cvv": "< 1"}), declared, "route-sim")
+    with pytest.raises(BadInput, match=r"no tag 'strat': its tags are step, strategy"):
+        expectations.validate(parse({"cv[strat=x]": "< 1"}), declared, "route-sim")
+
+
+def _literal_metric_names(module: str) -> set[str]:
+    tree = ast.parse((REPO / "src" / "tfmoe" / "experiments" / f"{module}.py").read_text(encoding="utf-8"))
+    return {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "metric" and n.args and isinstance(n.args[0], ast.Constant)}
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_every_literal_metric_name_is_declared(name: str) -> None:
+    missing = _literal_metric_names(EXPERIMENTS[name].module) - set(declared_metrics.DECLARED[name])
+    assert not missing, f"{name} records {missing}: add them to tfmoe/declared_metrics.py"
+
+
+# ------------------------------------------------------------------------------------------ runs
+@pytest.fixture
+def fake(fake_experiment, monkeypatch):
+    monkeypatch.setitem(declared_metrics.DECLARED, "fake", {"loss": ("variant",), "sums_per_call": ()})
+    return fake_experiment
+
+
+def test_held_expectation_exits_0_and_parquet_records_prediction_before_result(fake) -> None:
+    assert launch.run_experiment(fake, ["expect={loss: \"> 0\"}"], quiet=True) == 0
+    run_dir = runner.LAST_RUN_DIRS[-1]
+    data = notebook.load_run(run_dir)
+    e = data.expectations.iloc[0]
+    assert bool(e["held"]) and e["expected"] == "> 0" and e["rows"] == 5 and "last step (4)" in e["detail"]
+    assert e["written_at"] >= data.run["started_at"] and e["written_at"] <= e["judged_at"] <= data.run["finished_at"]
+    last = data.metrics[(data.metrics["name"] == "loss")]["value"].iloc[-1]
+    assert e["observed"] == last and "| loss | > 0 |" in (run_dir / "summary.md").read_text()
+
+
+def test_missed_expectation_exits_4_names_it_and_by_how_much(fake, capsys) -> None:
+    assert launch.run_experiment(fake, ["expect={loss: \"< 0\"}"], quiet=True) == EXIT_UNEXPECTED
+    run_dir = runner.LAST_RUN_DIRS[-1]
+    data = notebook.load_run(run_dir)
+    assert data.run["status"] == "unexpected" and data.run["exit_code"] == 4
+    err = capsys.readouterr().err
+    assert "loss < 0 did not hold: observed" in err and "misses by" in err
+    assert not bool(data.expectations.iloc[0]["held"]) and data.expectations.iloc[0]["miss"] > 0
+
+
+def test_failed_check_outranks_a_missed_expectation(fake) -> None:
+    assert launch.run_experiment(fake, ["mode=fail_check", "expect={loss: \"< 0\"}"], quiet=True) == 1
+    data = notebook.load_run(runner.LAST_RUN_DIRS[-1])
+    assert data.run["status"] == "failed" and not bool(data.expectations.iloc[0]["held"])  # judged all the same
+    from tfmoe.reports import worst_exit_code
+
+    assert worst_exit_code([0, 4]) == 4 and worst_exit_code([4, 1]) == 1 and worst_exit_code([4, 2]) == 2
+
+
+def test_crash_keeps_the_prediction_and_judges_what_was_recorded(fake) -> None:
+    assert launch.run_experiment(fake, ["mode=crash", "expect={loss: \"> 0\"}"], quiet=True) == 3
+    e = notebook.load_run(runner.LAST_RUN_DIRS[-1]).expectations.iloc[0]
+    assert e["rows"] == 3 and bool(e["held"])  # the steps before the crash
+
+
+def test_failures_add_from_a_surprise_prefills_expected_observed_and_rows(fake) -> None:
+    launch.run_experiment(fake, ["expect={loss: \"< 0\"}"], quiet=True)
+    run_dir = runner.LAST_RUN_DIRS[-1]
+    title = failures.add(str(run_dir), Path("runs"), Path("failures.md"), None, "h", "f", "t")
+    text = Path("failures.md").read_text()
+    assert title == "F-1: fake: expected loss < 0"
+    assert "expected `loss < 0`" in text and "observed " in text and "misses by" in text
+    assert f"metrics.parquet rows of `loss` in run `{run_dir.name}`" in text and "(step=4 variant=a)" in text
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["shift-labels", "--expect", "nosuch < 1"], "records no metric 'nosuch': it records left_right_max_abs, loss"),
+    (["shift-labels", "--expect", "sequence_loss[seq=0] < 1"], "no tag 'seq': its tags are sequence, step"),
+    (["shift-labels", "--expect", "loss <"], "not a number"),
+    (["shift-labels", "--expect", "< 1"], "names no metric"),
+    (["shift-labels", 'expect={loss: "about 3"}'], "no operator"),
+    (["shift-labels", "expect=3"], "not a mapping"),
+    (["shift-labels", "-m", "seed=0,1", "--expect", "nosuch < 1"], "records no metric 'nosuch'"),
+])
+def test_bad_expectation_exits_2_before_any_run_starts(workdir: Path, args, needle) -> None:
+    r = run_cli(args, workdir)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+    assert r.run_dir is None  # refused before any run directory was made
+
+
+def test_cli_forms_agree_and_diff_and_replay_carry_expectations(workdir: Path) -> None:
+    a = run_cli(["shift-labels", "--expect", "loss < 100", "expect.valid_labels='== 9'"], workdir)
+    assert a.exit_code == 0, a.stderr
+    df = pd.read_parquet(a.run_dir / "expectations.parquet")
+    assert set(df["selector"]) == {"loss", "valid_labels"} and df["held"].all()
+    b = run_cli(["shift-labels", "--expect", "loss < 1"], workdir)
+    assert b.exit_code == 4 and "loss < 1 did not hold" in b.stderr and "misses by" in b.stderr
+    assert "0/1" in b.stdout  # the outcome table's expectations column
+    moved = run_cli(["diff", str(a.run_dir), str(b.run_dir), "--format", "json"], workdir)
+    import json
+
+    body = json.loads(moved.stdout)
+    assert {r["expectation"] for r in body["expectations"]} == {"loss < 100", "loss < 1", "valid_labels == 9"}
+    rep = run_cli(["replay", str(b.run_dir)], workdir)
+    assert "reproduced" in rep.stdout and "NOT" not in rep.stdout, rep.stdout
+    new = max((workdir / "runs" / "shift-labels").iterdir(), key=lambda p: p.stat().st_mtime)
+    assert list(pd.read_parquet(new / "expectations.parquet")["expected"]) == ["< 1"]  # carried along
