@@ -1,0 +1,56 @@
+"""Attention adapters: how attn-check drives layers written in other layouts (see ``base`` for the protocol).
+
+``load_adapter(spec)``: ``torch:mha``, ``hf:<model_type>``, ``pkg.module:Class`` (a course-interface nn.Module, or
+an :class:`~tfmoe.adapters.base.AttentionAdapter` subclass written for a user's own layout)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+
+from tfmoe.adapters.base import AttentionAdapter, ContractError
+from tfmoe.errors import BadInput
+
+BUILTIN = ("torch:mha", "hf:<model_type>")
+
+
+def load_adapter(spec: str, load_object: Callable[[str, str], Any],
+                 attn_implementation: str = "eager") -> AttentionAdapter:
+    """The adapter ``impl=spec`` names (BadInput, one line, for anything else)."""
+    scheme, sep, rest = spec.partition(":")
+    if sep and scheme == "torch":
+        if rest == "mha":
+            from tfmoe.adapters.torch_mha import TorchMHA
+
+            return TorchMHA()
+        raise BadInput(f"impl={spec!r}: unknown SPEC torch:{rest}: the torch adapter is torch:mha "
+                       "(nn.MultiheadAttention)")
+    if sep and scheme == "hf":
+        if not rest:
+            raise BadInput(f"impl={spec!r}: name a model type after hf:, e.g. impl=hf:llama")
+        from tfmoe.adapters.huggingface import HuggingFace
+
+        return HuggingFace(rest, attn_implementation)
+    obj = load_object(spec, "impl")
+    if isinstance(obj, AttentionAdapter):
+        return obj
+    if inspect.isclass(obj) and issubclass(obj, AttentionAdapter):
+        try:
+            adapter = obj()
+        except Exception as exc:
+            raise BadInput(f"impl={spec!r}: adapter {obj.__qualname__}() raised {type(exc).__name__}: {exc}: "
+                           "an adapter class must build with no arguments") from None
+        adapter.spec = spec
+        return adapter
+    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
+        raise BadInput(f"impl={spec!r} is {type(obj).__name__} {obj!r}, not a torch.nn.Module subclass or an "
+                       "AttentionAdapter: point impl at your attention class (or torch:mha, hf:<model_type>)")
+    from tfmoe.adapters.course import CourseInterface
+
+    return CourseInterface(obj, spec)
+
+
+__all__ = ["AttentionAdapter", "ContractError", "load_adapter", "BUILTIN"]

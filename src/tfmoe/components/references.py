@@ -1,0 +1,181 @@
+"""Reference attention written from first principles, for judging other attention code.
+
+Nothing here imports the code it judges (tfmoe's masks, attention or chunked kernels, a library's rotary or
+kv-repeat helpers): masks are explicit boolean matrices built here, heads are split and merged here, RoPE and
+the kv-head mapping are written here from their papers' definitions, and the attention itself is PyTorch's
+``scaled_dot_product_attention`` (an independent library op) or a plain softmax written out below.
+
+Conventions: boolean masks are True = the query may attend to the key; weights are in ``nn.Linear`` layout
+(out_features, in_features); q is (B, Hq, T, Dh), k and v (B, Hkv, T, Dh).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+# ============================================================================================== masks
+def visibility(T_q: int, T_k: int, causal: bool, key_padding: torch.Tensor | None = None,
+               device: torch.device | str | None = None, offset: int = 0) -> torch.Tensor | None:
+    """(B|1, 1, T_q, T_k) boolean mask, True = visible, or None when nothing is hidden.
+
+    Causal: query i sits at absolute position offset + i and sees keys j <= offset + i: the lower-triangular
+    matrix ``ones(T_q, T_k).tril(offset)``. key_padding (B, T_k): True = real key; padded keys are hidden
+    from every query (queries are never masked)."""
+    mask = None
+    if causal:
+        mask = torch.ones(T_q, T_k, dtype=torch.bool, device=device).tril(diagonal=offset)[None, None]
+    if key_padding is not None:
+        if key_padding.shape[-1] != T_k:
+            raise ValueError(f"key padding covers {key_padding.shape[-1]} keys, the attention has T_k={T_k}")
+        keys = key_padding.to(device=device, dtype=torch.bool).reshape(-1, 1, 1, T_k)  # (B,1,1,Tk)
+        mask = keys if mask is None else mask & keys
+    return mask
+
+
+def rows_with_a_key(mask: torch.Tensor | None, B: int, T_q: int) -> torch.Tensor:
+    """(B, T_q) on CPU: True where the query sees at least one key (False = a fully masked row)."""
+    if mask is None:
+        return torch.ones(B, T_q, dtype=torch.bool)
+    return mask.any(dim=-1).expand(B, 1, T_q)[:, 0].cpu()
+
+
+def lengths_to_key_padding(lengths: list[int], T: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(B, T) True = real token for right-padded rows: row b has its first lengths[b] tokens real."""
+    pm = torch.zeros(len(lengths), T, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        pm[b, :n] = True
+    return pm.to(device)
+
+
+# ====================================================================================== projections
+@dataclass
+class Rope:
+    """Rotary positions (Su et al. 2021) in the "rotate half" layout that GPT-NeoX, Llama and Hugging Face use:
+    dims (i, i + Dh/2) form the pair rotated by angle pos · theta^(-2i/Dh)."""
+
+    theta: float
+    rotary_dim: int  # = Dh (full rotary); the adapters refuse partial rotary
+
+
+@dataclass
+class Projections:
+    """An attention layer's parameters in nn.Linear layout, as the reference reads them."""
+
+    w_q: torch.Tensor  # (Hq·Dh, D)
+    w_k: torch.Tensor  # (Hkv·Dh, D)
+    w_v: torch.Tensor  # (Hkv·Dh, D)
+    w_o: torch.Tensor | None  # (D, Hq·Dh); None = the layer returns the merged heads (no output projection)
+    n_heads: int
+    n_kv_heads: int
+    b_q: torch.Tensor | None = None
+    b_k: torch.Tensor | None = None
+    b_v: torch.Tensor | None = None
+    b_o: torch.Tensor | None = None
+    rope: Rope | None = None
+    scale: float | None = None  # None = 1/sqrt(Dh)
+
+    @property
+    def d_head(self) -> int:
+        return self.w_q.shape[0] // self.n_heads
+
+    def to(self, dtype: torch.dtype) -> Projections:
+        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().to(dtype)
+        return Projections(cast(self.w_q), cast(self.w_k), cast(self.w_v), cast(self.w_o), self.n_heads,
+                           self.n_kv_heads, cast(self.b_q), cast(self.b_k), cast(self.b_v), cast(self.b_o),
+                           self.rope, self.scale)
+
+
+def fused_projections(w_qkv: torch.Tensor, w_out: torch.Tensor, n_heads: int) -> Projections:
+    """The course layout: qkv = Linear(D, 3D) (rows q, then k, then v), out = Linear(D, D), no biases."""
+    w_q, w_k, w_v = w_qkv.chunk(3, dim=0)
+    return Projections(w_q, w_k, w_v, w_out, n_heads, n_heads)
+
+
+def split_heads(t: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, T, H·Dh) -> (B, H, T, Dh)."""
+    B, T, HD = t.shape
+    return t.reshape(B, T, n_heads, HD // n_heads).permute(0, 2, 1, 3)
+
+
+def merge_heads(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, Dh) -> (B, T, H·Dh)."""
+    B, H, T, Dh = t.shape
+    return t.permute(0, 2, 1, 3).reshape(B, T, H * Dh)
+
+
+def rotate(t: torch.Tensor, rope: Rope, positions: torch.Tensor) -> torch.Tensor:
+    """RoPE on (B, H, T, Dh) at integer positions (T,), as a complex rotation of the pairs (i, i + Dh/2),
+    angles computed in float64 whatever t's dtype (so the reference's positions are exact)."""
+    d = rope.rotary_dim
+    half = d // 2
+    inv_freq = rope.theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / d)  # (half,)
+    angle = positions.to(torch.float64).cpu()[:, None] * inv_freq[None, :]  # (T, half)
+    rot = torch.polar(torch.ones_like(angle), angle).to(t.device)  # (T, half) e^{i·angle}
+    z = torch.complex(t[..., :half].to(torch.float64), t[..., half:d].to(torch.float64)) * rot  # (B,H,T,half)
+    out = torch.cat([z.real, z.imag, t[..., d:].to(torch.float64)], dim=-1)
+    return out.to(t.dtype)
+
+
+def kv_head_of_query_head(n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """GQA's mapping: query head h reads kv head h // (Hq / Hkv) (consecutive query heads share one kv head)."""
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
+    return torch.arange(n_heads) // (n_heads // n_kv_heads)
+
+
+def project(x: torch.Tensor, p: Projections,
+            positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (B,T,D) -> q (B,Hq,T,Dh), and k, v already mapped to the query heads (B,Hq,T,Dh); RoPE applied."""
+    q = split_heads(F.linear(x, p.w_q, p.b_q), p.n_heads)
+    k = split_heads(F.linear(x, p.w_k, p.b_k), p.n_kv_heads)
+    v = split_heads(F.linear(x, p.w_v, p.b_v), p.n_kv_heads)
+    if p.rope is not None:
+        pos = torch.arange(x.shape[1]) if positions is None else positions
+        q, k = rotate(q, p.rope, pos), rotate(k, p.rope, pos)
+    heads = kv_head_of_query_head(p.n_heads, p.n_kv_heads).to(x.device)
+    return q, k.index_select(1, heads), v.index_select(1, heads)
+
+
+def output(ctx: torch.Tensor, p: Projections) -> torch.Tensor:
+    """(B,Hq,T,Dh) context -> (B,T,D) through the output projection (if any)."""
+    merged = merge_heads(ctx)
+    return merged if p.w_o is None else F.linear(merged, p.w_o, p.b_o)
+
+
+def scale_of(p: Projections) -> float:
+    return 1.0 / math.sqrt(p.d_head) if p.scale is None else p.scale
+
+
+# ====================================================================================== attention
+def sdpa_attention(x: torch.Tensor, p: Projections, mask: torch.Tensor | None) -> torch.Tensor:
+    """The reference: PyTorch's scaled_dot_product_attention on the layer's projections, in x's dtype."""
+    q, k, v = project(x, p)
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale_of(p))  # (B,Hq,T,Dh)
+    return output(ctx, p)
+
+
+def plain_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """softmax(q kᵀ · scale) over keys in q's dtype; hidden keys -> 0; fully masked rows -> 0: (B,H,Tq,Tk)."""
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if mask is None:
+        return scores.softmax(dim=-1)
+    w = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.where(mask.any(dim=-1, keepdim=True), w, torch.zeros_like(w))
+
+
+def plain_attention(x: torch.Tensor, p: Projections, mask: torch.Tensor | None) -> torch.Tensor:
+    """A plain implementation with every op in x's dtype (FlashAttention's yardstick for the dtype's noise)."""
+    q, k, v = project(x, p)
+    return output(plain_weights(q, k, mask, scale_of(p)) @ v, p)
+
+
+def attention_weights(x: torch.Tensor, p: Projections, mask: torch.Tensor | None) -> torch.Tensor:
+    """The reference's attention weights in x's dtype: (B,Hq,T,T)."""
+    q, k, _ = project(x, p)
+    return plain_weights(q, k, mask, scale_of(p))
