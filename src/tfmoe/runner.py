@@ -227,7 +227,7 @@ def execute(cfg: DictConfig) -> int:
                 status, code = "unexpected", EXIT_UNEXPECTED
     except BadInput as exc:
         status, code, error = "error", EXIT_BAD_INPUT, str(exc)
-        err.print(f"error: {exc}", markup=False)
+        err.print(f"error: {exc}", markup=False, emoji=False)  # hf:llama: is not an emoji
     except KeyboardInterrupt:
         status, code, error = "interrupted", EXIT_INTERRUPTED, "interrupted by the user (Ctrl-C)"
         err.print(f"{exp.name}: interrupted; the records so far are in {run_dir}", markup=False)

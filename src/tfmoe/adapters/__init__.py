@@ -1,7 +1,10 @@
 """Attention adapters: how attn-check drives layers written in other layouts (see ``base`` for the protocol).
 
 ``load_adapter(spec)``: ``torch:mha``, ``hf:<model_type>``, ``pkg.module:Class`` (a course-interface nn.Module, or
-an :class:`~tfmoe.adapters.base.AttentionAdapter` subclass written for a user's own layout)."""
+an :class:`~tfmoe.adapters.base.AttentionAdapter` subclass written for a user's own layout).
+
+MoE layers for route-sim's layer battery: ``moe_layers`` (the package's own, the course's ToyMoE interface) and
+``moe_hf`` (transformers sparse blocks)."""
 
 from __future__ import annotations
 

@@ -611,7 +611,15 @@ def _summary(p: Params, course: CourseResult, traces: dict[str, StrategyTrace]) 
 
 
 def run(cfg: DictConfig, rec: Recorder) -> None:
+    from tfmoe.experiments import route_layer
+
     p = params_from_cfg(cfg)
+    battery = route_layer.params_from_cfg(cfg)
+    lut = route_layer.run_battery(battery, rec)
+    rec.print(route_layer.battery_table(rec, lut))
+    if battery.impl is not None:  # a user's or a transformers layer: the battery is the whole run
+        rec.summary(route_layer.battery_summary(rec, lut))
+        return
     rec.note("aux loss normalisation: alpha*E*sum_i f_i*P_i with f_i = load_i/(tokens*k) (balanced value alpha, "
              "Megatron-LM form; HF Mixtral's is k*alpha); CV uses the population std over experts")
     rec.note("capacity priority: 1st choices in token order, then 2nd choices, ...; dropped assignments "
@@ -634,4 +642,4 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
                                ("cv", "maxvio", "dropped_fraction", "tokens_dropped_fraction",
                                 "balance_loss", "router_entropy", "task_loss")))
         rec.print(table)
-    rec.summary(_summary(p, course, traces))
+    rec.summary(route_layer.battery_summary(rec, lut) + "\n\n" + _summary(p, course, traces))

@@ -1,0 +1,271 @@
+"""MoE layers under test for route-sim's layer battery: what the battery needs from any layer.
+
+A :class:`LayerUnderTest` builds the layer (from the seed), runs it on (B,T,D) tokens while forward hooks
+capture its routing, and hands the battery the layer's weights in float64 plus the design's semantics
+(:class:`~tfmoe.components.moe_reference.RoutingSemantics`), from which the independent reference
+recomputes everything. Two kinds live here: the package's own :class:`~tfmoe.components.moe.MoELayer`, and
+any class in the course's ToyMoE interface (``impl=pkg.module:Class``); Hugging Face blocks are in
+:mod:`tfmoe.adapters.moe_hf`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from tfmoe.components import moe
+from tfmoe.components import moe_reference as ref
+from tfmoe.errors import BadInput
+
+
+@dataclass(frozen=True)
+class LayerSizes:
+    d_model: int
+    d_hidden: int
+    n_experts: int
+    top_k: int
+    score_func: str = "softmax"  # the package's own layer
+    n_group: int = 4  # DeepSeek-V3 layouts
+    topk_group: int = 2
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True  # Qwen2-MoE / DeepSeek-V3 layouts
+    shared_hidden: int = 32  # Qwen2-MoE shared expert width
+    bias_scale: float = 0.1  # std of DeepSeek-V3's correction bias, set non-zero from the seed
+
+
+@dataclass
+class Captured:
+    """The routing read through forward hooks, as dense (N,E) matrices."""
+
+    selected: torch.Tensor  # (N,E) bool
+    weights: torch.Tensor  # (N,E) float, 0 where not selected
+    probs: torch.Tensor | None = None  # (N,E) the layer's full router distribution, where it exposes one
+    logits: torch.Tensor | None = None  # (N,E) router logits, where the router exposes them
+
+
+def dense_from_topk(idx: torch.Tensor, weight: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,k) indices and weights -> (N,E) bool selection and (N,E) weights."""
+    n = idx.shape[0]
+    selected = torch.zeros(n, n_experts, dtype=torch.bool, device=idx.device)
+    selected.scatter_(1, idx.long(), True)
+    weights = torch.zeros(n, n_experts, dtype=weight.dtype, device=idx.device)
+    weights.scatter_(1, idx.long(), weight)
+    return selected, weights
+
+
+class LayerUnderTest:
+    """Base: subclasses set the attributes below and implement build / run / reference_weights."""
+
+    label: str  # how reports name it
+    sizes: LayerSizes
+    semantics: ref.RoutingSemantics
+    exposes_probs: bool = False  # the layer returns/exposes a full router distribution that must sum to 1
+    aux_loss_name: str | None = None  # the model's own load-balancing loss, where it defines one
+    draws_correction_bias: bool = False  # build() draws a selection-only bias from the seed (DeepSeek-V3)
+
+    def build(self, seed: int) -> nn.Module:
+        raise NotImplementedError
+
+    def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
+        """x (B,T,D) -> out (B,T,D) and the routing captured by hooks during that call."""
+        raise NotImplementedError
+
+    def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
+        raise NotImplementedError
+
+    def aux_loss(self, module: nn.Module, captured: Captured) -> float | None:
+        """The model's own load-balancing loss on the captured routing (None where it defines none)."""
+        return None
+
+    def alternatives(self) -> dict[str, ref.RoutingSemantics]:
+        """Plausible misreadings of the design: each must be told apart from the design by the run."""
+        return {}
+
+    def notes(self) -> list[str]:
+        return []
+
+
+def _linear64(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    w = layer.weight.detach().double().clone()
+    b = None if layer.bias is None else layer.bias.detach().double().clone()
+    return w, b
+
+
+# ----------------------------------------------------------------- the package's own layer
+class OwnLayer(LayerUnderTest):
+    """tfmoe.components.moe.MoELayer, dropless: out = x + sum_k w_k expert_k(x), weights renormalised."""
+
+    exposes_probs = True
+    aux_loss_name = "tfmoe.components.moe.switch_aux_loss"
+
+    def __init__(self, sizes: LayerSizes):
+        self.sizes, self.label = sizes, "tfmoe MoELayer"
+        self.semantics = ref.RoutingSemantics(sizes.score_func, sizes.top_k, normalize=True, residual=True)
+
+    def build(self, seed: int) -> nn.Module:
+        s = self.sizes
+        torch.manual_seed(seed)
+        return moe.MoELayer(s.d_model, s.d_hidden, s.n_experts, s.top_k, None, s.score_func).eval()
+
+    def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
+        seen: list[moe.Routing] = []
+        handle = module.router.register_forward_hook(lambda _m, _i, out: seen.append(out))
+        try:
+            with torch.no_grad():
+                res = module(x)
+        finally:
+            handle.remove()
+        r = seen[-1]
+        selected, weights = dense_from_topk(r.topk_idx, r.topk_weight, self.sizes.n_experts)
+        return res.out, Captured(selected, weights, r.probs, r.logits)
+
+    def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
+        experts = []
+        for ex in module.experts:
+            (w1, b1), (w2, b2) = _linear64(ex.fc1), _linear64(ex.fc2)
+            experts.append(ref.MlpExpert(w1, w2, "gelu", b1, b2))
+        return ref.LayerWeights(module.router.gate.weight.detach().double().clone(), experts,
+                                correction_bias=module.router.selection_bias.detach().double().clone())
+
+    def aux_loss(self, module: nn.Module, captured: Captured) -> float | None:
+        idx = captured.selected.nonzero()[:, 1].view(captured.selected.shape[0], -1)
+        return float(moe.switch_aux_loss(captured.probs, idx, coef=1.0))
+
+    def alternatives(self) -> dict[str, ref.RoutingSemantics]:
+        return {"not renormalised": self.semantics.variant(normalize=False),
+                "no residual": self.semantics.variant(residual=False)}
+
+
+# ------------------------------------------------------------------ the course's interface
+INTERFACE = ("Class(d_model, hidden, n_experts, top_k) with `router` (nn.Linear d_model -> n_experts), "
+             "`experts` (nn.ModuleList of n_experts), `top_k`, and forward(x) -> (out, probs)")
+
+
+def load_class(spec: str) -> type:
+    """'pkg.module:Class' -> the class. The current directory is importable, as with ``python -m``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise BadInput(f"impl={spec!r} is not 'pkg.module:Class' nor 'hf:<model type>': write e.g. "
+                       "impl=my_moe:ToyMoE or impl=hf:mixtral")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time error of the user's module is bad input
+        raise BadInput(f"impl={spec!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc}): check the "
+                       "module path (the current directory and PYTHONPATH are searched)") from None
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise BadInput(f"impl={spec!r}: module {module_name!r} has no {attr!r}: check the name after ':'")
+        obj = getattr(obj, part)
+    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
+        raise BadInput(f"impl={spec!r} is {type(obj).__name__}, not a torch.nn.Module subclass: point impl at a "
+                       f"class in the course's ToyMoE interface: {INTERFACE}")
+    return obj
+
+
+class ToyInterfaceLayer(LayerUnderTest):
+    """Any class in the course's ToyMoE interface. The course's semantics: softmax router, top-k,
+    weights renormalised over the k, out = sum_k w_k expert_k(x) (no residual, no shared expert).
+
+    Hooks: the router's output gives the logits; each expert's hook gives the rows it ran on (so which
+    experts each token reached) and what it returned, from which the combine weights the layer applied
+    are solved (least squares of out_t on the chosen experts' outputs, float64)."""
+
+    exposes_probs = True
+
+    def __init__(self, spec: str, sizes: LayerSizes):
+        self.cls, self.sizes, self.label = load_class(spec), sizes, spec
+        self.semantics = ref.RoutingSemantics("softmax", sizes.top_k, normalize=True)
+
+    def build(self, seed: int) -> nn.Module:
+        s = self.sizes
+        torch.manual_seed(seed)
+        try:
+            module = self.cls(s.d_model, s.d_hidden, s.n_experts, s.top_k)
+        except Exception as exc:
+            raise BadInput(f"impl {self.label}: {self.cls.__name__}({s.d_model}, {s.d_hidden}, {s.n_experts}, "
+                           f"{s.top_k}) raised {type(exc).__name__}: {exc}: the interface is {INTERFACE}") from None
+        missing = [a for a in ("router", "experts", "top_k") if not hasattr(module, a)]
+        if missing:
+            raise BadInput(f"impl {self.label} lacks {', '.join(f'`{m}`' for m in missing)}: the interface is "
+                           f"{INTERFACE}")
+        router, experts = module.router, module.experts
+        if not isinstance(router, nn.Linear) or (router.in_features, router.out_features) != (s.d_model, s.n_experts):
+            raise BadInput(f"impl {self.label}: `router` is {router!r}, not nn.Linear({s.d_model}, {s.n_experts}): "
+                           f"the interface is {INTERFACE}")
+        if not isinstance(experts, nn.ModuleList) or len(experts) != s.n_experts:
+            raise BadInput(f"impl {self.label}: `experts` is not an nn.ModuleList of {s.n_experts} experts: "
+                           f"the interface is {INTERFACE}")
+        if module.top_k != s.top_k:
+            raise BadInput(f"impl {self.label}: `top_k` is {module.top_k!r} after {self.cls.__name__}(..., "
+                           f"top_k={s.top_k}): the interface is {INTERFACE}")
+        return module.eval()
+
+    def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
+        logits: list[torch.Tensor] = []
+        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def expert_hook(e: int):
+            def hook(_m: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+                rows[e] = (inputs[0].detach(), out.detach())
+            return hook
+
+        handles = [module.router.register_forward_hook(lambda _m, _i, out: logits.append(out.detach()))]
+        handles += [ex.register_forward_hook(expert_hook(e)) for e, ex in enumerate(module.experts)]
+        try:
+            with torch.no_grad():
+                result = module(x)
+        finally:
+            for h in handles:
+                h.remove()
+        if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
+            raise BadInput(f"impl {self.label}: forward(x) returned {type(result).__name__}, not (out, probs): "
+                           f"the interface is {INTERFACE}")
+        out, probs = result
+        n, e = x.numel() // x.shape[-1], self.sizes.n_experts
+        if out.shape != x.shape or probs.shape[-1] != e or probs.numel() != n * e:
+            raise BadInput(f"impl {self.label}: forward(x {tuple(x.shape)}) returned out {tuple(out.shape)}, probs "
+                           f"{tuple(probs.shape)}; the interface wants out shaped like x and probs (tokens, "
+                           f"{e}): {INTERFACE}")
+        return out, self._captured(x, out, probs.reshape(n, e), logits[-1].reshape(n, e) if logits else None, rows)
+
+    def _captured(self, x: torch.Tensor, out: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor | None,
+                  rows: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Captured:
+        flat = x.reshape(-1, x.shape[-1])
+        n, e = flat.shape[0], self.sizes.n_experts
+        selected = torch.zeros(n, e, dtype=torch.bool)
+        expert_out = torch.zeros(n, e, flat.shape[1], dtype=torch.float64)
+        for i, (inp, y) in rows.items():
+            match = (inp.reshape(-1, 1, flat.shape[1]) == flat.reshape(1, n, -1)).all(dim=-1)  # (n_i,N)
+            token = match.float().argmax(dim=1)  # the token each row is
+            ok = match.any(dim=1)
+            selected[token[ok], i] = True
+            expert_out[token[ok], i] = y.reshape(-1, flat.shape[1])[ok].double()
+        weights = torch.zeros(n, e, dtype=torch.float64)
+        target = out.reshape(n, -1).double()
+        for t in range(n):
+            chosen = selected[t].nonzero().flatten()
+            a = expert_out[t, chosen].T  # (D,k)
+            if not (torch.isfinite(a).all() and torch.isfinite(target[t]).all()):
+                weights[t, chosen] = float("nan")
+            elif chosen.numel():
+                weights[t, chosen] = torch.linalg.lstsq(a, target[t, :, None]).solution.flatten()
+        return Captured(selected, weights, probs, logits)
+
+    def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
+        w, b = _linear64(module.router)
+        return ref.LayerWeights(w, [ref.ModuleExpert(copy.deepcopy(ex).double()) for ex in module.experts], b)
+
+    def alternatives(self) -> dict[str, ref.RoutingSemantics]:
+        return {"not renormalised": self.semantics.variant(normalize=False)}

@@ -1,0 +1,203 @@
+"""An independent float64 reference for a routed MoE layer, written from the published semantics.
+
+It never calls the layer under test: it takes the layer's weights (copied to float64) and a statement of
+the design's semantics (:class:`RoutingSemantics`, read from the model's config and documentation) and
+computes, densely, for every token:
+
+  logits = x W_r^T (+ router bias)                                  (N,E)
+  scores = softmax(logits) | sigmoid(logits)                        (N,E)
+  choice = scores + correction_bias (DeepSeek-V3; zeros otherwise)  (N,E), used for selection only
+  groups: each group of E/G experts is scored by the sum of its two best choice scores; the best
+          topk_group groups stay eligible (G = 1: every expert eligible)
+  top-k  = the k eligible experts with the largest choice scores
+  weight = scores of the chosen experts (uncorrected), / their sum if normalised, * routed_scaling_factor
+  out    = sum_e weight_e * expert_e(x)  (+ [sigmoid(x g)] * shared(x))  (+ x for a residual layer)
+
+Selection uses a descending sort, not topk, and every expert runs on every token (no dispatch).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class RoutingSemantics:
+    """What a design says its router and combine do (from its config and documentation)."""
+
+    score_func: str  # "softmax" | "sigmoid"
+    top_k: int
+    normalize: bool  # renormalise the chosen weights to sum 1 (Mixtral always, others norm_topk_prob)
+    scaling: float = 1.0  # routed_scaling_factor, applied after normalisation
+    n_group: int = 1  # DeepSeek-V3 group-limited routing: G groups of E/G experts...
+    topk_group: int = 1  # ...of which the best topk_group stay eligible
+    use_correction_bias: bool = True  # False: a deliberately wrong variant that ignores the bias
+    weight_from_corrected: bool = False  # True: a deliberately wrong variant weighting with scores + bias
+    shared_gated: bool = True  # False: a deliberately wrong variant ignoring the shared expert's gate
+    residual: bool = False  # the layer returns x + mixture
+
+    def variant(self, **changes: object) -> RoutingSemantics:
+        return replace(self, **changes)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+    "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh"),
+}
+
+
+def _to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+@dataclass
+class GluExpert:
+    """down(act(x gate^T) * x up^T): gate, up (H,D); down (D,H) (Mixtral, Qwen2-MoE, DeepSeek-V3 experts)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    act: str
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (ACTIVATIONS[self.act](x @ self.gate.T) * (x @ self.up.T)) @ self.down.T
+
+    def to(self, dtype: torch.dtype) -> GluExpert:
+        return GluExpert(self.gate.to(dtype), self.up.to(dtype), self.down.to(dtype), self.act)
+
+
+@dataclass
+class MlpExpert:
+    """act(x w1^T + b1) w2^T + b2: w1 (H,D), w2 (D,H) (the package's and the course's experts)."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    act: str
+    b1: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = ACTIVATIONS[self.act](x @ self.w1.T + (0 if self.b1 is None else self.b1))
+        return h @ self.w2.T + (0 if self.b2 is None else self.b2)
+
+    def to(self, dtype: torch.dtype) -> MlpExpert:
+        return MlpExpert(self.w1.to(dtype), self.w2.to(dtype), self.act, _to(self.b1, dtype), _to(self.b2, dtype))
+
+
+@dataclass
+class ModuleExpert:
+    """An expert whose structure the interface does not fix (a user's ``experts[i]``): a float64 copy of
+    the module itself. The FFN inside an expert is not what the battery judges; routing and combine are."""
+
+    module: torch.nn.Module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def to(self, dtype: torch.dtype) -> ModuleExpert:
+        return ModuleExpert(copy.deepcopy(self.module).to(dtype))
+
+
+Expert = GluExpert | MlpExpert | ModuleExpert
+
+
+@dataclass
+class LayerWeights:
+    """The layer's weights in float64, detached copies."""
+
+    router: torch.Tensor  # (E,D)
+    experts: list[Expert]
+    router_bias: torch.Tensor | None = None  # (E,)
+    correction_bias: torch.Tensor | None = None  # (E,) selection-only bias (DeepSeek-V3)
+    shared: Expert | None = None  # shared expert(s), summed into every token's output
+    shared_gate: torch.Tensor | None = None  # (1,D): shared output scaled by sigmoid(x g^T) (Qwen2-MoE)
+
+    def to(self, dtype: torch.dtype) -> LayerWeights:
+        """The same weights in ``dtype`` (the plain same-dtype baseline of the tolerance rule)."""
+        return LayerWeights(self.router.to(dtype), [ex.to(dtype) for ex in self.experts],
+                            _to(self.router_bias, dtype), _to(self.correction_bias, dtype),
+                            None if self.shared is None else self.shared.to(dtype), _to(self.shared_gate, dtype))
+
+
+@dataclass
+class ReferenceRouting:
+    logits: torch.Tensor  # (N,E)
+    scores: torch.Tensor  # (N,E)
+    selected: torch.Tensor  # (N,E) bool, k per token
+    weights: torch.Tensor  # (N,E) combine weight, 0 where not selected
+    margin: torch.Tensor  # (N,) how far the decision is from a tie (choice and group scores)
+
+
+def _descending(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values, order = torch.sort(t, dim=-1, descending=True, stable=True)
+    return values, order
+
+
+def route(x: torch.Tensor, sem: RoutingSemantics, w: LayerWeights) -> ReferenceRouting:
+    """x (N,D) float64 -> the design's routing decision."""
+    logits = x @ w.router.T  # (N,E)
+    if w.router_bias is not None:
+        logits = logits + w.router_bias
+    if sem.score_func == "softmax":
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        scores = shifted.exp() / shifted.exp().sum(dim=-1, keepdim=True)
+    elif sem.score_func == "sigmoid":
+        scores = 1.0 / (1.0 + torch.exp(-logits))
+    else:
+        raise ValueError(f"unknown score_func {sem.score_func!r}")
+    n, e = scores.shape
+    choice = scores
+    if w.correction_bias is not None and sem.use_correction_bias:
+        choice = scores + w.correction_bias
+    margin = torch.full((n,), float("inf"), dtype=x.dtype, device=x.device)
+    eligible = torch.ones_like(scores, dtype=torch.bool)
+    if sem.n_group > 1:
+        per_group, _ = _descending(choice.view(n, sem.n_group, e // sem.n_group))
+        group_score = per_group[..., :2].sum(dim=-1)  # (N,G) sum of each group's two best
+        g_sorted, g_order = _descending(group_score)
+        if sem.topk_group < sem.n_group:
+            margin = torch.minimum(margin, g_sorted[:, sem.topk_group - 1] - g_sorted[:, sem.topk_group])
+        keep_group = torch.zeros_like(group_score, dtype=torch.bool)
+        keep_group.scatter_(1, g_order[:, : sem.topk_group], True)
+        eligible = keep_group.repeat_interleave(e // sem.n_group, dim=1)  # (N,E)
+    masked = choice.masked_fill(~eligible, float("-inf"))
+    c_sorted, c_order = _descending(masked)
+    k = sem.top_k
+    if k < int(eligible[0].sum()):
+        margin = torch.minimum(margin, c_sorted[:, k - 1] - c_sorted[:, k])
+    selected = torch.zeros_like(scores, dtype=torch.bool)
+    selected.scatter_(1, c_order[:, :k], True)
+    weight_source = scores + w.correction_bias if (sem.weight_from_corrected and w.correction_bias is not None) \
+        else scores
+    weights = torch.where(selected, weight_source, torch.zeros_like(scores))
+    if sem.normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * sem.scaling
+    return ReferenceRouting(logits, scores, selected, weights, margin)
+
+
+def combine(x: torch.Tensor, weights: torch.Tensor, sem: RoutingSemantics, w: LayerWeights) -> torch.Tensor:
+    """Dense combine: every expert on every token, out = sum_e weights[:, e] * expert_e(x) (+ shared, + x).
+    Runs in x's dtype (float64 for the reference; the run's dtype for a plain same-dtype baseline)."""
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(w.experts):
+        out = out + weights[:, e, None].to(x.dtype) * expert(x)
+    if w.shared is not None:
+        shared = w.shared(x)
+        if w.shared_gate is not None and sem.shared_gated:
+            shared = torch.sigmoid(x @ w.shared_gate.T) * shared  # (N,1) * (N,D)
+        out = out + shared
+    if sem.residual:
+        out = out + x
+    return out
+
+
+def forward(x: torch.Tensor, sem: RoutingSemantics, w: LayerWeights) -> tuple[torch.Tensor, ReferenceRouting]:
+    """x (N,D) float64 -> (out (N,D), routing)."""
+    r = route(x, sem, w)
+    return combine(x, r.weights, sem, w), r

@@ -1,0 +1,395 @@
+"""route-sim's layer battery: judge one MoE layer (the package's own, a Hugging Face sparse block, or any
+class in the course's ToyMoE interface) against the independent float64 reference of
+:mod:`tfmoe.components.moe_reference`.
+
+Checks (each named ``layer.<check>`` in checks.parquet):
+  output_vs_reference      layer output vs the float64 dense reference, within 2x the error of the same
+                           mixture computed plainly in the run's dtype (+ a few ulps of the output's scale)
+  routing_selection        the experts each token reached (router hook) = the reference's choice
+  routing_weights          the combine weights (router hook) = the reference's, within the router's dtype
+  probs_sum_to_one         the layer's full router distribution sums to 1 per token (where it exposes one)
+  topk_weights_sum         the k weights sum to 1 (times routed_scaling_factor) where the design normalises
+  loads_sum / cv_maxvio    loads from the captured routing sum to tokens*k; CV and MaxVio recomputed
+  permutation_equivariance permuting the tokens permutes the output
+  batch_independence       each sequence's output alone = its output inside the batch
+  finite.fp16 / .bf16      finite outputs in half precision, on tokens scaled so router logits reach ~16
+  aux_loss_vs_switch       the model's own load-balancing loss = the Switch formula from captured routing
+  bias_exercised           (correction-bias designs) the drawn bias changes some token's selection, so
+                           selection-vs-weighting is actually tested
+Design probes (metrics ``layer.alt.<name>``): the output error of plausible misreadings of the design
+(e.g. DeepSeek-V3 weighting with bias-corrected scores); each must sit far above the tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+
+from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, OwnLayer, ToyInterfaceLayer
+from tfmoe.components import moe
+from tfmoe.components import moe_reference as ref
+from tfmoe.errors import BadInput
+from tfmoe.recorder import Recorder
+from tfmoe.validate import require_int, require_number
+
+PREFIX = "layer."
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+LOGIT_TARGET = 16.0  # half-precision probe: scale tokens until the largest router logit is about this
+
+
+@dataclass(frozen=True)
+class BatteryParams:
+    impl: str | None
+    sizes: LayerSizes
+    batch: int
+    seq: int
+
+
+def params_from_cfg(cfg: DictConfig) -> BatteryParams:
+    impl = cfg.get("impl")
+    if impl is not None and (not isinstance(impl, str) or not impl.strip()):
+        raise BadInput(f"impl={impl!r} is not a string: pass impl=hf:mixtral, impl=pkg.module:Class, or "
+                       "impl=null for the package's own layer")
+    norm = OmegaConf.select(cfg, "layer.norm_topk_prob")
+    if not isinstance(norm, bool):
+        raise BadInput(f"layer.norm_topk_prob={norm!r} is not a boolean: pass true or false")
+    score = cfg.get("score_func")
+    if score not in moe.SCORE_FUNCS:
+        raise BadInput(f"score_func={score!r} is unknown: use one of {', '.join(moe.SCORE_FUNCS)}")
+    n_experts = require_int(cfg, "n_experts", 1)
+    top_k = cfg.get("top_k")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
+        raise BadInput(f"top_k={top_k!r} is outside 1..n_experts={n_experts}: pass top_k between 1 and {n_experts}")
+    sizes = LayerSizes(
+        d_model=require_int(cfg, "d_model", 1), d_hidden=require_int(cfg, "d_hidden", 1), n_experts=n_experts,
+        top_k=top_k, score_func=str(score), n_group=require_int(cfg, "layer.n_group", 1),
+        topk_group=require_int(cfg, "layer.topk_group", 1),
+        routed_scaling_factor=require_number(cfg, "layer.routed_scaling_factor", positive=True),
+        norm_topk_prob=norm, shared_hidden=require_int(cfg, "layer.shared_hidden", 1),
+        bias_scale=require_number(cfg, "layer.bias_scale", minimum=0.0),
+    )
+    return BatteryParams(impl=None if impl is None else impl.strip(), sizes=sizes,
+                         batch=require_int(cfg, "layer.batch", 2), seq=require_int(cfg, "layer.seq", 1))
+
+
+def layer_under_test(p: BatteryParams) -> LayerUnderTest:
+    """impl -> the layer: null = the package's own, hf:<type> = a transformers block, else pkg.module:Class."""
+    if p.impl is None:
+        return OwnLayer(p.sizes)
+    if p.impl.startswith("hf:"):
+        from tfmoe.adapters.moe_hf import HFBlock
+
+        return HFBlock(p.impl.removeprefix("hf:"), p.sizes)
+    return ToyInterfaceLayer(p.impl, p.sizes)
+
+
+# ------------------------------------------------------------------------------ helpers
+def _ulps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _max_abs(a: torch.Tensor) -> float:
+    return float(a.abs().max()) if a.numel() else 0.0
+
+
+def _cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(module).to(dtype)
+
+
+@dataclass
+class Observation:
+    x: torch.Tensor  # (B,T,D) run dtype
+    out: torch.Tensor  # (B,T,D)
+    cap: Captured
+    ref_out: torch.Tensor  # (N,D) float64
+    ref: ref.ReferenceRouting
+    clear: torch.Tensor  # (N,) bool: tokens whose decision is not within rounding of a tie
+
+
+def observe(lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights, x: torch.Tensor,
+            sem: ref.RoutingSemantics | None = None) -> Observation:
+    out, cap = lut.run(module, x)
+    ref_out, r = ref.forward(_flat(x).double(), sem or lut.semantics, weights)
+    tie = 64 * _ulps(torch.float32) * max(1.0, float(r.scores.abs().max()))  # routers score in >= fp32
+    return Observation(x, out, cap, ref_out, r, r.margin > tie)
+
+
+# ------------------------------------------------------------------------------- checks
+def check_output(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: ref.LayerWeights) -> bool:
+    """FlashAttention's rule: error vs the float64 reference <= 2x the error of the same mixture computed
+    plainly in the run's dtype (the reference's routing, the layer's weights cast), + 4 ulps of the scale."""
+    dtype = o.out.dtype
+    x = _flat(o.x)
+    plain = ref.combine(x.to(dtype), o.ref.weights.to(dtype), lut.semantics, weights.to(dtype)) \
+        if dtype != torch.float64 else o.ref_out
+    keep = o.clear
+    err = _max_abs((_flat(o.out).double() - o.ref_out)[keep])
+    plain_err = _max_abs((plain.double() - o.ref_out)[keep])
+    scale = max(_max_abs(o.ref_out), 1e-30)
+    tol = 2 * plain_err + 4 * _ulps(dtype) * scale
+    skipped = int((~keep).sum())
+    return rec.check_le(f"{PREFIX}output_vs_reference", err, tol,
+                        f"max |out - float64 reference| over {int(keep.sum())} tokens"
+                        + (f" ({skipped} within rounding of a routing tie left out)" if skipped else "")
+                        + f"; plain {str(dtype).removeprefix('torch.')} mixture error {plain_err:.3g}",
+                        evidence={"out": o.out, "reference": o.ref_out})
+
+
+def check_routing(rec: Recorder, o: Observation) -> None:
+    keep = o.clear
+    wrong = (o.cap.selected != o.ref.selected).any(dim=-1) & keep
+    n_wrong = int(wrong.sum())
+    first = int(wrong.nonzero()[0]) if n_wrong else None
+    detail = f"tokens whose captured experts differ from the reference's: {n_wrong} of {int(keep.sum())}"
+    if first is not None:
+        detail += (f"; token {first}: layer chose {o.cap.selected[first].nonzero().flatten().tolist()}, reference "
+                   f"{o.ref.selected[first].nonzero().flatten().tolist()}")
+    rec.check(f"{PREFIX}routing_selection", n_wrong == 0, n_wrong, 0.0, detail,
+              evidence={"captured_selected": o.cap.selected, "reference_selected": o.ref.selected})
+    same = keep & ~wrong
+    w_dtype = o.cap.weights.dtype
+    err = _max_abs((o.cap.weights.double() - o.ref.weights)[same])
+    tol = 16 * _ulps(w_dtype if w_dtype != torch.float64 else torch.float32) * max(1.0, _max_abs(o.ref.weights))
+    rec.check_le(f"{PREFIX}routing_weights", err, tol,
+                 f"max |captured combine weight - reference| over {int(same.sum())} tokens with the same experts",
+                 evidence={"captured_weights": o.cap.weights, "reference_weights": o.ref.weights})
+
+
+def check_sums(rec: Recorder, lut: LayerUnderTest, o: Observation) -> list[str]:
+    """Returns the checks that do not apply to this layer (for the conformance table)."""
+    na = []
+    if lut.exposes_probs and o.cap.probs is not None:
+        probs = o.cap.probs.double()
+        err = _max_abs(probs.sum(dim=-1) - 1.0)
+        rec.check_le(f"{PREFIX}probs_sum_to_one", err, 8 * _ulps(o.cap.probs.dtype) * probs.shape[-1],
+                     f"max over tokens of |sum over {probs.shape[-1]} experts of the router probabilities - 1|",
+                     evidence={"probs": o.cap.probs})
+    else:
+        na.append("probs_sum_to_one")
+    sem = lut.semantics
+    if sem.normalize:
+        sums = o.cap.weights.double().sum(dim=-1)
+        err = _max_abs(sums - sem.scaling)
+        rec.check_le(f"{PREFIX}topk_weights_sum", err, 8 * _ulps(torch.float32) * max(1.0, sem.scaling),
+                     f"max over tokens of |sum of the k combine weights - {sem.scaling:g}| (the design normalises)",
+                     evidence={"captured_weights": o.cap.weights})
+    else:
+        na.append("topk_weights_sum")
+    return na
+
+
+def check_loads(rec: Recorder, lut: LayerUnderTest, o: Observation) -> None:
+    """Loads, CV, MaxVio computed by the package from the captured routing; recomputed in numpy."""
+    from tfmoe.experiments.route_sim import check_cv_maxvio, check_loads_sum
+
+    s = lut.sizes
+    sel = o.cap.selected
+    k_per_token = sel.sum(dim=-1)
+    idx = sel.nonzero()[:, 1]
+    load = moe.expert_load(idx, s.n_experts)
+    cv, maxvio = float(moe.load_cv(load)), float(moe.load_maxvio(load))
+    rec.metric(f"{PREFIX}cv", cv)
+    rec.metric(f"{PREFIX}maxvio", maxvio)
+    rec.tensor(f"{PREFIX}expert_load", load)
+    n = sel.shape[0]
+    check_loads_sum(rec, f"{PREFIX}loads_sum", load, n, s.top_k)
+    if bool((k_per_token == s.top_k).all()):
+        topk_idx = idx.view(n, s.top_k)
+        rec.tensor(f"{PREFIX}topk_idx", topk_idx)
+        check_cv_maxvio(rec, f"{PREFIX}cv_maxvio", rec.tensors_saved[f"{PREFIX}topk_idx"], s.n_experts, cv, maxvio)
+    else:
+        rec.check(f"{PREFIX}cv_maxvio", False, int((k_per_token != s.top_k).sum()), 0.0,
+                  f"tokens that reached a number of experts other than top_k={s.top_k}: CV/MaxVio undefined")
+
+
+def check_permutation(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: Observation,
+                      gen: torch.Generator) -> None:
+    b, t, d = o.x.shape
+    perm = torch.randperm(b * t, generator=gen)
+    x_perm = _flat(o.x)[perm].view(b, t, d)
+    out_perm, _ = lut.run(module, x_perm)
+    err = _max_abs(_flat(out_perm).double() - _flat(o.out).double()[perm])
+    tol = 8 * _ulps(o.out.dtype) * max(_max_abs(o.out.double()), 1e-30)
+    rec.check_le(f"{PREFIX}permutation_equivariance", err, tol,
+                 f"max |layer(permuted tokens) - permuted layer(tokens)| over {b * t} tokens",
+                 evidence={"out": o.out, "out_of_permuted": out_perm})
+
+
+def check_batch(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: Observation) -> None:
+    worst, where = 0.0, 0
+    for i in range(o.x.shape[0]):
+        alone, _ = lut.run(module, o.x[i : i + 1])
+        err = _max_abs(alone[0].double() - o.out[i].double())
+        if err > worst or not math.isfinite(err):
+            worst, where = err, i
+    tol = 8 * _ulps(o.out.dtype) * max(_max_abs(o.out.double()), 1e-30)
+    rec.check_le(f"{PREFIX}batch_independence", worst, tol,
+                 f"max over the {o.x.shape[0]} sequences of |layer(sequence alone) - its row of layer(batch)| "
+                 f"(worst: sequence {where})")
+
+
+def check_low_precision(rec: Recorder, lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights,
+                        x: torch.Tensor) -> None:
+    """fp16 and bf16 copies of the layer on tokens scaled so the largest router logit is ~LOGIT_TARGET."""
+    logits = _flat(x).double() @ weights.router.T
+    scale = LOGIT_TARGET / max(_max_abs(logits), 1e-30)
+    for dtype in LOW_PRECISION:
+        name = str(dtype).removeprefix("torch.").replace("float", "fp").replace("bfp16", "bf16")
+        low = _cast(module, dtype)
+        xs = (x.double() * scale).to(x.device, dtype)
+        out, _ = lut.run(low, xs)
+        bad = int((~torch.isfinite(out)).sum())
+        ref_out, _ = ref.forward(_flat(xs).double().cpu(), lut.semantics, weights)
+        out = out.cpu()
+        rel = _max_abs(_flat(out).double() - ref_out) / max(_max_abs(ref_out), 1e-30)
+        rec.metric(f"{PREFIX}{name}.rel_error", rel if math.isfinite(rel) else float("nan"))
+        rec.check(f"{PREFIX}finite.{name}", bad == 0, bad, 0.0,
+                  f"non-finite outputs of a {name} copy on tokens scaled x{scale:.3g} (router logits up to "
+                  f"{LOGIT_TARGET:g}); max relative error vs float64 {rel:.3g} (recorded, not judged)",
+                  evidence={"out": out} if bad else None)
+
+
+def check_aux_loss(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: Observation) -> bool:
+    """The model's own loss vs the Switch formula E * sum_i f_i * P_i recomputed in numpy float64 from the
+    captured routing: P_i the mean router probability (the layer's own, else softmax of the captured logits),
+    f_i = load_i / tokens for HF (Mixtral's normalisation, balanced value k) and load_i / (tokens*k) for the
+    package (balanced value 1)."""
+    value = lut.aux_loss(module, o.cap)
+    if value is None:
+        return False
+    if o.cap.probs is not None:
+        p = o.cap.probs.double().numpy()
+    else:
+        z = o.cap.logits.double().numpy()
+        z = z - z.max(axis=-1, keepdims=True)
+        p = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
+    sel = o.cap.selected.numpy()
+    n, e = sel.shape
+    k = lut.sizes.top_k
+    per_assignment = isinstance(lut, OwnLayer)
+    f = sel.sum(axis=0) / (n * k if per_assignment else n)
+    expected = float(e * np.sum(f * p.mean(axis=0)))
+    err = abs(value - expected)
+    tol = 1e-5 * abs(expected) + 1e-7
+    rec.metric(f"{PREFIX}aux_loss", value)
+    rec.check_le(f"{PREFIX}aux_loss_vs_switch", err, tol,
+                 f"{lut.aux_loss_name} = {value:.8g} vs E*sum f_i*P_i from the captured routing = {expected:.8g} "
+                 f"(f_i = load_i/{'(tokens*k)' if per_assignment else 'tokens'})")
+    return True
+
+
+def check_bias_exercised(rec: Recorder, lut: LayerUnderTest, weights: ref.LayerWeights, o: Observation) -> bool:
+    """Where the design has a selection-only bias and the battery drew one (layer.bias_scale > 0)."""
+    if not lut.draws_correction_bias or weights.correction_bias is None or lut.sizes.bias_scale == 0:
+        return False
+    unbiased = ref.route(_flat(o.x).double(), lut.semantics.variant(use_correction_bias=False), weights)
+    changed = int((unbiased.selected != o.ref.selected).any(dim=-1).sum())
+    rec.metric(f"{PREFIX}tokens_bias_changed", changed)
+    rec.check(f"{PREFIX}bias_exercised", changed > 0, changed, 0.0,
+              f"tokens whose reference selection changes when the correction bias is dropped ({changed} of "
+              f"{o.ref.selected.shape[0]}): >0 means selection and weighting are tested apart")
+    return True
+
+
+def probe_designs(rec: Recorder, lut: LayerUnderTest, weights: ref.LayerWeights, o: Observation) -> None:
+    """Each misreading's output error, next to the design's own (it must be far larger)."""
+    x = _flat(o.x).double()
+    out = _flat(o.out).double()
+    rec.metric(f"{PREFIX}design.output_error", _max_abs(out - o.ref_out))
+    for name, sem in lut.alternatives().items():
+        alt_out, _ = ref.forward(x, sem, weights)
+        rec.metric(f"{PREFIX}alt.{name}", _max_abs(out - alt_out))
+
+
+# ------------------------------------------------------------------------------- battery
+ALL_CHECKS = ("output_vs_reference", "routing_selection", "routing_weights", "probs_sum_to_one", "topk_weights_sum",
+              "loads_sum", "cv_maxvio", "permutation_equivariance", "batch_independence", "finite.fp16",
+              "finite.bf16", "aux_loss_vs_switch", "bias_exercised")
+
+
+@torch.no_grad()
+def run_battery(p: BatteryParams, rec: Recorder) -> LayerUnderTest:
+    """Every check on one layer. Checks that do not apply are named in the run's notes ("n/a: ...")."""
+    t0 = time.perf_counter()
+    lut = layer_under_test(p)
+    module = lut.build(rec.seed).to(rec.device, rec.dtype)
+    weights = lut.reference_weights(module)
+    gen = torch.Generator().manual_seed(rec.seed + 11)
+    s = lut.sizes
+    x = torch.randn(p.batch, p.seq, s.d_model, generator=gen).to(rec.device, rec.dtype)  # (B,T,D)
+    o = observe(lut, module, weights, x)
+    rec.tensor(f"{PREFIX}x", x)
+    rec.tensor(f"{PREFIX}out", o.out)
+    rec.tensor(f"{PREFIX}reference_out", o.ref_out)
+    rec.tensor(f"{PREFIX}captured_weights", o.cap.weights)
+    rec.tensor(f"{PREFIX}reference_weights", o.ref.weights)
+    rec.metric(f"{PREFIX}tokens_near_tie", int((~o.clear).sum()))
+    na: list[str] = []
+    check_output(rec, lut, o, weights)
+    check_routing(rec, o)
+    na += check_sums(rec, lut, o)
+    check_loads(rec, lut, o)
+    check_permutation(rec, lut, module, o, gen)
+    check_batch(rec, lut, module, o)
+    check_low_precision(rec, lut, module, weights, x)
+    if not check_aux_loss(rec, lut, module, o):
+        na.append("aux_loss_vs_switch")
+    if not check_bias_exercised(rec, lut, weights, o):
+        na.append("bias_exercised")
+    probe_designs(rec, lut, weights, o)
+    for note in lut.notes():
+        rec.note(note)
+    for name in na:
+        rec.note(f"n/a: {PREFIX}{name} ({lut.label})")
+    rec.metric(f"{PREFIX}battery_s", time.perf_counter() - t0, measured=True)
+    rec.note(f"layer battery on {lut.label}: {p.batch}x{p.seq} tokens, d_model {s.d_model}, {s.n_experts} experts, "
+             f"top-{s.top_k}; reference = float64 dense recomputation from the layer's weights ({lut.semantics})")
+    return lut
+
+
+# ------------------------------------------------------------------------------ reporting
+def battery_rows(rec: Recorder, label: str) -> list[tuple[str, str, str]]:
+    """(check, pass/fail/n/a, detail) for every battery check, in ALL_CHECKS order."""
+    got = {c.check.removeprefix(PREFIX): c for c in rec.checks_rows if c.check.startswith(PREFIX)}
+    na = {n.removeprefix("n/a: " + PREFIX).split(" (")[0] for n in rec.notes if n.startswith("n/a: " + PREFIX)}
+    rows = []
+    for name in ALL_CHECKS:
+        if name in got:
+            rows.append((name, "pass" if got[name].passed else "FAIL", got[name].detail))
+        elif name in na:
+            rows.append((name, "n/a", f"not defined for {label}"))
+    return rows
+
+
+def battery_table(rec: Recorder, lut: LayerUnderTest) -> Table:
+    table = Table(title=f"layer battery: {lut.label}")
+    for col in ("check", "result", "detail"):
+        table.add_column(col)
+    for name, result, detail in battery_rows(rec, lut.label):
+        table.add_row(name, result, detail[:110])
+    return table
+
+
+def battery_summary(rec: Recorder, lut: LayerUnderTest) -> str:
+    lines = [f"## Layer battery: {lut.label}", "", "| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {n} | {r} | {d.replace('|', chr(92) + '|')} |" for n, r, d in battery_rows(rec, lut.label)]
+    alts = [(r["name"].removeprefix(PREFIX + "alt."), r["value"]) for r in rec.metrics_rows
+            if r["name"].startswith(PREFIX + "alt.")]
+    if alts:
+        own = next(r["value"] for r in rec.metrics_rows if r["name"] == PREFIX + "design.output_error")
+        lines += ["", f"Design probes: max |out - reference| is {own:.3g} for the design as documented; for "
+                  "misreadings: " + ", ".join(f"{n} {v:.3g}" for n, v in alts) + "."]
+    return "\n".join(lines)
