@@ -18,6 +18,7 @@ that is unreadable, from another schema version, or copied from another machine'
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import os
@@ -145,8 +146,8 @@ def _dir_sig(st: os.stat_result) -> str | None:
 
 
 def _jsonable(v: Any) -> Any:
-    if isinstance(v, pd.Timestamp):
-        return v.isoformat()
+    if isinstance(v, (pd.Timestamp, dt.datetime)):
+        return v.isoformat(timespec="microseconds")
     if hasattr(v, "tolist"):
         v = v.tolist()
     if isinstance(v, float) and math.isnan(v):
@@ -158,22 +159,37 @@ def _jsonable(v: Any) -> Any:
 
 def _read_run(run_dir: Path) -> dict[str, Any]:
     """The catalog row of one run directory (unreadable runs are listed as status 'unreadable')."""
+    import pyarrow.parquet as pq
+
     try:
-        row = {k: _jsonable(v) for k, v in read_parquet(run_dir / RUN_FILE).iloc[0].to_dict().items()}
-    except Exception as exc:  # BadInput (corrupt parquet) or a file that vanished mid-read
-        row = {"run_id": run_dir.name, "status": "unreadable", "error": str(exc)}
+        row = {k: _jsonable(v) for k, v in pq.ParquetFile(run_dir / RUN_FILE).read().to_pylist()[0].items()}
+    except Exception:  # corrupt parquet, or a file that vanished mid-read: say so the way load_run does
+        try:
+            read_parquet(run_dir / RUN_FILE)
+            error = f"{run_dir / RUN_FILE} has no row"
+        except Exception as exc:
+            error = str(exc)
+        row = {"run_id": run_dir.name, "status": "unreadable", "error": error}
     checks_file = run_dir / TABLE_FILES["checks"]
     passed = total = 0
     if checks_file.exists():
         try:
-            import pyarrow.parquet as pq
-
-            col = pq.read_table(checks_file, columns=["passed"]).column("passed").to_pylist()
+            col = pq.ParquetFile(checks_file).read(columns=["passed"]).column("passed").to_pylist()
             passed, total = sum(bool(x) for x in col), len(col)
         except Exception:
             pass
     row["checks_passed"], row["checks_total"] = passed, total
     return row
+
+
+def _read_runs(run_dirs: list[Path]) -> list[dict[str, Any]]:
+    """Many runs at once: parquet reads release the GIL, so a few threads overlap the file system's latency."""
+    if len(run_dirs) < 16:
+        return [_read_run(d) for d in run_dirs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
+        return list(pool.map(_read_run, run_dirs, chunksize=64))
 
 
 def _upsert_run(conn: sqlite3.Connection, rel: str, parent: str, sig: str | None, row: dict[str, Any]) -> None:
@@ -209,6 +225,7 @@ def _scan(conn: sqlite3.Connection, root: Path, rel: str, parent: str | None) ->
     known_runs = {p for (p,) in conn.execute("SELECT path FROM runs WHERE parent = ?", (rel,))}
     known_containers = {p for (p,) in conn.execute("SELECT path FROM containers WHERE parent = ?", (rel,))}
     seen = set()
+    new_runs: list[tuple[str, Path]] = []
     for entry in entries:
         if entry.name in SKIP_DIRS or entry.name.startswith("."):
             continue
@@ -218,9 +235,12 @@ def _scan(conn: sqlite3.Connection, root: Path, rel: str, parent: str | None) ->
             continue  # known runs are re-read only when their status can still change (see sync)
         run_file = Path(entry.path) / RUN_FILE
         if run_file.exists():
-            _upsert_run(conn, child, rel, _sig(run_file), _read_run(Path(entry.path)))
+            new_runs.append((child, Path(entry.path)))
         else:
             _scan(conn, root, child, rel)
+    sigs = [_sig(d / RUN_FILE) for _, d in new_runs]  # before reading: a rewrite during the read moves it
+    for (child, _), sig, row in zip(new_runs, sigs, _read_runs([d for _, d in new_runs]), strict=True):
+        _upsert_run(conn, child, rel, sig, row)
     for gone in (known_runs | known_containers) - seen:
         _forget(conn, gone)
 
@@ -262,33 +282,26 @@ def sync(conn: sqlite3.Connection, runs_root: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- reading
-def _decode(row: dict[str, Any]) -> dict[str, Any]:
-    for key in ("started_at", "finished_at"):
-        if row.get(key) is not None:
-            row[key] = pd.Timestamp(row[key])
-    return row
-
-
 def frame(conn: sqlite3.Connection, runs_root: Path, columns: list[str] | None = None,
           where: str = "", params: tuple[Any, ...] = ()) -> pd.DataFrame:
     """The catalog as one row per run: run.parquet's columns (or ``columns``), ``path``, checks passed/total."""
     root = Path(runs_root)
     if columns is None:
-        rows = []
-        for path, passed, total, row in conn.execute(
-                f"SELECT path, checks_passed, checks_total, row FROM runs {where} ORDER BY started_at, path", params):
-            r = _decode(json.loads(row))
-            r.update(path=str(root / path), checks_passed=passed, checks_total=total)
-            rows.append(r)
-        df = pd.DataFrame(rows, columns=[*RUN_SCHEMA.names, "path", "checks_passed", "checks_total"])
-        return df
-    cols = ", ".join(columns)
-    df = pd.read_sql_query(f"SELECT {cols}, path FROM runs {where} ORDER BY started_at, path", conn, params=params)
-    df["path"] = [str(root / p) for p in df["path"]]
-    if "overrides" in df:
-        df["overrides"] = [json.loads(o) if o else [] for o in df["overrides"]]
-    if "started_at" in df:
-        df["started_at"] = pd.to_datetime(df["started_at"], utc=True, format="ISO8601")
+        got = conn.execute(f"SELECT path, checks_passed, checks_total, row FROM runs {where} "
+                           "ORDER BY started_at, path", params).fetchall()
+        df = pd.DataFrame([json.loads(row) for *_, row in got], columns=RUN_SCHEMA.names)
+        df["path"] = [str(root / p) for p, *_ in got]
+        df["checks_passed"] = pd.array([r[1] for r in got], dtype="Int64")
+        df["checks_total"] = pd.array([r[2] for r in got], dtype="Int64")
+    else:
+        df = pd.read_sql_query(f"SELECT {', '.join(columns)}, path FROM runs {where} ORDER BY started_at, path",
+                               conn, params=params)
+        df["path"] = [str(root / p) for p in df["path"]]
+        if "overrides" in df:
+            df["overrides"] = [json.loads(o) if o else [] for o in df["overrides"]]
+    for col in ("started_at", "finished_at"):
+        if col in df:
+            df[col] = pd.to_datetime(df[col], utc=True, format="ISO8601")
     return df
 
 
