@@ -28,6 +28,8 @@ app = typer.Typer(
 failures_app = typer.Typer(help="The failures log (failures.md): add an entry from a run, or list entries.",
                            no_args_is_help=True)
 app.add_typer(failures_app, name="failures")
+export_app = typer.Typer(help="Copy runs into other tools' stores.", no_args_is_help=True)
+app.add_typer(export_app, name="export")
 
 
 class DType(str, Enum):
@@ -205,6 +207,20 @@ def sql_cmd(
 
     with bad_input_exits_2():
         sql.emit(sql.query(runs_root, query), fmt.value)
+
+
+@export_app.command("mlflow")
+def export_mlflow_cmd(
+    runs: list[str] = typer.Argument(None, help="Runs (path, id, prefix, 'latest' or a sweep directory); default all."),
+    tracking_uri: str = typer.Option("sqlite:///mlflow.db", "--tracking-uri",
+                                     help="MLflow tracking store (default: ./mlflow.db)."),
+    runs_root: Path = RUNS_ROOT,
+) -> None:
+    """Export runs to MLflow: params, metrics, tags, artifacts; a sweep becomes a parent run. Idempotent."""
+    from tfmoe import export_mlflow
+
+    with bad_input_exits_2():
+        export_mlflow.report(export_mlflow.export(list(runs or []), runs_root, tracking_uri), tracking_uri)
 
 
 @failures_app.command("add")
