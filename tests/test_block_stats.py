@@ -526,7 +526,7 @@ def test_cli_end_to_end(tmp_path):
     assert set(acts["stage"]) == set(bs.STAGES)
     params = m[m["name"] == "grad_norm_param"]
     assert "ffn.fc2.weight" in set(params["param"]) and params["value"].gt(0).all()
-    assert run.checks["passed"].all() and len(run.checks) == 12  # 4 per variant + 2 norm + 2 finite
+    assert run.checks["passed"].all() and len(run.checks) == 14  # 5 per variant + 2 norm + 2 finite
     assert {"input_ids", "final_hidden.pre", "final_hidden.post"} <= set(run.tensors)
     assert run.tensors["final_hidden.pre"].shape == (8, 8, 32)
     for png in ("grad_norm_per_layer", "std_per_stage", "act_grad_norm_per_stage"):

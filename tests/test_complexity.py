@@ -385,7 +385,7 @@ def test_run_records_every_name_with_T_and_D():
     assert set(m[m["name"] == "peak_fraction"]["component"]) >= {"ffn", "ffn_fc1", "qkv", "prefill"}
     assert value["timings_plausible"] in (0.0, 1.0) and value["peak_fraction_max"] > 0
     assert {c.check.split(".")[0] for c in rec.checks_rows} == {
-        "sdpa_counted_with_custom_mapping", "moe_active_lt_total", "flops_forward_match", "flops_fwd_bwd_match",
+        "sdpa_counted_with_custom_mapping", "moe_compute_flat_in_experts", "moe_active_lt_total", "flops_forward_match", "flops_fwd_bwd_match",
         "params_match", "kv_cache_bytes_match", "activation_bytes_match", "timings_valid"}
     # sweep plot from two jobs' rows
     rec2 = run_recorded("complexity", [*QUICK[:1], "D=32", *QUICK[2:]])

@@ -241,6 +241,29 @@ def failures_add(
     typer.echo(f"appended to {file}: {entry_title}")
 
 
+class ClaimsFormat(str, Enum):
+    table = "table"
+    json = "json"
+
+
+@app.command("claims")
+def claims_cmd(
+    run: bool = typer.Option(False, "--run", help="Run each claim's experiment and judge its check(s)."),
+    only: list[str] | None = typer.Option(None, "--claim", help="Only this claim (its key; repeatable)."),
+    fmt: ClaimsFormat = typer.Option(ClaimsFormat.table, "--format"),
+    runs_root: Path = RUNS_ROOT,
+) -> None:
+    """The chapter's six self-test claims: experiment, overrides and the check(s) that would fail were each false."""
+    from tfmoe import claims
+
+    if not run:
+        claims.print_list(fmt.value)
+        return
+    with bad_input_exits_2():
+        code = claims.run_all(runs_root, only)
+    raise typer.Exit(code)
+
+
 @app.command("conclude")
 def conclude_cmd(
     run: str = typer.Argument(..., help="The run the conclusion is about (path, id, prefix or 'latest')."),

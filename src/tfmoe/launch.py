@@ -233,7 +233,12 @@ def replay(ref: str, runs_root: Path) -> int:
         raise BadInput(f"{old_dir} is a run of unknown experiment {old.run['experiment']!r}")
     overrides = [o for o in list(old.run["overrides"]) if not o.startswith("run_root=")]
     overrides += [f"seed={int(old.run['seed'])}", f"run_root={runs_root}"]
-    code = run_experiment(exp, _dedupe(overrides), multirun=False, quiet=True)
+    from tfmoe import code_capture
+
+    for line in code_capture.changes_since(old_dir):  # the user's code: replay the recorded copy, say so
+        print(line)
+    with code_capture.recorded_code(old_dir) as file_overrides:
+        code = run_experiment(exp, _dedupe(overrides + file_overrides), multirun=False, quiet=True)
     new_dirs = list(runner.LAST_RUN_DIRS)
     if len(new_dirs) != 1:
         raise BadInput("replay could not find the new run directory")

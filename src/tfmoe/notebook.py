@@ -213,6 +213,7 @@ class RunWriter:
     started_at: dt.datetime = field(default_factory=utcnow)
     env: dict[str, Any] = field(default_factory=dict)
     expectations: pd.DataFrame | None = None  # rows of EXPECTATIONS_SCHEMA (see tfmoe.expectations)
+    inference_lines: list[str] = field(default_factory=list)  # likely causes of failed checks (tfmoe.diagnosis)
 
     def _row(self, status: str, **extra: Any) -> dict[str, Any]:
         row = {name: None for name in RUN_SCHEMA.names}
@@ -232,6 +233,13 @@ class RunWriter:
         self.expectations = df
         write_parquet(df.reindex(columns=EXPECTATIONS_SCHEMA.names), self.run_dir / EXPECTATIONS_FILE,
                       schema=EXPECTATIONS_SCHEMA)
+
+    def write_code(self, df: pd.DataFrame) -> None:
+        """code.parquet: the user-supplied files this run imported or read (copies under code/, see code_capture)."""
+        from tfmoe.code_capture import CODE_FILE, SCHEMA
+
+        if len(df):
+            write_parquet(df, self.run_dir / CODE_FILE, schema=SCHEMA)
 
     def write_run(self, row: dict[str, Any]) -> None:
         write_parquet(pd.DataFrame([row]), self.run_dir / RUN_FILE, schema=RUN_SCHEMA)
@@ -293,6 +301,7 @@ class RunWriter:
             lines += [f"| {c.check} | {'yes' if c.passed else '**NO**'} | {_fmt(c.observed)} | {_fmt(c.threshold)} |"
                       for c in rec.checks_rows]
             lines.append("")
+        lines += self.inference_lines
         if self.expectations is not None and len(self.expectations):
             lines += expectations_markdown(self.expectations)
         lines += [f"- {n}" for n in notes]

@@ -183,6 +183,8 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
         console.print("[bold]config[/]\n" + data.config)
     if not data.checks.empty:
         _emit(data.checks, fmt, "checks")
+        for inference in _inferences(data):
+            print(inference.line())
     if not data.expectations.empty:
         _emit(data.expectations.drop(columns=["label", "metric", "aggregate", "judged_at"], errors="ignore"), fmt,
               "expectations (your predictions, written before the run)")
@@ -206,6 +208,20 @@ def _show_conclusions(run_dir: Path) -> None:
     df = read(run_dir)
     if not df.empty:
         print("\nconclusions\n\n" + "\n".join(markdown(df)).rstrip())
+
+
+def _inferences(data: RunData) -> list[Any]:
+    """Likely causes of the failed checks from the planted-bug catalogue (inferences, shown next to the checks)."""
+    import yaml
+
+    from tfmoe.diagnosis import checks_mapping, diagnose
+
+    try:
+        cfg = yaml.safe_load(data.config) or {}
+    except yaml.YAMLError:
+        cfg = {}
+    metrics = data.metrics.to_dict("records") if not data.metrics.empty else []
+    return diagnose(str(data.run["experiment"]), checks_mapping(data.checks), metrics, cfg)
 
 
 def _conclusions_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -317,6 +333,9 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
         {"check": k, "A": cka.get(k), "B": ckb.get(k), "differs": cka.get(k) != ckb.get(k)}
         for k in sorted(set(cka) | set(ckb))])
     sections["expectations"] = _diff_expectations(a, b)
+    from tfmoe.code_capture import diff_code
+
+    sections["code"] = diff_code(a.path, b.path)
     # tensors
     ta, tb = a.tensor_table, b.tensor_table
     rows = []

@@ -155,6 +155,30 @@ def start_expectations(cfg: DictConfig, exp: Any, writer: Any) -> list:
     return parsed
 
 
+def keep_code(cfg: DictConfig, writer: Any) -> None:
+    """Copy the user-supplied modules and input files the config names into the run directory (code.parquet)."""
+    from tfmoe.code_capture import capture
+
+    try:
+        writer.write_code(capture(OmegaConf.to_container(cfg, resolve=True), writer.run_dir))
+    except Exception as exc:  # the run goes on; its log says what could not be kept
+        log.warning("could not keep the code this run used: %s: %s", type(exc).__name__, exc)
+
+
+def explain_failures(experiment: str, rec: Any, cfg: DictConfig, writer: Any) -> list:
+    """The planted-bug catalogue's likely causes for the failed checks (inferences; kept for summary.md)."""
+    from tfmoe.diagnosis import checks_mapping, diagnose, markdown
+
+    try:
+        found = diagnose(experiment, checks_mapping(rec.checks_rows), rec.metrics_rows,
+                         OmegaConf.to_container(cfg, resolve=True))
+    except Exception as exc:  # an explanation must never cost the run its records
+        log.warning("could not match the failure pattern: %s: %s", type(exc).__name__, exc)
+        return []
+    writer.inference_lines = markdown(found)
+    return found
+
+
 def finish_expectations(parsed: list, rec: Any, writer: Any) -> list[str]:
     """Judge each expectation on the recorded metrics, complete expectations.parquet; the misses, described."""
     from tfmoe import expectations as ex
@@ -196,6 +220,7 @@ def execute(cfg: DictConfig) -> int:
         writer.env = environment()
         writer.start()
         expectations = start_expectations(cfg, exp, writer)
+        keep_code(cfg, writer)
         seed = _check_seed(cfg)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
@@ -220,6 +245,8 @@ def execute(cfg: DictConfig) -> int:
             status, code = "failed", EXIT_CHECK_FAILED
             failed = [c.check for c in rec.checks_rows if not c.passed]
             err.print(f"[red]{exp.name}: {len(failed)} check(s) failed:[/] {', '.join(failed)}")
+            for inference in explain_failures(exp.name, rec, cfg, writer):
+                err.print(inference.line(), markup=False)
         missed = finish_expectations(expectations, rec, writer)
         if missed:
             err.print(f"[yellow]{exp.name}: {len(missed)} expectation(s) did not hold:[/] " + "; ".join(missed))

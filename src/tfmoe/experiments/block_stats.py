@@ -315,6 +315,26 @@ def check_ffn_position_wise(ffn: nn.Module, d_model: int, seq_len: int = 6, seed
     return Outcome(passed, leak if changed else math.inf, threshold, detail, {} if passed else evidence)
 
 
+def check_attention_mixes_tokens(attn: nn.Module, d_model: int, seq_len: int = 6, seed: int = 0) -> Outcome:
+    """Attention communicates between tokens: changing token 0 changes the attention output at every later
+    position (the counterpart of :func:`check_ffn_position_wise`; a causal attention cannot reach earlier ones)."""
+    p = next(attn.parameters())
+    x = _randn((2, seq_len, d_model), seed, p.device, p.dtype)
+    x2 = x.clone()
+    x2[:, 0] = _randn((2, d_model), seed + 100, p.device, p.dtype)
+    with torch.no_grad():
+        y, y2 = attn(x)[0], attn(x2)[0]  # (B,T,D)
+    change = (y2 - y).abs().double().amax(dim=-1)[:, 1:]  # (B,T-1): change at the positions after token 0
+    scale = y.abs().max().item()
+    threshold = 8 * dtype_eps(p.dtype) * max(scale, 1e-30)
+    smallest = change.min().item() if change.numel() else 0.0
+    passed = smallest > threshold
+    detail = (f"smallest change of the attention output at positions 1..{seq_len - 1} when token 0 changes: "
+              f"{smallest:.3g} (must exceed {threshold:.3g}; scale {scale:.3g})")
+    evidence = {} if passed else {"x": x, "x_changed": x2, "y": y, "y_changed": y2}
+    return Outcome(passed, smallest, threshold, detail, evidence)
+
+
 def _norm_inputs(kind_seed: int, d_model: int, scale: float, device: torch.device,
                  dtype: torch.dtype) -> torch.Tensor:
     """(3,5,D) tokens with their own offset and spread (so per-token statistics are non-trivial)."""
@@ -704,6 +724,8 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
         check_shape_preserved(stack, cfg.d_model, seed).record(rec, f"shape_preserved[{v.name}]")
         check_ffn_position_wise(stack.blocks[0].ffn, cfg.d_model, seed=seed).record(
             rec, f"ffn_position_wise[{v.name}]")
+        check_attention_mixes_tokens(stack.blocks[0].attn, cfg.d_model, seed=seed).record(
+            rec, f"attention_mixes_tokens[{v.name}]")
         check_residual_identity(stack.blocks[-1], cfg.d_model, seed).record(rec, f"residual_identity[{v.name}]")
         check_causal_stack(stack, check_ids).record(rec, f"causal_stack[{v.name}]")
     for kind in dict.fromkeys(v.norm for v in variants):

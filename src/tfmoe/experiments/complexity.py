@@ -298,6 +298,32 @@ def moe_outcome(shape: cm.BlockShape, n_experts: int, top_k: int,
                    f"E={n_experts}, k={top_k}: active {p['active']:,} of total {p['total']:,} parameters")
 
 
+def moe_compute_outcome(n_experts: int, top_k: int, d_model: int = 32, d_hidden: int = 64, tokens: int = 64,
+                        layer_fn: Callable[..., torch.nn.Module] | None = None, seed: int = 0) -> Outcome:
+    """MoE grows parameters without growing per-token compute: FlopCounterMode's count of a real MoE layer's
+    forward with 2E experts exceeds the count with E experts by the router's growth (2·N·D·E) alone, while
+    the parameters grow by E experts. ``layer_fn(d_model, d_hidden, n_experts, top_k)`` builds the layer."""
+    from tfmoe.components.moe import MoELayer
+
+    build = layer_fn or (lambda d, h, e, k: MoELayer(d, h, e, k))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d_model, generator=g)  # (N,D)
+    counts, params = [], []
+    for e in (n_experts, 2 * n_experts):
+        torch.manual_seed(seed)
+        layer = build(d_model, d_hidden, e, top_k).eval()
+        with torch.no_grad():
+            counts.append(counted_flops(layer, x))
+        params.append(sum(p.numel() for p in layer.parameters()))
+    router_growth = 2 * tokens * d_model * n_experts
+    extra = counts[1] - counts[0] - router_growth
+    passed = extra == 0 and params[1] > params[0]
+    return Outcome(passed, float(abs(extra)), 0.0,
+                   f"E={n_experts} -> {2 * n_experts}, k={top_k}, N={tokens} tokens, D={d_model}: counted forward FLOPs "
+                   f"{counts[0]:,} -> {counts[1]:,} (router growth 2·N·D·E = {router_growth:,}; observed = the rest of "
+                   f"the growth, must be 0); parameters {params[0]:,} -> {params[1]:,}")
+
+
 def sdpa_outcome(report: dict[str, Any]) -> Outcome:
     """With the custom mapping, FlopCounterMode's SDPA forward count equals QKᵀ + weights·V."""
     return exact_outcome(f"SDPA forward FLOPs (kernels {report['kernels']}, registered {report['registered']})",
@@ -411,6 +437,8 @@ def _run_groups(rec: Recorder, s: Settings, e: int, dtype_name: str, load_before
              "The block's own FLOPs are counted on its explicit-matmul attention path (no SDPA).")
     o = sdpa_outcome(sdpa)
     rec.check("sdpa_counted_with_custom_mapping", o.passed, o.observed, o.threshold, o.detail)
+    o = moe_compute_outcome(s.n_experts, s.top_k, seed=rec.seed)
+    rec.check("moe_compute_flat_in_experts", o.passed, o.observed, o.threshold, o.detail)
 
     rows = []
     for T, D in rec.progress(s.groups, total=len(s.groups), description="groups"):

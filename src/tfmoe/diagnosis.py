@@ -1,0 +1,236 @@
+"""Why a check failed: match the pattern of failed and passed checks against the batteries' planted-bug catalogue.
+
+Each planted bug in ``tests/buggy_attention.py`` (and the shift-labels / decode tests) has a signature — which
+checks fail, which pass, what the metrics show (a √d_model scale passes at H=1 and fails at H>1, where
+d_head ≠ d_model). A failed run is matched against every signature; each match is printed as the *likely*
+cause with its evidence, labelled as an inference: the checks are the proof, this only points where to look.
+Pure Python on the recorded checks and metrics (no torch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Checks = Mapping[str, Mapping[str, Any]]  # check -> {passed, observed, threshold, detail}
+
+
+@dataclass(frozen=True)
+class Inference:
+    cause: str
+    evidence: str
+    planted: tuple[str, ...]  # the catalogue's planted bugs with this signature
+
+    def line(self) -> str:
+        bugs = f" [planted-bug catalogue: {', '.join(self.planted)}]" if self.planted else ""
+        return f"likely cause (inferred, not proven): {self.cause} — evidence: {self.evidence}{bugs}"
+
+
+@dataclass(frozen=True)
+class Signature:
+    experiment: str
+    checks: tuple[str, ...]  # check names the signature reads (they must exist in the experiment)
+    match: Callable[[Checks, list[dict[str, Any]], Mapping[str, Any]], str | None]  # evidence, or None
+    cause: str
+    planted: tuple[str, ...]
+
+
+def _failed(c: Checks, name: str) -> bool:
+    return name in c and not bool(c[name]["passed"])
+
+
+def _passed_or_absent(c: Checks, *names: str) -> bool:
+    return all(bool(c[n]["passed"]) for n in names if n in c)
+
+
+def _obs(c: Checks, name: str) -> str:
+    row = c[name]
+    o, t = row.get("observed"), row.get("threshold")
+    return f"`{name}` observed {_num(o)} vs threshold {_num(t)}"
+
+
+def _num(x: Any) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
+
+
+def _metric(metrics: list[dict[str, Any]], name: str) -> float | None:
+    for r in metrics:
+        if r.get("name") == name:
+            return float(r["value"])
+    return None
+
+
+def _nan_rows(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    nonfinite = _metric(m, "fully_masked_nonfinite_values")
+    if _failed(c, "fully_masked_rows") and nonfinite is not None and nonfinite > 0:
+        return f"{_obs(c, 'fully_masked_rows')}; {nonfinite:g} non-finite values in outputs or gradients"
+    return None
+
+
+def _per_head_errors(metrics: list[dict[str, Any]]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for r in metrics:
+        if r.get("name") == "max_abs_err" and r.get("comparison") == "module_vs_sdpa" and r.get("n_heads") is not None:
+            try:
+                out[int(r["n_heads"])] = float(r["value"])
+            except (TypeError, ValueError):
+                continue
+    return out
+
+
+def _scale_or_merge(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    """sdpa_match or head_counts fails while the weights are normalised and masked, and the error appears only
+    with more than one head."""
+    if not (_failed(c, "sdpa_match") or _failed(c, "head_counts")):
+        return None
+    if not _passed_or_absent(c, "row_sums", "causal_zero", "padding_zero", "shapes"):
+        return None
+    errs = _per_head_errors(m)
+    one, many = errs.get(1), {h: e for h, e in errs.items() if h > 1}
+    limit = c.get("head_counts", {}).get("detail", "")
+    if one is not None and many and max(many.values()) > 1e3 * max(one, 1e-12):
+        shown = ", ".join(f"H={h}: {e:.3g}" for h, e in sorted(errs.items()))
+        return (f"error vs SDPA by head count {shown} — right at H=1 (d_head = d_model), wrong at H>1; rows sum to 1 "
+                f"and the masks hold{'; ' + limit if limit and _failed(c, 'head_counts') else ''}")
+    if _failed(c, "head_counts") and c.get("sdpa_match", {}).get("passed") and int(cfg.get("n_heads", 0) or 0) == 1:
+        return f"sdpa_match passes at n_heads=1 but {_obs(c, 'head_counts')}: {c['head_counts'].get('detail', '')}"
+    return None
+
+
+def _rows_blank(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    if _failed(c, "row_sums") and c["row_sums"].get("observed") is not None \
+            and abs(float(c["row_sums"]["observed"]) - 1.0) < 1e-6:
+        return f"{_obs(c, 'row_sums')}: whole query rows sum to 0 (every key hidden from them), the pattern of a " \
+               "padding mask applied to the query rows"
+    return None
+
+
+def _rows_not_normalised(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    if _failed(c, "row_sums") and _rows_blank(c, m, cfg) is None:
+        return f"{_obs(c, 'row_sums')}: the weights over the keys of a query do not sum to 1"
+    return None
+
+
+def _dropout_keep_prob(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    if not _failed(c, "dropout_rate"):
+        return None
+    for r in m:
+        if r.get("name") == "dropout_rate" and r.get("p") is not None:
+            p, rate = float(r["p"]), float(r["value"])
+            if abs(rate - (1 - p)) < abs(rate - p):
+                return f"measured drop rate {rate:.3g} is near 1 − p = {1 - p:.3g}, not p = {p:.3g}"
+    return None
+
+
+def _simple(*fail: str, ok: tuple[str, ...] = (), extra: str = "") -> Callable[..., str | None]:
+    def match(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+        if all(_failed(c, f) for f in fail) and all(n in c and bool(c[n]["passed"]) for n in ok):
+            parts = [_obs(c, f) for f in fail] + [f"`{n}` passes" for n in ok]
+            return "; ".join(parts) + (f" ({extra})" if extra else "")
+        return None
+
+    return match
+
+
+def _shift_left_only(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    bad = [n for n in ("padding_invariance_loss", "padding_invariance_logits", "left_right_same_token_loss")
+           if _failed(c, n)]
+    if bad and _passed_or_absent(c, "labels_are_next_tokens", "no_label_on_padding", "label_count"):
+        return "; ".join(_obs(c, n) for n in bad) + f" with pad_side={cfg.get('pad_side')}, while the labels " \
+            "themselves are right (a missing padding mask is invisible with right padding and breaks left padding)"
+    return None
+
+
+CATALOGUE: tuple[Signature, ...] = (
+    Signature("attn-check", ("sdpa_match", "head_counts", "row_sums", "causal_zero", "padding_zero", "shapes"),
+              _scale_or_merge,
+              "scores scaled by 1/√d_model instead of 1/√d_head, or heads merged back without transposing "
+              "(B,H,T,Dh)->(B,T,H,Dh): both are invisible at one head", ("ScaleByDModel", "MissingTransposeMerge")),
+    Signature("attn-check", ("row_sums",), _rows_blank,
+              "the padding mask hides padded queries (rows) instead of padded keys (columns)", ("PaddingOnQueries",)),
+    Signature("attn-check", ("row_sums",), _rows_not_normalised,
+              "softmax taken over the wrong axis (dim=-2, the queries) instead of the keys", ("WrongSoftmaxAxis",)),
+    Signature("attn-check", ("causal_zero",), _simple("causal_zero"),
+              "the causal mask lets a query see future keys: off by one (triu(diagonal=2)) or missing",
+              ("CausalOffByOne",)),
+    Signature("attn-check", ("padding_zero",), _simple("padding_zero"),
+              "padded keys get weight: the key padding mask is missing or applied to the queries", ("PaddingOnQueries",)),
+    Signature("attn-check", ("shapes",), _simple("shapes"),
+              "the module returns another layout: weights averaged over heads (B,T,T), or time-major output (T,B,D)",
+              ("HeadAveragedWeights", "TimeMajorOutput")),
+    Signature("attn-check", ("fully_masked_rows",), _nan_rows,
+              "a query with no visible key gets NaN (softmax over all −inf), and the NaN reaches other rows' gradients",
+              ("NaiveMHAWrapper",)),
+    Signature("attn-check", ("gradcheck", "grad_match", "sdpa_match"),
+              _simple("gradcheck", "grad_match", ok=("sdpa_match",), extra="the forward is right"),
+              "a hand-written backward (custom autograd.Function) is wrong", ("WrongSoftmaxBackward",)),
+    Signature("attn-check", ("gradcheck", "grad_match"), _simple("gradcheck", ok=("grad_match",)),
+              "the module computes in lower precision than its input (e.g. a .float() downcast of fp64), so fp64 "
+              "finite differences disagree", ("DowncastToFp32",)),
+    Signature("attn-check", ("kv_cache_decode", "causal_zero"), _simple("kv_cache_decode", ok=("causal_zero",)),
+              "with a KV cache the causal mask ignores the cached length (no position offset)", ("CacheWithoutOffset",)),
+    Signature("attn-check", ("batch_independence",), _simple("batch_independence"),
+              "a statistic shared across the batch (e.g. the softmax max over the whole batch, not per row)",
+              ("GlobalMaxSoftmax",)),
+    Signature("attn-check", ("batch_sizes", "batch_independence"),
+              _simple("batch_sizes", ok=("batch_independence",)),
+              "each batch row gets another row's padding mask (mask tiled with repeat() after flattening (B,H) "
+              "instead of repeat_interleave())", ("RepeatMaskBug",)),
+    Signature("attn-check", ("dropout_eval_identity",), _simple("dropout_eval_identity"),
+              "dropout also runs in eval mode (F.dropout's training flag left at True)", ("DropoutAlwaysOn",)),
+    Signature("attn-check", ("dropout_scale", "dropout_rate"), _simple("dropout_scale", ok=("dropout_rate",)),
+              "kept weights are not rescaled by 1/(1−p)", ("DropoutNoRescale",)),
+    Signature("attn-check", ("dropout_rate",), _dropout_keep_prob,
+              "p is used as the keep probability (TF1's keep_prob): a fraction 1−p is dropped", ("DropoutKeepProb",)),
+    Signature("attn-check", ("dropout_seed",), _simple("dropout_seed"),
+              "the dropout mask comes from an RNG torch.manual_seed does not control (e.g. numpy's)",
+              ("DropoutNumpyRNG",)),
+    Signature("attn-check", ("chunked_match",), _simple("chunked_match"),
+              "the online softmax does not rescale the running sums when the running max grows",
+              ("chunked_no_rescale",)),
+    Signature("attn-check", ("chunked_memory", "chunked_match"), _simple("chunked_memory", ok=("chunked_match",)),
+              "the 'chunked' path materialises the full (T,T) score matrix", ("chunked_materialized",)),
+    Signature("shift-labels", ("labels_are_next_tokens",), _simple("labels_are_next_tokens"),
+              "labels are not the inputs shifted by one (labels = inputs, or shifted the wrong way)", ()),
+    Signature("shift-labels", ("padding_invariance_loss", "padding_invariance_logits", "left_right_same_token_loss"),
+              _shift_left_only,
+              "the model does not get (or does not use) the padding mask / mask-derived positions", ()),
+    Signature("decode", ("parallel_equals_incremental",), _simple("parallel_equals_incremental"),
+              "position t sees later tokens in the parallel forward (not causal), or the incremental path loses "
+              "positions (a cache without offsets)", ()),
+)
+
+
+def diagnose(experiment: str, checks: Checks, metrics: list[dict[str, Any]], cfg: Mapping[str, Any]) -> list[Inference]:
+    """Every catalogue signature the failed run matches (none when every check passed)."""
+    if all(bool(v["passed"]) for v in checks.values()):
+        return []
+    out = []
+    for sig in CATALOGUE:
+        if sig.experiment != experiment:
+            continue
+        evidence = sig.match(checks, metrics, cfg)
+        if evidence:
+            out.append(Inference(sig.cause, evidence, sig.planted))
+    return out
+
+
+def checks_mapping(rows: Any) -> dict[str, dict[str, Any]]:
+    """Recorder CheckRows or a checks.parquet frame -> {check: {passed, observed, threshold, detail}}."""
+    if hasattr(rows, "to_dict"):
+        rows = rows.to_dict("records")
+    out = {}
+    for r in rows:
+        d = r if isinstance(r, Mapping) else vars(r)
+        out[str(d["check"])] = {k: d.get(k) for k in ("passed", "observed", "threshold", "detail")}
+    return out
+
+
+def markdown(inferences: list[Inference]) -> list[str]:
+    if not inferences:
+        return []
+    return ["### Likely causes (inferred from the failure pattern — the checks above are the proof)", "",
+            *[f"- {i.cause}. Evidence: {i.evidence}." + (f" Planted-bug catalogue: {', '.join(i.planted)}."
+                                                          if i.planted else "") for i in inferences], ""]

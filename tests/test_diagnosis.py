@@ -1,0 +1,74 @@
+"""Why a check failed: planted bugs are matched to their catalogue signature, labelled as inferences."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tfmoe import diagnosis
+from tfmoe.diagnosis import checks_mapping, diagnose
+from tfmoe.registry import EXPERIMENTS
+from tfmoe.testing import run_cli, run_recorded
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["chunked.probe_T=256", "chunked.probe_block_size=16", "chunked.timing_repeats=1", "dropout_samples=20000",
+        "gradcheck_T=2", "chunked.memory_ratio_max=0.35"]
+
+
+def infer(*overrides: str) -> list[diagnosis.Inference]:
+    rec = run_recorded("attn-check", [*FAST, *overrides])
+    return diagnose("attn-check", checks_mapping(rec.checks_rows), rec.metrics_rows,
+                    {"n_heads": 4, **dict(o.split("=", 1) for o in overrides if "=" in o)})
+
+
+@pytest.mark.parametrize(("bug", "extra"), [
+    ("ScaleByDModel", ["checks=[sdpa,invariances]"]),
+    ("ScaleByDModel", ["n_heads=1", "checks=[sdpa,invariances]"]),  # passes sdpa_match at H=1, head_counts fails
+    ("WrongSoftmaxAxis", ["checks=[masks]"]),
+    ("CausalOffByOne", ["checks=[masks]"]),
+    ("CacheWithoutOffset", ["checks=[masks,kv_cache]"]),
+    ("GlobalMaxSoftmax", ["checks=[invariances]"]),
+    ("DropoutKeepProb", ["checks=[dropout]"]),
+])
+def test_planted_bug_is_named_as_the_likely_cause(bug: str, extra: list[str]) -> None:
+    found = infer(f"impl=buggy_attention:{bug}", *extra)
+    assert any(bug in i.planted for i in found), [i.line() for i in found]
+    assert all(i.line().startswith("likely cause (inferred, not proven)") for i in found)
+
+
+def test_correct_module_gets_no_inference() -> None:
+    assert infer("impl=buggy_attention:PlainMHA", "checks=[masks,sdpa,invariances]") == []
+
+
+def test_scale_signature_needs_the_head_count_pattern() -> None:
+    base = {"sdpa_match": {"passed": False, "observed": 0.02, "threshold": 1e-7, "detail": ""},
+            "row_sums": {"passed": True, "observed": 0.0, "threshold": 1e-6, "detail": ""}}
+    per_head = [{"name": "max_abs_err", "comparison": "module_vs_sdpa", "n_heads": h, "value": v}
+                for h, v in ((1, 1e-8), (4, 0.04))]
+    assert diagnose("attn-check", base, per_head, {})[0].planted == ("ScaleByDModel", "MissingTransposeMerge")
+    flat = [{**r, "value": 0.04} for r in per_head]  # wrong at every head count: not this signature
+    assert diagnose("attn-check", base, flat, {}) == []
+    assert diagnose("attn-check", {**base, "sdpa_match": {**base["sdpa_match"], "passed": True}}, per_head, {}) == []
+
+
+def test_catalogue_reads_check_names_the_batteries_record() -> None:
+    """Every check a signature reads is written by its experiment (a renamed check would silently never match)."""
+    for sig in diagnosis.CATALOGUE:
+        source = (REPO / "src" / "tfmoe" / "experiments" / f"{EXPERIMENTS[sig.experiment].module}.py").read_text()
+        for name in sig.checks:
+            assert re.search(rf"[\"']{re.escape(name)}[\"']", source), f"{sig.experiment} records no check {name}"
+
+
+def test_cli_prints_the_inference_next_to_failed_checks_and_show_repeats_it(workdir: Path) -> None:
+    import sys
+
+    tests_dir = str(REPO / "tests")
+    assert tests_dir in sys.path
+    r = run_cli(["attn-check", "impl=buggy_attention:CausalOffByOne", "checks=masks"], workdir)
+    assert r.exit_code == 1 and "likely cause (inferred, not proven): the causal mask" in r.stderr, r.stderr
+    assert "CausalOffByOne" in r.stderr
+    summary = (r.run_dir / "summary.md").read_text()
+    assert "Likely causes (inferred" in summary and "off by one" in summary
+    assert "likely cause (inferred, not proven)" in run_cli(["show", str(r.run_dir)], workdir).stdout
