@@ -13,6 +13,10 @@ from tfmoe.recorder import Recorder
 
 
 def run(cfg: DictConfig, rec: Recorder) -> None:
+    if cfg.get("plugin"):  # +plugin=module:Name: a user's module, imported the way attn-check imports impl=
+        from tfmoe.experiments.attn_check import load_object
+
+        load_object(cfg.plugin, "plugin")
     x = torch.randn(3, 4, dtype=rec.dtype, device=rec.device)  # seeded by the runner
     rec.tensor("x", x)
     for step in range(cfg.steps):

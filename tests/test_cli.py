@@ -295,3 +295,52 @@ def test_a_non_editable_wheel_runs_from_any_directory(tmp_path: Path) -> None:
         [sys.executable, "-c", "from tfmoe.launch import config_dir; print(config_dir())"], cwd=work, env=env,
         capture_output=True, text=True, timeout=60).stdout
     assert len(notebook.find_runs(work / "runs")) == 1
+
+
+def test_diff_starts_with_a_summary_signs_changes_and_narrows(fake_experiment) -> None:
+    from tfmoe import launch, reports, runner
+
+    launch.run_experiment(fake_experiment, ["seed=1"], quiet=True)
+    a = runner.LAST_RUN_DIRS[-1]
+    launch.run_experiment(fake_experiment, ["seed=2"], quiet=True)
+    b = runner.LAST_RUN_DIRS[-1]
+    r = run_cli(["diff", str(a), str(b)], Path.cwd())
+    lines = r.stdout.splitlines()
+    assert r.exit_code == 1 and lines[2] == "config: 1 key(s) differ (seed: 1 -> 2)"
+    assert lines[3].startswith("differ: 5 of 6 metric rows, 1 of 1 tensors, 0 of 1 checks")
+    assert lines[4].startswith("  largest: loss (step ")
+    body = json.loads(run_cli(["diff", str(a), str(b), "--format", "json", "--metric", "loss", "--top", "2"],
+                              Path.cwd()).stdout)
+    ma = pd.read_parquet(a / "metrics.parquet").set_index(["name", "step"])["value"]
+    mb = pd.read_parquet(b / "metrics.parquet").set_index(["name", "step"])["value"]
+    assert len(body["metrics"]) == 2 and {m["name"] for m in body["metrics"]} == {"loss"}
+    for m in body["metrics"]:  # signed: (B - A) / |A|, so a drop is negative
+        va, vb = ma[("loss", float(m["step"]))], mb[("loss", float(m["step"]))]
+        assert m["rel_delta"] == pytest.approx((vb - va) / abs(va)) and m["A"] == va
+    top = max(abs(x["rel_delta"]) for x in body["metrics"])
+    rest = reports.diff_runs(notebook.load_run(a), notebook.load_run(b), False)["metrics"]
+    assert top == pytest.approx(rest[rest["name"] == "loss"]["rel_delta"].abs().max())  # the largest come first
+    assert run_cli(["diff", str(a), str(b), "--top", "0"], Path.cwd()).exit_code == 2
+
+
+def test_replay_that_cannot_start_is_bad_input_not_a_failed_reproduction(fake_experiment, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    from tfmoe import launch, runner
+
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "my_dep.py").write_text("VALUE = 1\n")
+    (plugins / "my_plugin.py").write_text("from my_dep import VALUE\nTHING = VALUE\n")
+    monkeypatch.syspath_prepend(str(plugins))
+    assert launch.run_experiment(fake_experiment, ["+plugin=my_plugin:THING"], quiet=True) == 0
+    old = runner.LAST_RUN_DIRS[-1]
+    (plugins / "my_dep.py").unlink()  # a library the user's module imports is gone (the module's copy is kept)
+    for name in ("my_plugin", "my_dep"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    importlib.invalidate_caches()
+    r = run_cli(["replay", old.name], Path.cwd())
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "could not start" in r.stderr and "No module named 'my_dep'" in r.stderr
+    assert "reproduced" not in r.stdout and "differ" not in r.stdout

@@ -166,14 +166,16 @@ def diff_cmd(
     b: str = typer.Argument(..., help="Run B."),
     all_rows: bool = typer.Option(False, "--all", help="Show everything, not only what differs."),
     force: bool = typer.Option(False, "--force", help="Compare runs of different experiments."),
+    metric: str | None = typer.Option(None, "--metric", help="Only this metric (a name or a glob like 'loss*')."),
+    top: int | None = typer.Option(None, "--top", help="The N largest changes per section (tables default to 20)."),
     fmt: Format = typer.Option(Format.table, "--format"),
     runs_root: Path = RUNS_ROOT,
 ) -> None:
-    """What differs between two runs. Exit 0: nothing beyond tolerance (timings excluded); 1: something does."""
+    """What differs between two runs, summary first. Exit 0: nothing beyond tolerance (timings excluded); 1: it does."""
     from tfmoe import reports
 
     with bad_input_exits_2():
-        code = reports.diff(a, b, runs_root, all_rows, force, fmt.value)
+        code = reports.diff(a, b, runs_root, all_rows, force, fmt.value, metric=metric, top=top)
     raise typer.Exit(code)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 from pathlib import Path
@@ -237,7 +239,8 @@ def replay(ref: str, runs_root: Path) -> int:
 
     for line in code_capture.changes_since(old_dir):  # the user's code: replay the recorded copy, say so
         print(line)
-    with code_capture.recorded_code(old_dir) as file_overrides:
+    said = io.StringIO()  # the run's own stderr lines: replayed below unless the run could not start
+    with code_capture.recorded_code(old_dir) as file_overrides, contextlib.redirect_stderr(said):
         code = run_experiment(exp, _dedupe(overrides + file_overrides), multirun=False, quiet=True)
     new_dirs = list(runner.LAST_RUN_DIRS)
     if len(new_dirs) != 1:
@@ -246,6 +249,7 @@ def replay(ref: str, runs_root: Path) -> int:
     if code == EXIT_BAD_INPUT and str(new.run["status"]) == "error" and str(old.run["status"]) != "error":
         raise BadInput(f"replay of {old.run['run_id']} could not start: {new.run['error']} "
                        f"(the attempt is recorded in {new_dirs[0]})")
+    sys.stderr.write(said.getvalue())
     code = reports.diff(str(old_dir), str(new_dirs[0]), runs_root, False, False, "table")
     print("reproduced" if code == 0 else "NOT reproduced: see the differences above")
     return code

@@ -318,7 +318,7 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
             measured = _is_measured(pd.Series({"name": r["name"], "measured": flag}))
             missing = pd.isna(va) and not pd.isna(vb) or pd.isna(vb) and not pd.isna(va)
             delta = (vb - va) if not (pd.isna(va) or pd.isna(vb)) else None
-            rel = (abs(delta) / abs(va)) if delta is not None and va not in (0, 0.0) else None
+            rel = (delta / abs(va)) if delta is not None and va not in (0, 0.0) else None  # signed: B vs A
             differs = (missing or not _same(float(va), float(vb))) if not measured else False
             tags = " ".join(f"{k}={r[k]}" for k in keys if k not in ("name", "step") and r[k] != "")
             rows.append({"name": r["name"], "step": r.get("step", ""), "tags": tags, "A": va, "B": vb,
@@ -399,28 +399,115 @@ def _diff_expectations(a: RunData, b: RunData) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["expectation", "A_held", "B_held", "A", "B", "differs"])
 
 
-def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, fmt: str) -> int:
+def _pct(x: Any) -> str:
+    return "" if x is None or pd.isna(x) else f"{x:+.3g}" if abs(x) >= 10 else f"{100 * x:+.3g} %"
+
+
+def diff_summary(sections: dict[str, pd.DataFrame], top: int = 3) -> dict[str, Any]:
+    """What a person reads first: which config keys differ, how many metrics/tensors/checks differ, the largest."""
+    def differing(k: str) -> pd.DataFrame:
+        df = sections.get(k, pd.DataFrame())
+        return df[df["differs"].astype(bool)] if "differs" in df and len(df) else df.iloc[0:0]
+
+    cfg = differing("config")
+    metrics = differing("metrics")
+    largest = []
+    if len(metrics) and "rel_delta" in metrics:
+        order = metrics["rel_delta"].abs().fillna(-1).sort_values(ascending=False).index
+        for r in metrics.loc[order].head(top).itertuples(index=False):
+            where = " ".join(x for x in (f"step {r.step}" if r.step not in ("", None) else "", r.tags) if x)
+            largest.append({"metric": r.name, "where": where, "A": r.A, "B": r.B, "rel_delta": r.rel_delta})
+    tensors = differing("tensors")
+    worst_tensors = []
+    if len(tensors):
+        worst = tensors.assign(_k=tensors["max_rel"].astype(float).fillna(math.inf)).sort_values("_k", ascending=False)
+        worst_tensors = [{"tensor": r.tensor, "max_rel": r.max_rel, "note": r.note}
+                         for r in worst.head(top).itertuples(index=False)]
+    return {
+        "config_keys": [{"key": r.key, "A": r.A, "B": r.B} for r in cfg.itertuples(index=False)],
+        "metrics_differ": len(metrics), "metrics_total": len(sections.get("metrics", [])),
+        "tensors_differ": len(tensors), "tensors_total": len(sections.get("tensors", [])),
+        "checks_differ": len(differing("checks")), "checks_total": len(sections.get("checks", [])),
+        "environment_keys": list(differing("environment")["key"]) if len(differing("environment")) else [],
+        "largest_metric_changes": largest, "largest_tensor_changes": worst_tensors,
+    }
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    keys = summary["config_keys"]
+    cfg = ", ".join(f"{k['key']}: {k['A']} -> {k['B']}" for k in keys[:8]) + (" …" if len(keys) > 8 else "")
+    print(f"config: {len(keys)} key(s) differ{' (' + cfg + ')' if keys else ''}")
+    print(f"differ: {summary['metrics_differ']} of {summary['metrics_total']} metric rows, "
+          f"{summary['tensors_differ']} of {summary['tensors_total']} tensors, "
+          f"{summary['checks_differ']} of {summary['checks_total']} checks"
+          + (f"; environment: {', '.join(summary['environment_keys'])}" if summary["environment_keys"] else ""))
+    for m in summary["largest_metric_changes"]:
+        where = f" ({m['where']})" if m["where"] else ""
+        print(f"  largest: {m['metric']}{where} {_cell(m['A'])} -> {_cell(m['B'])} ({_pct(m['rel_delta']) or 'new'})")
+    for t in summary["largest_tensor_changes"]:
+        print(f"  tensor: {t['tensor']} max_rel {_cell(t['max_rel'])}{' ' + t['note'] if t['note'] else ''}")
+
+
+def _focus(sections: dict[str, pd.DataFrame], metric: str | None, top: int | None, keep: bool = False) -> Any:
+    """Keep only ``metric`` (a name or glob) in the metrics section and the ``top`` largest rows of each (in
+    place); returns how many rows each section left out (``keep``: the narrowed sections instead)."""
+    import fnmatch
+
+    hidden: dict[str, int] = {}
+    m = sections.get("metrics")
+    if metric is not None and m is not None and "name" in m:
+        sections["metrics"] = m[[fnmatch.fnmatchcase(str(n), metric) for n in m["name"]]]
+    if keep:
+        return sections
+    if top is None:
+        return hidden
+    for k, df in sections.items():
+        if len(df) <= top:
+            continue
+        key = {"metrics": "rel_delta", "tensors": "max_rel"}.get(k)
+        if key in df:
+            df = df.loc[df[key].astype(float).abs().fillna(math.inf).sort_values(ascending=False).index]
+        hidden[k] = len(df) - top
+        sections[k] = df.head(top)
+    return hidden
+
+
+def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, fmt: str,
+         metric: str | None = None, top: int | None = None) -> int:
+    """Print what differs between two runs: a summary first, then each section (``--metric``, ``--top`` narrow it;
+    tables show the 20 largest rows per section unless ``--top``/``--all`` say otherwise). Exit 1 when anything
+    but environment and timings differs."""
     a = load_run(resolve_run(ref_a, runs_root))
     b = load_run(resolve_run(ref_b, runs_root))
     if a.run["experiment"] != b.run["experiment"] and not force:
         raise BadInput(f"runs of different experiments ({a.run['experiment']} vs {b.run['experiment']}): "
                        "pass --force to compare anyway")
-    sections = diff_runs(a, b, all_rows)
+    if top is not None and top < 1:
+        raise BadInput(f"--top {top}: pass a positive number of rows")
+    everything = diff_runs(a, b, True)
     # environment and timings are context: shown, but a replay on a newer commit can still "reproduce"
-    differs = any(bool(df["differs"].any()) for k, df in sections.items()
+    differs = any(bool(df["differs"].any()) for k, df in everything.items()
                   if k not in ("timings", "environment") and "differs" in df and len(df))
+    focused = {k: df if all_rows or k == "timings" or "differs" not in df else df[df["differs"].astype(bool)]
+               for k, df in everything.items()}
+    if metric is not None:
+        everything["metrics"] = _focus(dict(everything), metric, None, keep=True)["metrics"]
+    hidden = _focus(focused, metric, top if top is not None else None if fmt == "json" or all_rows else 20)
+    summary = diff_summary(everything)
     if fmt == "json":
-        print(json.dumps({"A": str(a.path), "B": str(b.path), "differs": differs,
-                          **{k: df.to_dict("records") for k, df in sections.items()}}, default=_jsonable))
-    else:
-        print(f"A: {a.path}\nB: {b.path}")
-        for k, df in sections.items():
-            if len(df):
-                shown = df
-                if not all_rows and k != "timings":  # every row shown differs: the column says nothing
-                    shown = shown.drop(columns=["differs"])
-                if "measured" in shown and not shown["measured"].any():
-                    shown = shown.drop(columns=["measured"])
-                _emit(shown, fmt, k)
-        print("differ" if differs else "no differences beyond tolerance (environment and timings are context only)")
+        print(json.dumps({"A": str(a.path), "B": str(b.path), "differs": differs, "summary": summary,
+                          **{k: df.to_dict("records") for k, df in focused.items()}}, default=_jsonable))
+        return 1 if differs else 0
+    print(f"A: {a.path}\nB: {b.path}")
+    _print_summary(summary)
+    for k, df in focused.items():
+        if len(df):
+            shown = df
+            if not all_rows and k != "timings":  # every row shown differs: the column says nothing
+                shown = shown.drop(columns=["differs"])
+            if "measured" in shown and not shown["measured"].any():
+                shown = shown.drop(columns=["measured"])
+            title = k + (f" ({hidden[k]} more rows: --top N, --all)" if hidden.get(k) else "")
+            _emit(shown, fmt, title)
+    print("differ" if differs else "no differences beyond tolerance (environment and timings are context only)")
     return 1 if differs else 0
