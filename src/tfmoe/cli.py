@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from tfmoe.errors import EXIT_BAD_INPUT, BadInput
+from tfmoe.errors import EXIT_BAD_INPUT, BadInput, Terminated, raise_terminated
 from tfmoe.registry import EXPERIMENTS, Experiment
 
 app = typer.Typer(
@@ -294,11 +294,17 @@ def failures_list(file: Path = typer.Option(Path("failures.md"), "--file")) -> N
 
 
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, raise_terminated)  # SIGTERM (kill, SLURM's time limit) ends like Ctrl-C
     try:
         app()
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except Terminated as exc:
+        typer.echo(str(exc), err=True)
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

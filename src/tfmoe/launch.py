@@ -192,6 +192,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     if multirun:
         flags = ["--multirun", *flags]
     runner.LAST_RUN_DIRS.clear()
+    runner.LAUNCHER_PID = os.getpid()
     hydra_callbacks.LAST_SWEEP_DIRS.clear()
     saved_argv = sys.argv
     sys.argv = [f"tfmoe {exp.name}", *flags, *overrides]

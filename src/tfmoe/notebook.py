@@ -32,7 +32,7 @@ TABLE_FILES = {
     "timings": "timings.parquet",
     "tensors": "tensors.parquet",
 }
-STATUS_EXIT = {"ok": 0, "failed": 1, "error": 2, "interrupted": 130, "crashed": 3, "running": 3, "unexpected": 4}
+STATUS_EXIT = {"ok": 0, "failed": 1, "error": 2, "interrupted": 130, "crashed": 3, "running": 3, "unexpected": 4, "lost": 137}
 EXPECTATIONS_FILE = "expectations.parquet"
 EXPECTATIONS_SCHEMA = pa.schema([
     ("label", pa.string()), ("metric", pa.string()), ("selector", pa.string()), ("aggregate", pa.string()),
@@ -194,6 +194,9 @@ RUN_SCHEMA = pa.schema([
     ("pyarrow", pa.string()), ("hydra", pa.string()), ("device", pa.string()), ("device_name", pa.string()),
     ("dtype", pa.string()), ("peak_device_mem_bytes", pa.int64()), ("peak_rss_bytes", pa.int64()),
     ("error", pa.string()), ("exit_code", pa.int64()), ("sweep_dir", pa.string()), ("notes", pa.list_(pa.string())),
+    # the process that ran (runs) the job, so a reader can tell a live run from a lost one (effective_status)
+    ("pid", pa.int64()), ("process_started_at", pa.timestamp("us", tz="UTC")),
+    ("heartbeat_at", pa.timestamp("us", tz="UTC")),
 ])
 
 
@@ -214,13 +217,15 @@ class RunWriter:
     env: dict[str, Any] = field(default_factory=dict)
     expectations: pd.DataFrame | None = None  # rows of EXPECTATIONS_SCHEMA (see tfmoe.expectations)
     inference_lines: list[str] = field(default_factory=list)  # likely causes of failed checks (tfmoe.diagnosis)
+    process: dict[str, Any] = field(default_factory=lambda: process_identity())
 
     def _row(self, status: str, **extra: Any) -> dict[str, Any]:
         row = {name: None for name in RUN_SCHEMA.names}
         row.update(self.env)
+        row.update(self.process)
         row.update(run_id=self.run_id, experiment=self.experiment, status=status, started_at=self.started_at,
                    seed=self.seed, argv=self.argv, overrides=self.overrides, device=self.device,
-                   dtype=self.dtype, sweep_dir=self.sweep_dir, notes=[])
+                   dtype=self.dtype, sweep_dir=self.sweep_dir, notes=[], heartbeat_at=utcnow())
         row.update(extra)
         return row
 
@@ -240,6 +245,15 @@ class RunWriter:
 
         if len(df):
             write_parquet(df, self.run_dir / CODE_FILE, schema=SCHEMA)
+
+    def checkpoint(self, rec: Any) -> None:
+        """While the run runs: metrics, checks and timings so far, and a heartbeat in run.parquet (status
+        still ``running``). Each file is replaced atomically, so a SIGKILL loses only what came after."""
+        if rec is not None:
+            write_parquet(metrics_frame(list(rec.metrics_rows)), self.run_dir / TABLE_FILES["metrics"])
+            self._write_checks(rec)
+            write_parquet(timings_frame(list(rec.timings_rows)), self.run_dir / TABLE_FILES["timings"])
+        self.write_run(self._row("running", notes=list(rec.notes) if rec is not None else []))
 
     def write_run(self, row: dict[str, Any]) -> None:
         write_parquet(pd.DataFrame([row]), self.run_dir / RUN_FILE, schema=RUN_SCHEMA)
@@ -275,7 +289,7 @@ class RunWriter:
         write_text(self.run_dir / "summary.md", self._summary(rec, status, error, notes))
 
     def _write_checks(self, rec: Any) -> None:
-        rows = [vars(c) for c in rec.checks_rows]
+        rows = [vars(c) for c in list(rec.checks_rows)]
         df = pd.DataFrame(rows, columns=CHECKS_SCHEMA.names)
         write_parquet(df, self.run_dir / TABLE_FILES["checks"], schema=CHECKS_SCHEMA)
 
@@ -325,6 +339,92 @@ def expectations_markdown(df: pd.DataFrame) -> list[str]:
     return [*lines, ""]
 
 
+# --------------------------------------------------------------------------------------------- status
+
+
+def process_identity() -> dict[str, Any]:
+    """What identifies this process across machines and pid reuse: host, pid and the process's start time."""
+    import psutil
+
+    started = dt.datetime.fromtimestamp(psutil.Process().create_time(), dt.timezone.utc)
+    return {"hostname": socket.gethostname(), "pid": os.getpid(), "process_started_at": started}
+
+
+def _present(v: Any) -> bool:
+    return v is not None and not (isinstance(v, float) and v != v) and v is not pd.NaT and v is not pd.NA
+
+
+def process_alive(pid: int, started_at: Any) -> bool:
+    """Is the process ``pid`` that started at ``started_at`` still alive on this host? (a reused pid is not it)"""
+    import psutil
+
+    try:
+        proc = psutil.Process(int(pid))
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        created = proc.create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, OverflowError):
+        return False
+    if not _present(started_at):
+        return True
+    return abs(created - pd.Timestamp(started_at).timestamp()) < 1.0
+
+
+def effective_status(run: Any) -> str:
+    """THE status every reader shows (runs, show, sweeps, exit codes, catalogs): the recorded one, except that a
+    ``running`` run whose process is gone from this host is ``lost`` (killed by SIGKILL, the OOM killer, a node
+    loss...). A run owned by another host stays ``running`` (it is running there; see :func:`where_running`).
+    A ``running`` run recorded before pids were recorded cannot be checked and stays ``running``."""
+    status = str(run.get("status"))
+    if status != "running":
+        return status
+    host, pid = run.get("hostname"), run.get("pid")
+    if not _present(host) or not _present(pid) or str(host) != socket.gethostname():
+        return "running"
+    return "running" if process_alive(int(pid), run.get("process_started_at")) else "lost"
+
+
+def is_lost(run: Any) -> bool:
+    return effective_status(run) == "lost"
+
+
+def where_running(run: Any) -> str:
+    """'' unless the run is running: then 'on HOST (pid N)', with '(this host)' or '(another host: not checked)'."""
+    if effective_status(run) != "running":
+        return ""
+    host, pid = run.get("hostname"), run.get("pid")
+    here = _present(host) and str(host) == socket.gethostname()
+    where = f"on {host if _present(host) else 'an unknown host'}" + (f" (pid {int(pid)})" if _present(pid) else "")
+    return where + (" — this host" if here else " — another host: not checked from here")
+
+
+def read_run_row(run_dir: Path) -> dict[str, Any]:
+    """run.parquet of ``run_dir`` as a dict whose ``status`` is :func:`effective_status` (the file's own value
+    is kept as ``recorded_status``). Every reader of run.parquet goes through here."""
+    row = read_parquet(Path(run_dir) / RUN_FILE).iloc[0].to_dict()
+    row["recorded_status"] = row.get("status")
+    row["status"] = effective_status(row)
+    return row
+
+
+def with_effective_status(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` (one row per run with ``status`` and ``path``, e.g. from the catalog) with the status of each row
+    recorded as ``running`` derived by :func:`effective_status` from its run.parquet, read now (a cache may be
+    older than the run's last heartbeat). Finished runs are left as they are."""
+    if df.empty or "status" not in df or "path" not in df:
+        return df
+    df = df.copy()
+    for i in df.index[df["status"] == "running"]:
+        try:
+            row = read_run_row(Path(df.at[i, "path"]))
+        except BadInput:
+            continue
+        for key in ("status", "hostname", "pid", "process_started_at", "heartbeat_at"):
+            if key in df.columns or key == "status":
+                df.at[i, key] = row.get(key)
+    return df
+
+
 # --------------------------------------------------------------------------------------------- reading
 
 
@@ -365,7 +465,7 @@ def load_run(path: str | Path) -> RunData:
     path = Path(path)
     if not (path / RUN_FILE).exists():
         raise BadInput(f"{path} is not a run directory (no {RUN_FILE}): pass a path under runs/, a run id or `latest`")
-    run = read_parquet(path / RUN_FILE).iloc[0].to_dict()
+    run = read_run_row(path)
     frames = {}
     for key, fname in TABLE_FILES.items():
         frames[key] = read_parquet(path / fname) if (path / fname).exists() else pd.DataFrame()
@@ -425,7 +525,7 @@ def run_index(runs_root: Path) -> pd.DataFrame:
         return pd.DataFrame()
     conn = catalog.open_catalog(Path(runs_root))
     try:
-        return catalog.frame(conn, Path(runs_root))
+        return with_effective_status(catalog.frame(conn, Path(runs_root)))
     finally:
         conn.close()
 

@@ -13,11 +13,23 @@ from rich.console import Console
 from rich.table import Table
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import EXPECTATIONS_FILE, STATUS_EXIT, RunData, load_run, read_parquet, resolve_run
+from tfmoe.notebook import (
+    EXPECTATIONS_FILE,
+    STATUS_EXIT,
+    RunData,
+    load_run,
+    read_parquet,
+    read_run_row,
+    resolve_run,
+    where_running,
+    with_effective_status,
+)
 
 console = Console(highlight=False)
 
-EXIT_PRIORITY = [130, 2, 3, 1, 4, 0]
+# worst first: Ctrl-C, SIGTERM, another signal (128+N), lost (137), bad input, crashed, failed check,
+# an expectation missed, ok
+EXIT_PRIORITY = [130, 143, 137, 2, 3, 1, 4, 0]
 # Metric rows that are measurements of this machine (speed, memory) are reported by diff but do not make
 # two runs "differ": like timings, they move from run to run.
 MEASURED_NAME = re.compile(r"(^|_)(ms|s|wall|time|times|seconds|per_s|flops_per_s|gflops|tflops|peak_fraction|"
@@ -27,25 +39,30 @@ ENV_KEYS = ["device", "device_name", "dtype", "python", "torch", "cuda", "cudnn"
 
 
 def worst_exit_code(codes: list[int]) -> int:
-    for c in EXIT_PRIORITY:
-        if c in codes:
-            return c
-    return max(codes) if codes else 0
+    def rank(c: int) -> float:
+        if c in EXIT_PRIORITY:
+            return EXIT_PRIORITY.index(c)
+        return 1.5 if c > 128 else -1  # another signal ranks after SIGTERM; an unknown code first
+
+    return min(codes, key=rank) if codes else 0
 
 
 def exit_code_of(run_dirs: list[Path]) -> int:
     codes = []
     for d in run_dirs:
-        run = read_parquet(d / "run.parquet").iloc[0]
+        run = read_run_row(d)
         code = run.get("exit_code")
-        codes.append(int(code) if code is not None and not pd.isna(code) else STATUS_EXIT.get(run["status"], 3))
+        if run["status"] in ("lost", "running") or code is None or pd.isna(code):  # no exit code recorded (yet)
+            codes.append(STATUS_EXIT.get(run["status"], 3))
+        else:
+            codes.append(int(code))
     return worst_exit_code(codes)
 
 
 def _runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
     rows = []
     for d in run_dirs:  # only run.parquet and checks.parquet: the summary needs no tensors or metrics
-        run = read_parquet(d / "run.parquet").iloc[0]
+        run = read_run_row(d)
         checks = read_parquet(d / "checks.parquet") if (d / "checks.parquet").exists() else pd.DataFrame()
         n_ok = int(checks["passed"].sum()) if not checks.empty else 0
         rows.append({"run_id": run["run_id"], "experiment": run["experiment"], "status": run["status"],
@@ -138,20 +155,28 @@ def runs(runs_root: Path, experiment: str | None, status: str | None, last: int 
         if experiment:
             where.append("experiment = ?")
             params.append(experiment)
+        derived = status in ("running", "lost")  # the catalog holds the recorded status: derive, then filter
         if status:
             where.append("status = ?")
-            params.append(status)
+            params.append("running" if derived else status)
         clause = ("WHERE " + " AND ".join(where)) if where else ""
-        if last:  # the newest N by start time (runs not started yet sort first, as before)
+        if last and not derived:  # the newest N by start time (runs not started yet sort first, as before)
             clause += (" AND" if where else "WHERE") + (
                 " path IN (SELECT path FROM runs " + clause + " ORDER BY started_at IS NULL, started_at DESC, "
                 "path DESC LIMIT ?)")
             params = [*params, *params, last]
-        index = catalog.frame(conn, Path(runs_root), catalog.LIST_COLUMNS, clause, tuple(params))
+        index = with_effective_status(catalog.frame(conn, Path(runs_root), catalog.LIST_COLUMNS, clause,
+                                                    tuple(params)))
     finally:
         conn.close()
+    if derived:
+        index = index[index["status"] == status]
+        index = index.tail(last) if last else index
     cols = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
     out = index.reindex(columns=cols).copy()
+    if (out["status"] == "running").any():  # where each running run runs (another host: shown as running there)
+        out.insert(3, "where", [where_running(read_run_row(Path(p))) if st == "running" else ""
+                                for st, p in zip(index["status"], index["path"], strict=True)])
     out["overrides"] = out["overrides"].map(lambda o: " ".join(o) if o is not None and len(o) else "")
     out["wall_s"] = out["wall_s"].map(lambda w: "" if pd.isna(w) else f"{w:.2f}")
     out["started_at"] = out["started_at"].map(lambda t: "" if pd.isna(t) else pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S"))
@@ -172,10 +197,16 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
             "conclusions": _conclusions_records(data.path),
         }, default=_jsonable))
         return
-    run = data.run
+    run = dict(data.run)
+    if run["status"] == "running":
+        run["status"] = f"running {where_running(run)}"
+    elif run["status"] == "lost":
+        run["status"] = (f"lost (recorded running, but its process {_cell(run.get('pid'))} is gone from "
+                         f"{_cell(run.get('hostname'))}; last heartbeat {_cell(run.get('heartbeat_at'))})")
     head = pd.DataFrame([{"key": k, "value": _cell(run.get(k))} for k in
                          ["run_id", "experiment", "status", "started_at", "wall_s", "seed", "overrides",
-                          "error", "peak_rss_bytes", "peak_device_mem_bytes", "notes", *ENV_KEYS]])
+                          "error", "peak_rss_bytes", "peak_device_mem_bytes", "notes", *ENV_KEYS,
+                          "pid", "process_started_at", "heartbeat_at"]])
     _emit(head, fmt, f"run {run['run_id']} ({data.path})")
     if fmt == "md":
         print("\n### config\n\n```yaml\n" + data.config + "```")

@@ -10,10 +10,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import random
 import re
 import resource
+import signal
 import sys
+import threading
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -29,6 +32,7 @@ from tfmoe.errors import (
     EXIT_OK,
     EXIT_UNEXPECTED,
     BadInput,
+    Terminated,
 )
 from tfmoe.registry import EXPERIMENTS
 
@@ -39,6 +43,9 @@ DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+|mps|auto)$")
 
 # Filled in-process so the CLI can find what the job(s) produced.
 LAST_RUN_DIRS: list[Path] = []
+# The process that launched the sweep (set by launch.run_experiment). A job interrupted there stops the whole
+# sweep (the interrupt is re-raised); a job in a worker (joblib, submitit, SLURM, Ray) returns its exit code.
+LAUNCHER_PID: int | None = None
 
 
 def _run_name() -> str:
@@ -131,6 +138,79 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def check_flush_every(cfg: DictConfig) -> float | None:
+    every = cfg.get("flush_every_s", 2.0)
+    if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or not every > 0):
+        raise BadInput(f"flush_every_s={every!r} must be a positive number of seconds (or null: write only at "
+                       "the end): pass flush_every_s=2")
+    return None if every is None else float(every)
+
+
+def stop_signals() -> tuple[int, ...]:
+    """SIGTERM always; inside a submitit job (local or SLURM) also SIGUSR2, submitit's warning that the time limit
+    is ``hydra.launcher.signal_delay_s`` away (its own handler would raise inside the experiment)."""
+    return (signal.SIGTERM, signal.SIGUSR2) if os.environ.get("SUBMITIT_EXECUTOR") else (signal.SIGTERM,)
+
+
+SIGNAL_CAUSES = {"SIGTERM": "SLURM sends it at a job's time limit; `kill` sends it by default",
+                 "SIGUSR2": "submitit's warning that the job's time limit (hydra.launcher.timeout_min) is "
+                            "hydra.launcher.signal_delay_s away"}
+
+
+@contextlib.contextmanager
+def terminate_on(signums: tuple[int, ...] | None = None) -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, so the run records what it has. A second signal while that happens is logged, not raised
+    (the records are being written). Previous handlers are restored afterwards. SIGKILL cannot be caught: the
+    heartbeat's periodic writes are what survive it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if raised:
+            log.warning("%s again while the records are written: ignored", signal.Signals(signum).name)
+            return
+        raised.append(signum)
+        raise Terminated(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signums or stop_signals())}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class Heartbeat:
+    """A background thread that, every ``every_s`` seconds, writes the run's records so far and a heartbeat
+    (:meth:`RunWriter.checkpoint`), so a SIGKILL loses at most the last interval."""
+
+    def __init__(self, writer: Any, every_s: float | None) -> None:
+        self.writer, self.every_s, self.rec = writer, every_s, None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Heartbeat:
+        if self.every_s is not None:
+            self._thread = threading.Thread(target=self._loop, name="tfmoe-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.writer.checkpoint(self.rec)
+            except Exception as exc:  # a failed periodic write must not stop the run; the final write decides
+                log.warning("periodic write of the records failed: %s: %s", type(exc).__name__, exc)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def _peak_rss_bytes() -> int:
     kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(kb * (1 if sys.platform == "darwin" else 1024))
@@ -197,8 +277,7 @@ def execute(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
     from rich.console import Console
 
-    from tfmoe.notebook import RunWriter, device_name, environment
-    from tfmoe.recorder import Recorder, device_peak, forget_device_peak
+    from tfmoe.notebook import RunWriter
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -212,13 +291,24 @@ def execute(cfg: DictConfig) -> int:
         sweep_dir=sweep_dir,
     )
     LAST_RUN_DIRS.append(run_dir)
+    with terminate_on():
+        return _execute(cfg, exp, writer, err, run_dir)
+
+
+def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) -> int:
+    from tfmoe.notebook import device_name, environment
+    from tfmoe.recorder import Recorder, device_peak, forget_device_peak
+
     rec = None
     status, code, error = "ok", EXIT_OK, None
     device = None
     expectations: list = []
+    stop: BaseException | None = None
+    heartbeat = Heartbeat(writer, None)
     try:
         writer.env = environment()
         writer.start()
+        heartbeat = Heartbeat(writer, check_flush_every(cfg)).__enter__()
         expectations = start_expectations(cfg, exp, writer)
         keep_code(cfg, writer)
         seed = _check_seed(cfg)
@@ -234,6 +324,7 @@ def execute(cfg: DictConfig) -> int:
             torch.cuda.reset_peak_memory_stats(device)
         threads = check_threads(cfg)
         rec = Recorder(cfg=cfg, device=device, dtype=dtype, seed=seed)
+        heartbeat.rec = rec
         module = importlib.import_module(f"tfmoe.experiments.{exp.module}")
         with torch_threads(threads):
             if device.type == "cpu":
@@ -255,15 +346,24 @@ def execute(cfg: DictConfig) -> int:
     except BadInput as exc:
         status, code, error = "error", EXIT_BAD_INPUT, str(exc)
         err.print(f"error: {exc}", markup=False, emoji=False)  # hf:llama: is not an emoji
-    except KeyboardInterrupt:
-        status, code, error = "interrupted", EXIT_INTERRUPTED, "interrupted by the user (Ctrl-C)"
+    except KeyboardInterrupt as exc:
+        status, code, error, stop = "interrupted", EXIT_INTERRUPTED, "interrupted by the user (Ctrl-C)", exc
         err.print(f"{exp.name}: interrupted; the records so far are in {run_dir}", markup=False)
+    except Terminated as exc:
+        status, code, stop = "interrupted", exc.exit_code, exc
+        error = f"{exc} ({SIGNAL_CAUSES.get(exc.signal_name, 'a signal that ends the process')})"
+        err.print(f"{exp.name}: {exc}; the records so far are in {run_dir}", markup=False)
     except Exception as exc:  # a bug: keep the records, point at the log
         status, code = "crashed", 3
         error = f"{type(exc).__name__}: {exc}"
         log.error("run crashed:\n%s", traceback.format_exc())
         err.print(f"{exp.name} crashed ({error}); traceback in {run_dir}/{exp.name}.log", markup=False)
+    except BaseException as exc:  # SystemExit from a library, GeneratorExit...: never recorded as ok
+        status, code, error = "crashed", 3, f"{type(exc).__name__}: {exc}"
+        log.error("run stopped by %s:\n%s", type(exc).__name__, traceback.format_exc())
+        raise
     finally:
+        heartbeat.__exit__()
         if rec is not None and expectations and writer.expectations is not None \
                 and writer.expectations["held"].isna().all():  # crashed or interrupted: judge what was recorded
             with contextlib.suppress(Exception):
@@ -272,6 +372,6 @@ def execute(cfg: DictConfig) -> int:
         writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
                       int(cfg.get("tensor_max_numel", 1_000_000)))
         log.info("run %s: %s (exit %d) in %s", writer.run_id, status, code, run_dir)
-    if code == EXIT_INTERRUPTED:
-        raise KeyboardInterrupt  # stop the whole sweep too; the CLI exits 130
+    if stop is not None and os.getpid() == LAUNCHER_PID:
+        raise stop  # stop the whole in-process sweep too; the CLI exits 130 (Ctrl-C) or 143 (SIGTERM)
     return code

@@ -1,0 +1,159 @@
+"""Faults a cluster brings: SIGTERM (handled like Ctrl-C), SIGKILL (periodic writes survive it, readers say `lost`),
+runs owned by another host, and sweeps whose jobs fail or are killed (sweep.parquet still complete)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from tfmoe import notebook
+from tfmoe.testing import run_cli
+
+TFMOE = [sys.executable, "-m", "tfmoe.cli"]
+LONG_ROUTE_SIM = ["route-sim", "steps=1000000", "strategies=[none]", "flush_every_s=0.3"]
+
+
+def _wait_for(predicate, what: str, proc: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the process ended (exit {proc.returncode}) before {what}: {proc.stderr.read()}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _steps_on_disk(run_dir: Path) -> int:
+    try:
+        m = pd.read_parquet(run_dir / "metrics.parquet")
+    except (FileNotFoundError, OSError, ValueError):
+        return 0
+    return int(m["step"].max()) + 1 if "step" in m and m["step"].notna().any() else 0
+
+
+def _only_run(root: Path) -> Path:
+    runs = notebook.find_runs(root / "runs")
+    assert len(runs) == 1, runs
+    return root / runs[0] if not runs[0].is_absolute() else runs[0]
+
+
+def test_sigterm_and_sigkill_on_real_processes(tmp_path: Path) -> None:
+    """Two long route-sim runs: SIGTERM ends one like Ctrl-C (exit 143, interrupted, records flushed); SIGKILL
+    ends the other, whose periodic writes are still readable and which every reader then reports as `lost`."""
+    env = {**os.environ, "COLUMNS": "200"}
+    dirs = {name: tmp_path / name for name in ("term", "kill")}
+    procs = {}
+    for name, d in dirs.items():
+        d.mkdir()
+        procs[name] = subprocess.Popen([*TFMOE, *LONG_ROUTE_SIM], cwd=d, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    try:
+        run_dirs = {}
+        for name, d in dirs.items():
+            _wait_for(lambda d=d: notebook.find_runs(d / "runs"), f"{name}'s run directory", procs[name])
+            run_dirs[name] = _only_run(d)
+            _wait_for(lambda r=run_dirs[name]: _steps_on_disk(r) >= 3, f"{name}'s metrics on disk while it runs",
+                      procs[name])
+        # while running: run.parquet names its process, and readers say running
+        for name, proc in procs.items():
+            row = notebook.read_run_row(run_dirs[name])
+            assert row["status"] == "running" and row["pid"] == proc.pid and row["hostname"] == socket.gethostname()
+            assert notebook.process_alive(proc.pid, row["process_started_at"])
+        procs["term"].send_signal(signal.SIGTERM)
+        procs["kill"].send_signal(signal.SIGKILL)
+        out, errs = procs["term"].communicate(timeout=120)
+        procs["kill"].wait(timeout=60)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs["term"].returncode == 143, errs
+    assert "terminated by SIGTERM" in errs
+    term = notebook.load_run(run_dirs["term"])
+    assert term.run["status"] == "interrupted" and term.run["exit_code"] == 143
+    assert "SIGTERM" in term.run["error"] and term.metrics["step"].max() >= 2
+    assert (run_dirs["term"] / "summary.md").exists()
+
+    assert procs["kill"].returncode == -signal.SIGKILL
+    killed = run_dirs["kill"]
+    assert pd.read_parquet(killed / "run.parquet").iloc[0]["status"] == "running"  # what the dead process left
+    assert _steps_on_disk(killed) >= 3  # the steps written before the kill are readable parquet
+    assert notebook.read_run_row(killed)["status"] == "lost"
+    listing = run_cli(["runs", "--format", "json"], dirs["kill"])
+    assert [r["status"] for r in json.loads(listing.stdout)] == ["lost"]
+    assert json.loads(run_cli(["runs", "--status", "lost", "--format", "json"], dirs["kill"]).stdout)
+    shown = run_cli(["show", "latest"], dirs["kill"])
+    assert shown.exit_code == 0 and "lost (recorded running" in shown.stdout
+
+
+def _planted_running(run_dir: Path, **fields) -> Path:
+    """A finished run directory rewritten as if its process were still `running` with these process fields."""
+    row = pd.read_parquet(run_dir / "run.parquet")
+    row["status"] = "running"
+    row["exit_code"] = pd.array([None], dtype="Int64")  # a running run has no exit code yet
+    for k, v in fields.items():
+        row[k] = [v]
+    notebook.write_parquet(row, run_dir / "run.parquet", schema=notebook.RUN_SCHEMA)
+    return run_dir
+
+
+def test_effective_status_running_lost_and_other_hosts(fake_experiment) -> None:
+    from tfmoe import launch, runner
+
+    assert launch.run_experiment(fake_experiment, [], quiet=True) == 0
+    run_dir = runner.LAST_RUN_DIRS[-1]
+    row = pd.read_parquet(run_dir / "run.parquet").iloc[0]
+    me = notebook.process_identity()  # the finished run recorded this very process
+    assert row["pid"] == os.getpid() and row["hostname"] == me["hostname"]
+    assert pd.Timestamp(row["process_started_at"]) == pd.Timestamp(me["process_started_at"])
+    assert notebook.effective_status({"status": "ok", "hostname": me["hostname"], "pid": 1 << 30}) == "ok"
+    alive = {"status": "running", **me}
+    assert notebook.effective_status(alive) == "running" and "this host" in notebook.where_running(alive)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert notebook.effective_status({**alive, "pid": dead.pid}) == "lost"
+    reused = {**alive, "process_started_at": pd.Timestamp(me["process_started_at"]) - pd.Timedelta(hours=1)}
+    assert notebook.effective_status(reused) == "lost"  # same pid, another process: not ours
+    elsewhere = {**alive, "hostname": "node-17.cluster", "pid": dead.pid}
+    assert notebook.effective_status(elsewhere) == "running"
+    assert notebook.where_running(elsewhere).startswith("on node-17.cluster") and "another host" in \
+        notebook.where_running(elsewhere)
+    assert notebook.effective_status({"status": "running", "hostname": me["hostname"], "pid": None}) == "running"
+    # every reader goes through it: runs, show, the sweep collector and exit codes
+    _planted_running(run_dir, pid=dead.pid)
+    from tfmoe import reports
+
+    assert notebook.load_run(run_dir).run["status"] == "lost"
+    assert notebook.run_index(Path("runs"))["status"].tolist() == ["lost"]
+    assert reports.exit_code_of([run_dir]) == 137
+    _planted_running(run_dir, hostname="node-17.cluster")
+    shown = run_cli(["runs", "--format", "json"], Path.cwd())
+    body = json.loads(shown.stdout)
+    assert body[0]["status"] == "running" and body[0]["where"].startswith("on node-17.cluster")
+
+
+def test_worst_exit_code_ranks_signals() -> None:
+    from tfmoe.reports import worst_exit_code
+
+    assert worst_exit_code([0, 143, 1]) == 143
+    assert worst_exit_code([143, 130]) == 130
+    assert worst_exit_code([0, 140, 2]) == 140  # another signal (SIGUSR2) still makes the sweep fail
+    assert worst_exit_code([137, 2, 3]) == 137
+    assert worst_exit_code([]) == 0
+
+
+def test_bad_flush_interval_is_bad_input(fake_experiment) -> None:
+    from tfmoe import launch
+
+    assert launch.run_experiment(fake_experiment, ["flush_every_s=0"], quiet=True) == 2
+    assert launch.run_experiment(fake_experiment, ["flush_every_s=null"], quiet=True) == 0
