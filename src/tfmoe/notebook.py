@@ -416,12 +416,9 @@ def with_effective_status(df: pd.DataFrame) -> pd.DataFrame:
     df = df.copy()
     for i in df.index[df["status"] == "running"]:
         try:
-            row = read_run_row(Path(df.at[i, "path"]))
+            df.at[i, "status"] = read_run_row(Path(df.at[i, "path"]))["status"]
         except BadInput:
             continue
-        for key in ("status", "hostname", "pid", "process_started_at", "heartbeat_at"):
-            if key in df.columns or key == "status":
-                df.at[i, key] = row.get(key)
     return df
 
 
