@@ -1,11 +1,18 @@
 """The metrics each experiment records (name -> its tag columns), so an expectation on a metric or tag that
 does not exist is refused before the run starts. Light on purpose: no torch, no experiment module imported.
 
-Taken from each experiment's default run; ``tests/test_expectations.py`` checks that every metric name written
-literally in an experiment module is declared here and that a real run records only declared names.
+``DECLARED`` is taken from each experiment's default run (names built at run time, e.g. route-sim's, and every
+tag column). :func:`declared_for` adds the names an experiment module writes literally in ``rec.metric("name",
+…, tag=…)`` calls, read from its source with :mod:`ast` (no import), so a metric added to an experiment is
+accepted at once; a call that passes ``**tags`` leaves that metric's tags open (not validated).
+``tests/test_expectations.py`` checks that a real run records only declared names and tags.
 """
 
 from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
 
 from tfmoe.errors import BadInput
 
@@ -159,9 +166,38 @@ DECLARED: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
-def declared_for(experiment: str) -> dict[str, tuple[str, ...]]:
-    """The metric names (and their tags) ``experiment`` records; BadInput when it declares none."""
-    declared = DECLARED.get(experiment)
+@functools.lru_cache(maxsize=16)
+def literal_metrics(module: str) -> dict[str, tuple[str, ...] | None]:
+    """Metric names written literally in ``tfmoe/experiments/<module>.py`` -> their literal tag keywords (None
+    when a call also passes ``**tags``)."""
+    path = Path(__file__).resolve().parent / "experiments" / f"{module}.py"
+    if not path.exists():
+        return {}
+    out: dict[str, tuple[str, ...] | None] = {}
+    for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "metric" and n.args
+                and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)):
+            continue
+        name = n.args[0].value
+        if any(k.arg is None for k in n.keywords) or out.get(name, ()) is None and name in out:
+            out[name] = None
+            continue
+        tags = {k.arg for k in n.keywords if k.arg not in (None, "step", "measured")}
+        out[name] = tuple(sorted(set(out.get(name) or ()) | tags))
+    return out
+
+
+def declared_for(experiment: str) -> dict[str, tuple[str, ...] | None]:
+    """The metric names (and their tags; None = not validated) ``experiment`` records; BadInput when none."""
+    from tfmoe.registry import EXPERIMENTS
+
+    declared: dict[str, tuple[str, ...] | None] = dict(DECLARED.get(experiment, {}))
+    exp = EXPERIMENTS.get(experiment)
+    for name, tags in (literal_metrics(exp.module) if exp else {}).items():
+        if name not in declared:
+            declared[name] = tags
+        elif tags is not None and declared[name] is not None:
+            declared[name] = tuple(sorted(set(declared[name]) | set(tags)))
     if not declared:
         raise BadInput(f"experiment {experiment!r} declares no metrics (tfmoe/declared_metrics.py): it cannot judge "
                        "an expectation; drop expect=")
