@@ -156,9 +156,49 @@ def max_abs_diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
     return max((x.double() - y.double()).abs().max().item() for x, y in zip(xs, ys, strict=True))
 
 
+# ----------------------------------------------------------------------------- your own sentences
+@dataclass
+class TextEncoding:
+    sequences: list[list[int]]  # [BOS] + tokens + [EOS] in the compact vocabulary
+    vocab: list[str]  # PAD, BOS, EOS, then each distinct token piece in order of appearance
+    tokenizer_ids: list[list[int]]  # the tokenizer's own ids per text
+    source: str  # where the tokenizer's vocabulary comes from
+
+
+def encode_texts(texts: Any, tokenizer: Any, pad_token: str) -> TextEncoding:
+    """Raw sentences through one of tokenize's real tokenizers, onto a compact vocabulary of the pieces they use
+    (the tiny LM needs no 100k-row embedding): each text becomes [BOS] + its tokens + [EOS]."""
+    from tfmoe.tokenizers_lab import BUILTIN_NAMES, load_tokenizer
+
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise BadInput(f"texts={texts!r} must be a non-empty list of strings, e.g. texts=[\"我爱猫\",\"猫\"]")
+    for n, t in enumerate(texts):
+        if not t.strip():
+            raise BadInput(f"texts[{n}] is empty: give every text at least one character")
+    if not isinstance(tokenizer, str) or not tokenizer.strip():
+        raise BadInput(f"texts= needs tokenizer=NAME: one of {', '.join(BUILTIN_NAMES)} or file:PATH/tokenizer.json")
+    adapter = load_tokenizer(tokenizer, texts, 1000)
+    ids = adapter.encode_batch(texts)
+    vocab, index = [pad_token, "BOS", "EOS"], {}
+    for seq in ids:
+        for i in seq:
+            if i not in index:
+                label = adapter.pieces([i])[0]
+                if label in vocab or not label.strip():
+                    label = f"{label!r}#{i}"  # keep labels unique and visible (spaces, byte fragments)
+                index[i] = len(vocab)
+                vocab.append(label)
+    seqs = [[1, *(index[i] for i in seq), 2] for seq in ids]
+    return TextEncoding(seqs, vocab, ids, adapter.source)
+
+
 # --------------------------------------------------------------------------------------------- run
 def validate(cfg: DictConfig) -> tuple[list[list[int]], list[str], int]:
-    vocab = [str(v) for v in OmegaConf.to_container(cfg.vocab)]
+    if cfg.get("texts") is not None:
+        enc = encode_texts(OmegaConf.to_container(cfg.texts), cfg.get("tokenizer"), str(cfg.pad_token))
+        vocab = enc.vocab
+    else:
+        vocab = [str(v) for v in OmegaConf.to_container(cfg.vocab)]
     if str(cfg.pad_token) not in vocab:
         raise BadInput(f"pad_token={cfg.pad_token!r} is not in vocab: add it to vocab")
     if cfg.pad_side not in PAD_SIDES:
@@ -170,12 +210,22 @@ def validate(cfg: DictConfig) -> tuple[list[list[int]], list[str], int]:
     if m.d_model % m.n_heads != 0:
         raise BadInput(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}: "
                        "choose d_model as a multiple of n_heads")
-    seqs = encode_sequences(OmegaConf.to_container(cfg.sequences), vocab)
+    seqs = enc.sequences if cfg.get("texts") is not None else encode_sequences(
+        OmegaConf.to_container(cfg.sequences), vocab)
     return seqs, vocab, vocab.index(str(cfg.pad_token))
 
 
 def run(cfg: DictConfig, rec: Recorder) -> None:
     seqs, vocab, pad_id = validate(cfg)
+    if cfg.get("texts") is not None:
+        enc = encode_texts(OmegaConf.to_container(cfg.texts), cfg.tokenizer, str(cfg.pad_token))
+        rec.note(f"texts tokenized by {cfg.tokenizer} ({enc.source}); compact vocabulary of {len(vocab)} entries "
+                 "(PAD, BOS, EOS + the pieces used); the tokenizer's own ids are in tensor tokenizer_ids")
+        for n, (text, ids) in enumerate(zip(OmegaConf.to_container(cfg.texts), enc.tokenizer_ids, strict=True)):
+            rec.metric("tokens_per_text", len(ids), text=n)
+            rec.note(f"text {n} {text!r} -> {len(ids)} token(s) {ids}: "
+                     f"{' | '.join(vocab[j] for j in enc.sequences[n][1:-1])}")
+        rec.tensor("tokenizer_ids", torch.tensor([i for ids in enc.tokenizer_ids for i in ids]))
     ignore = int(cfg.ignore_index)
     batch = shift_and_pad(seqs, pad_id, cfg.pad_side, ignore)
     model = TinyCausalLM(len(vocab), cfg.model.d_model, cfg.model.n_heads, cfg.model.n_layers,
