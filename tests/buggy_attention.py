@@ -369,3 +369,15 @@ class NoPaddingArg(nn.Module):
 
     def forward(self, x):
         return x, x
+
+
+class NoQkvLayer(nn.Module):
+    """The course's signatures, but separate q/k/v layers instead of the fused `qkv` the interface reads."""
+
+    def __init__(self, d_model: int, n_heads: int, causal: bool = False):
+        super().__init__()
+        self.q = nn.Linear(d_model, d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x, padding_mask=None):
+        return self.out(self.q(x)), None

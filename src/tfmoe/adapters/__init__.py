@@ -14,7 +14,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from tfmoe.adapters.base import AttentionAdapter, ContractError
+from tfmoe.adapters.base import AttentionAdapter, ContractError, copy_linear, seeded
+from tfmoe.components.references import Projections, Rope
 from tfmoe.errors import BadInput
 
 BUILTIN = ("torch:mha", "hf:<model_type>")
@@ -56,4 +57,4 @@ def load_adapter(spec: str, load_object: Callable[[str, str], Any],
     return CourseInterface(obj, spec)
 
 
-__all__ = ["AttentionAdapter", "ContractError", "load_adapter", "BUILTIN"]
+__all__ = ["AttentionAdapter", "ContractError", "Projections", "Rope", "copy_linear", "seeded", "load_adapter", "BUILTIN"]

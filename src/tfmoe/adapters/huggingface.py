@@ -143,7 +143,7 @@ class HuggingFace(AttentionAdapter):
 
     def _attention_class(self) -> type[nn.Module]:
         prefix = self.config_cls.__name__.removesuffix("Config")
-        for name in (f"{prefix}Attention", f"{prefix}SelfAttention"):
+        for name in (f"{prefix}SelfAttention", f"{prefix}Attention"):
             cls = getattr(self.modeling, name, None)
             if inspect.isclass(cls):
                 return cls

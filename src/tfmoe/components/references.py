@@ -109,17 +109,27 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 1, 3).reshape(B, T, H * Dh)
 
 
-def rotate(t: torch.Tensor, rope: Rope, positions: torch.Tensor) -> torch.Tensor:
-    """RoPE on (B, H, T, Dh) at integer positions (T,), as a complex rotation of the pairs (i, i + Dh/2),
-    angles computed in float64 whatever t's dtype (so the reference's positions are exact)."""
+def rotate(t: torch.Tensor, rope: Rope, positions: torch.Tensor, exact: bool = True) -> torch.Tensor:
+    """RoPE on (B, H, T, Dh) at integer positions (T,): each pair (i, i + Dh/2) is the complex number
+    t_i + j·t_{i+Dh/2}, multiplied by e^{j·pos·theta^(-2i/Dh)}.
+
+    exact=True (the reference): angles and the rotation in float64 whatever t's dtype. exact=False (the plain
+    same-dtype yardstick): angles in float32 at least, cos/sin rounded to t's dtype and the rotation done there,
+    as a plain implementation in that dtype would."""
     d = rope.rotary_dim
     half = d // 2
-    inv_freq = rope.theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / d)  # (half,)
-    angle = positions.to(torch.float64).cpu()[:, None] * inv_freq[None, :]  # (T, half)
-    rot = torch.polar(torch.ones_like(angle), angle).to(t.device)  # (T, half) e^{i·angle}
-    z = torch.complex(t[..., :half].to(torch.float64), t[..., half:d].to(torch.float64)) * rot  # (B,H,T,half)
-    out = torch.cat([z.real, z.imag, t[..., d:].to(torch.float64)], dim=-1)
-    return out.to(t.dtype)
+    if exact:
+        inv_freq = rope.theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / d)  # (half,)
+        angle = positions.to(torch.float64).cpu()[:, None] * inv_freq[None, :]  # (T, half)
+        rot = torch.polar(torch.ones_like(angle), angle).to(t.device)  # (T, half) e^{j·angle}
+        z = torch.complex(t[..., :half].to(torch.float64), t[..., half:d].to(torch.float64)) * rot
+        return torch.cat([z.real, z.imag, t[..., d:].to(torch.float64)], dim=-1).to(t.dtype)
+    acc = torch.promote_types(t.dtype, torch.float32)
+    inv_freq = rope.theta ** (-torch.arange(half, dtype=acc) * 2.0 / d)
+    angle = positions.to(device=t.device, dtype=acc)[:, None] * inv_freq.to(t.device)[None, :]  # (T, half)
+    cos, sin = angle.cos().to(t.dtype), angle.sin().to(t.dtype)
+    a, b = t[..., :half], t[..., half:d]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, t[..., d:]], dim=-1)
 
 
 def kv_head_of_query_head(n_heads: int, n_kv_heads: int) -> torch.Tensor:
@@ -129,15 +139,16 @@ def kv_head_of_query_head(n_heads: int, n_kv_heads: int) -> torch.Tensor:
     return torch.arange(n_heads) // (n_heads // n_kv_heads)
 
 
-def project(x: torch.Tensor, p: Projections,
-            positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (B,T,D) -> q (B,Hq,T,Dh), and k, v already mapped to the query heads (B,Hq,T,Dh); RoPE applied."""
+def project(x: torch.Tensor, p: Projections, positions: torch.Tensor | None = None,
+            exact: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (B,T,D) -> q (B,Hq,T,Dh), and k, v already mapped to the query heads (B,Hq,T,Dh); RoPE applied
+    (exact: see :func:`rotate`)."""
     q = split_heads(F.linear(x, p.w_q, p.b_q), p.n_heads)
     k = split_heads(F.linear(x, p.w_k, p.b_k), p.n_kv_heads)
     v = split_heads(F.linear(x, p.w_v, p.b_v), p.n_kv_heads)
     if p.rope is not None:
         pos = torch.arange(x.shape[1]) if positions is None else positions
-        q, k = rotate(q, p.rope, pos), rotate(k, p.rope, pos)
+        q, k = rotate(q, p.rope, pos, exact), rotate(k, p.rope, pos, exact)
     heads = kv_head_of_query_head(p.n_heads, p.n_kv_heads).to(x.device)
     return q, k.index_select(1, heads), v.index_select(1, heads)
 
@@ -171,7 +182,7 @@ def plain_weights(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, s
 
 def plain_attention(x: torch.Tensor, p: Projections, mask: torch.Tensor | None) -> torch.Tensor:
     """A plain implementation with every op in x's dtype (FlashAttention's yardstick for the dtype's noise)."""
-    q, k, v = project(x, p)
+    q, k, v = project(x, p, exact=False)
     return output(plain_weights(q, k, mask, scale_of(p)) @ v, p)
 
 

@@ -60,6 +60,10 @@ MODES = ("full", "chunked")
 FULLY_MASKED_POLICIES = ("finite", "zeros", "nan", "mean_of_v", "any")
 GROUPS = ("masks", "sdpa", "fully_masked", "gradients", "kv_cache", "chunked", "invariances", "dropout")
 X_SCALE_OTHER_ROWS = 10.0  # batch-independence probe: the other rows are redrawn at 10x the scale
+# Backward rule: a fused kernel's gradients (PyTorch's own SDPA backward, via nn.MultiheadAttention or HF's sdpa)
+# reach 2.1-2.6x a plain autograd composition's error on these tiny cases (30 seeds, experiments/attn-check.md),
+# so gradients get 4x where outputs get FlashAttention's 2x.
+GRAD_FACTOR = 4.0
 
 
 # ============================================================================================ settings
@@ -153,6 +157,8 @@ def settings_from_cfg(cfg: DictConfig) -> Settings:
             raise BadInput(f"n_kv_heads={n_kv} does not divide n_heads={n_heads}: each kv head serves n_heads/n_kv_heads "
                            f"query heads; pick among {[h for h in range(1, n_heads + 1) if n_heads % h == 0]}")
     policy = OmegaConf.select(cfg, "fully_masked_policy", default="finite")
+    if isinstance(policy, float) and math.isnan(policy):
+        policy = "nan"  # Hydra's grammar reads the bare word nan as a float
     if policy not in FULLY_MASKED_POLICIES:
         raise BadInput(f"fully_masked_policy={policy!r} is unknown: use one of {list(FULLY_MASKED_POLICIES)}")
     hf_impl = OmegaConf.select(cfg, "hf.attn_implementation", default="eager")
@@ -249,10 +255,11 @@ class Comparison:
     plain_err: float
     atol: float
     ref_scale: float
+    factor: float = 2.0  # FlashAttention's multiple of the plain implementation's error
 
     @property
     def threshold(self) -> float:
-        return 2.0 * self.plain_err + self.atol
+        return self.factor * self.plain_err + self.atol
 
     @property
     def rel_err(self) -> float:
@@ -268,14 +275,14 @@ class Comparison:
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor, dtype: torch.dtype,
-            valid: torch.Tensor | None = None) -> Comparison:
+            valid: torch.Tensor | None = None, factor: float = 2.0) -> Comparison:
     """FlashAttention's rule: err(out) <= 2·err(plain) + rounding_atol, errors vs ``ref`` on valid rows."""
     ref_valid = ref.detach().double()
     if valid is not None:
         ref_valid = ref_valid[valid.to(ref_valid.device)]
     scale = float(ref_valid.abs().max()) if ref_valid.numel() else 0.0
     return Comparison(max_abs_err(out, ref, valid), max_abs_err(plain, ref, valid),
-                      rounding_atol(ref, dtype, valid), scale)
+                      rounding_atol(ref, dtype, valid), scale, factor)
 
 
 def precision_diagnosis(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, p: Projections,
@@ -827,7 +834,7 @@ def check_gradients(ctx: Ctx) -> None:
     mod = grads(f_mod, ctx.dtype)
     worst, parts, evidence = 0.0, [], {"x": x0, "padding_mask": pm0}
     for name, gm, gr, gp in zip(("x", *names), mod, ref, plain, strict=True):
-        c = Comparison(math.inf, 0.0, 0.0, 1.0) if gm is None else compare(gm, gr, gp, ctx.dtype)
+        c = Comparison(math.inf, 0.0, 0.0, 1.0) if gm is None else compare(gm, gr, gp, ctx.dtype, factor=GRAD_FACTOR)
         rec.metric("max_abs_err", c.err, comparison=f"grad_{name}_vs_sdpa", dtype=str(ctx.dtype).removeprefix("torch."))
         rec.metric("plain_max_abs_err", c.plain_err, comparison=f"grad_{name}_vs_sdpa",
                    dtype=str(ctx.dtype).removeprefix("torch."))
@@ -836,7 +843,7 @@ def check_gradients(ctx: Ctx) -> None:
         if gm is not None:
             evidence[f"grad_{name}"] = gm
     rec.check_le("grad_match", worst, 1.0, f"max over dx, {', '.join('d' + n for n in names)} of err/limit, "
-                 "limit = 2·plain + rounding: " + "; ".join(parts), evidence=evidence)
+                 f"limit = {GRAD_FACTOR:g}·plain + rounding: " + "; ".join(parts), evidence=evidence)
 
 
 def check_kv_cache(ctx: Ctx) -> None:
@@ -1011,9 +1018,15 @@ def check_invariances(ctx: Ctx) -> None:
                  f"(err {c_main.err:.3g} > limit {c_main.threshold:.3g}; sdpa_match judges that); head_counts judges "
                  "a module right at one head count and wrong at another")
         return
-    worst, parts = 0.0, []
+    worst, parts, shaped = 0.0, [], []
     for h in s.head_counts:
-        module_h = ctx.build(n_heads=h, state=ctx.state())
+        try:
+            module_h = ctx.build(n_heads=h, state=ctx.state())
+        except RuntimeError as exc:  # load_state_dict: the parameter shapes depend on n_heads
+            if "size mismatch" not in str(exc):
+                raise
+            shaped.append(h)
+            continue
         with torch.no_grad():
             out_h, _ = ctx.call(module_h, ctx.x, ctx.pm_arg)
             p_h = ctx.proj(module_h, n_heads=h)
@@ -1023,6 +1036,11 @@ def check_invariances(ctx: Ctx) -> None:
                    dtype=str(ctx.dtype).removeprefix("torch."))
         parts.append(f"H={h}: {c.err:.3g} (limit {c.threshold:.3g})")
         worst = max(worst, c.ratio)
+    if shaped:
+        rec.note(f"head_counts: H={shaped} not run: {ctx.adapter.name}'s parameter shapes depend on n_heads, so the "
+                 "same weights cannot be read with that many heads")
+    if not parts:
+        return
     rec.check_le("head_counts", worst, 1.0, "the same weights with other head counts vs SDPA with that many heads "
                  "(err/limit): " + "; ".join(parts), evidence=ctx.evidence())
 
@@ -1191,7 +1209,7 @@ def dropout_not_applicable(s: Settings, adapter: AttentionAdapter) -> str:
     if s.dropout == 0:
         return "dropout=0"
     if not adapter.takes_dropout:
-        return "__init__ takes no `dropout`"
+        return f"{adapter.name} takes no `dropout`"
     if not adapter.can_set_projections:
         return f"{adapter.name}'s adapter cannot write the readout weights (no set_projections)"
     if s.n_kv_heads != s.n_heads:
@@ -1255,7 +1273,7 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
         if adapter.takes_cache:
             guarded(ctx, ["kv_cache_decode"], check_kv_cache)
         else:
-            rec.note("kv_cache_decode not run: the module's forward takes no `cache` argument")
+            rec.note(f"kv_cache_decode not run: {adapter.name}'s forward takes no tfmoe KVCache (`cache` argument)")
     if "chunked" in run_group:
         guarded(ctx, ["chunked_match", "chunked_match_large", "chunked_memory"], check_chunked)
     if "invariances" in run_group:
