@@ -1223,6 +1223,10 @@ def _padded_row(pm: torch.Tensor) -> int:
 
 
 def run(cfg: DictConfig, rec: Recorder) -> None:
+    if cfg.get("kernel"):  # kernel mode: an attention function with SDPA's signature (attn_kernels.py)
+        from tfmoe.experiments.attn_kernels import run_kernel_battery
+
+        return run_kernel_battery(cfg, rec)
     s = settings_from_cfg(cfg)
     device, dtype = rec.device, rec.dtype
     chunked_fn = load_object(s.chunked_impl, "chunked.impl")

@@ -1,0 +1,269 @@
+"""tfmoe attn-check kernel=SPEC: each check family fails for a kernel with a bug in exactly that family, correct
+kernels written other ways pass, what a kernel cannot run is skipped or n/a (never a failure), bad input exits 2."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tfmoe.components.reference_attention import (
+    causal_visibility,
+    key_padding_visibility,
+    kv_head_index,
+    plain_attention,
+    reference_attention,
+)
+from tfmoe.errors import BadInput
+from tfmoe.testing import run_cli, run_recorded
+
+# A reduced matrix keeps a battery to ~1 s: Tq < Tk, Tq > Tk (so bottom-right alignment leaves rows empty),
+# decode-like Tq = 1, head dims 12 / 8 / 16 (one not a multiple of 8), MHA / GQA / MQA with Hq = 6.
+SMALL = ["cases.shapes=[[5,7,12],[7,5,8],[1,6,16]]"]
+FAMILIES = {"kernel_scale", "kernel_gqa", "kernel_causal", "kernel_padding_bool", "kernel_padding_additive",
+            "kernel_fully_masked", "kernel_backward"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def battery(kernel: str, *overrides: str):
+    rec = run_recorded("attn-check", [f"kernel={kernel}", *SMALL, *overrides])
+    return {c.check: c for c in rec.checks_rows}, rec
+
+
+def failed(checks) -> set[str]:
+    return {n for n, c in checks.items() if not c.passed}
+
+
+# ------------------------------------------------------------------------------------------- the reference
+def test_reference_matches_fp64_sdpa_an_independent_op():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, T, 12, generator=g, dtype=torch.float64) for n, T in ((6, 5), (2, 9), (2, 9)))
+    mask = torch.rand(2, 1, 5, 9, generator=g) < 0.7
+    mask[..., 0] = True
+    bias = torch.randn(2, 1, 5, 9, generator=g, dtype=torch.float64)
+    for kw, ours in ((dict(attn_mask=mask), dict(visible=mask)), (dict(attn_mask=bias), dict(bias=bias)),
+                     (dict(scale=0.3), dict(scale=0.3))):
+        want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+        assert torch.allclose(reference_attention(q, k, v, **ours), want, atol=1e-13, rtol=0)
+        assert torch.allclose(plain_attention(q, k, v, **ours), want, atol=1e-13, rtol=0)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # top-left
+    got = reference_attention(q, k, v, visible=causal_visibility(5, 9, "top_left")[None, None])
+    assert torch.allclose(got, want, atol=1e-13, rtol=0)
+
+
+def test_masks_by_index_arithmetic():
+    assert torch.equal(causal_visibility(3, 5, "top_left"), torch.ones(3, 5, dtype=torch.bool).tril())
+    assert torch.equal(causal_visibility(3, 5, "bottom_right"), torch.ones(3, 5, dtype=torch.bool).tril(2))
+    assert not causal_visibility(5, 3, "bottom_right")[:2].any()  # Tq > Tk: the first two queries see nothing
+    assert key_padding_visibility([2, 0], 3).view(2, 3).tolist() == [[True, True, False], [False, False, False]]
+    assert kv_head_index(6, 2).tolist() == [0, 0, 0, 1, 1, 1] and kv_head_index(6, 1).tolist() == [0] * 6
+    with pytest.raises(ValueError, match="multiple"):
+        kv_head_index(6, 4)
+
+
+def test_fully_masked_rows_are_zero_with_finite_gradients():
+    q, k, v = (torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    vis = torch.tensor([True, False, True]).view(1, 1, 3, 1).expand(1, 1, 3, 3)
+    for fn in (reference_attention, plain_attention):
+        out = fn(q, k, v, visible=vis)
+        assert out[0, :, 1].abs().max() == 0
+        out.sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+        for t in (q, k, v):
+            t.grad = None
+
+
+# --------------------------------------------------------------------------------------- correct kernels
+def test_sdpa_passes_every_family():
+    checks, rec = battery("torch:sdpa")
+    assert set(checks) == FAMILIES and failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    assert any("fully_masked cases): the kernel gives zeros" in n for n in rec.notes)
+    errs = [r for r in rec.metrics_rows if r["name"] == "err"]
+    assert {r["tensor"] for r in errs} == {"out", "dq", "dk", "dv"}
+    assert sum(r["value"] > 0 for r in errs) > 0.8 * len(errs)  # real rounding errors, not a comparison of zeros
+
+
+def test_sdpa_under_its_module_path_and_a_plain_kernel_pass():
+    checks, rec = battery("torch.nn.functional:scaled_dot_product_attention")
+    assert failed(checks) == set() and any("not inspectable" in n for n in rec.notes)
+    checks, _ = battery("buggy_kernels:plain_kernel", "dtype=fp64")
+    assert set(checks) == FAMILIES and failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+
+
+def test_chunked_passes_what_it_can_take_and_says_what_it_cannot():
+    checks, rec = battery("tfmoe:chunked")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    assert {"kernel_scale", "kernel_causal", "kernel_padding_bool", "kernel_fully_masked"} <= set(checks)
+    assert "kernel_gqa" not in checks and "kernel_backward" not in checks
+    notes = " ".join(rec.notes)
+    assert "signature has no enable_gqa" in notes and "forward-only" in notes
+    assert "bottom_right" in notes  # chunked's own causal convention is used
+
+
+def test_flex_forward_passes_backward_is_not_applicable():
+    checks, rec = battery("torch:flex", "cases.shapes=[[5,7,12]]")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    assert "kernel_backward" not in checks and len(checks) == 6
+    assert any("kernel_backward n/a" in n and "does not support backward on CPU" in n for n in rec.notes)
+
+
+def test_user_kernel_file_in_the_current_directory(tmp_path):
+    """A correct kernel in ./my_kernel_i13.py works without PYTHONPATH (the cwd is importable)."""
+    (tmp_path / "my_kernel_i13.py").write_text(
+        "import torch\n"
+        "def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):\n"
+        "    if enable_gqa:\n"
+        "        r = q.shape[1] // k.shape[1]\n"
+        "        k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)\n"
+        "    s = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)\n"
+        "    if is_causal:\n"
+        "        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float('-inf'))\n"
+        "    if attn_mask is not None:\n"
+        "        s = s.masked_fill(~attn_mask, float('-inf')) if attn_mask.dtype == torch.bool else s + attn_mask\n"
+        "    return torch.nan_to_num(s.softmax(-1), nan=0.0) @ v\n")
+    res = run_cli(["attn-check", "kernel=my_kernel_i13:attention", *SMALL], tmp_path)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    import pandas as pd
+
+    checks = pd.read_parquet(res.run_dir / "checks.parquet")
+    assert set(checks["check"]) == FAMILIES and checks["passed"].all()
+
+
+def test_signature_without_scale_or_gqa_skips_those_cases():
+    checks, rec = battery("buggy_kernels:kernel_no_gqa_no_scale")
+    assert failed(checks) == set() and "kernel_gqa" not in checks
+    notes = " ".join(rec.notes)
+    assert "kernel_gqa n/a" in notes and "signature has no enable_gqa" in notes
+    assert "skipped" in checks["kernel_scale"].detail and "scale" in checks["kernel_scale"].detail
+
+
+def test_not_implemented_is_not_applicable_and_a_crash_is_a_failure():
+    checks, rec = battery("buggy_kernels:kernel_forward_only")
+    assert failed(checks) == set() and "kernel_backward" not in checks
+    assert any("this kernel has no backward yet" in n for n in rec.notes)
+    checks, _ = battery("buggy_kernels:kernel_crashes_on_masks")
+    assert "mask layout not understood" in checks["kernel_padding_bool"].detail
+    assert failed(checks) == {"kernel_padding_bool", "kernel_padding_additive"}  # fully_masked: not judged
+
+
+def test_declared_bottom_right_kernel_passes_and_nan_policy_can_be_expected():
+    checks, _ = battery("buggy_kernels:kernel_declares_bottom_right")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    checks, rec = battery("buggy_kernels:kernel_nan_rows", "kernel_checks.fully_masked_expect=nan",
+                          "kernel_checks.backward=false")
+    assert failed(checks) == set() and any("the kernel gives nan" in n for n in rec.notes)
+
+
+# ----------------------------------------------------------------------------------------- planted bugs
+PLANTED = [("kernel_ignores_scale", "kernel_scale"), ("kernel_bottom_right", "kernel_causal"),
+           ("kernel_gqa_modulo", "kernel_gqa"), ("kernel_ignores_bool_mask", "kernel_padding_bool"),
+           ("kernel_ignores_float_mask", "kernel_padding_additive"), ("kernel_nan_rows", "kernel_fully_masked"),
+           ("kernel_wrong_grad", "kernel_backward")]
+
+
+@pytest.mark.parametrize(("bug", "family"), PLANTED, ids=[p[1] for p in PLANTED])
+def test_planted_bug_fails_exactly_its_family(bug, family):
+    checks, rec = battery(f"buggy_kernels:{bug}")
+    assert failed(checks) == {family}, {n: checks[n].detail for n in failed(checks)}
+    detail = checks[family].detail
+    assert "(Tq=" in detail and "Hkv=" in detail and "mask=" in detail  # the failing case is named
+    assert any(name.startswith(f"failing.{family}.") for name in rec.tensors_saved)  # and its inputs saved
+    if family in ("kernel_scale", "kernel_gqa"):  # a basic family failed: what rests on it says so
+        assert any("not judged" in n and family in n for n in rec.notes)
+
+
+def test_failing_inputs_reproduce_the_failure():
+    _, rec = battery("buggy_kernels:kernel_gqa_modulo")
+    t = {n.removeprefix("failing.kernel_gqa."): v for n, v in rec.tensors_saved.items()
+         if n.startswith("failing.kernel_gqa.")}
+    assert {"q", "k", "v", "out", "ref"} <= set(t)
+    again = reference_attention(t["q"], t["k"], t["v"])
+    assert torch.allclose(again, t["ref"]) and not torch.allclose(t["out"].double(), again, atol=1e-3)
+
+
+def test_wrong_policy_detail_says_how_to_accept_it():
+    checks, _ = battery("buggy_kernels:kernel_nan_rows")
+    assert "give nan, expected zeros" in checks["kernel_fully_masked"].detail
+    assert "fully_masked_expect" in checks["kernel_fully_masked"].detail
+
+
+def test_wrong_output_shape_fails_not_crashes():
+    checks, _ = battery("buggy_kernels:kernel_wrong_shape", "kernel_checks.backward=false")
+    assert "kernel_scale" in failed(checks) and "returned shape" in checks["kernel_scale"].detail
+
+
+def test_same_seed_same_metrics():
+    _, a = battery("torch:sdpa", "seed=3", "cases.masks=[none,causal]")
+    _, b = battery("torch:sdpa", "seed=3", "cases.masks=[none,causal]")
+    key = [(r["name"], r.get("tensor"), r["Tq"], r["value"]) for r in a.metrics_rows if r["name"] == "err"]
+    assert key == [(r["name"], r.get("tensor"), r["Tq"], r["value"]) for r in b.metrics_rows if r["name"] == "err"]
+
+
+# -------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    (["kernel=torch:nope"], "not a built-in kernel"),
+    (["kernel=tfmoe:fast"], "not a built-in kernel"),
+    (["kernel=justaname"], "python.module:function"),
+    (["kernel=no_such_module_i13:attn"], "cannot import"),
+    (["kernel=buggy_kernels:missing"], "has no"),
+    (["kernel=buggy_kernels:NOT_A_FUNCTION"], "not callable"),
+    (["kernel=buggy_kernels:kernel_takes_only_q"], "cannot take (q, k, v)"),
+    (["kernel=tfmoe.components.attention:MultiHeadSelfAttention"], "nn.Module class"),
+    (["kernel=tfmoe:chunked", "causal_align=top_left"], "contradicts"),
+    (["kernel=buggy_kernels:kernel_declares_bottom_right", "causal_align=top_left"], "contradicts"),
+    (["kernel=torch:sdpa", "causal_align=middle"], "causal_align"),
+    (["kernel=torch:sdpa-cudnn"], "CUDA only"),
+    (["kernel=torch:sdpa", "cases.kv_heads=[4]"], "do not divide"),
+    (["kernel=torch:sdpa", "cases.shapes=[[5,7]]"], "[Tq, Tk, D]"),
+    (["kernel=torch:sdpa", "cases.masks=[sliding]"], "cases.masks"),
+    (["kernel=torch:sdpa", "kernel_checks.fully_masked_expect=ones"], "fully_masked_expect"),
+    (["kernel=torch:sdpa", "kernel_checks.grad_factor=0"], "grad_factor"),
+])
+def test_bad_input_is_refused_with_the_fix(overrides, fragment):
+    with pytest.raises(BadInput, match=fragment.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]")) as err:
+        run_recorded("attn-check", overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_cli_bad_kernel_exit_2_one_line(tmp_path):
+    res = run_cli(["attn-check", "kernel=torch:nope"], tmp_path)
+    assert res.exit_code == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "torch:sdpa" in lines[0]
+
+
+def test_cli_planted_bug_exit_1_names_the_family(tmp_path):
+    res = run_cli(["attn-check", "kernel=buggy_kernels:kernel_bottom_right", *SMALL], tmp_path)
+    assert res.exit_code == 1 and "kernel_causal" in res.stderr
+
+
+# ------------------------------------------------------------------------------------ the default matrix
+@pytest.mark.slow
+def test_default_matrix_on_sdpa_passes():
+    rec = run_recorded("attn-check", ["kernel=torch:sdpa"])
+    checks = {c.check: c for c in rec.checks_rows}
+    assert set(checks) == FAMILIES and all(c.passed for c in checks.values()), \
+        {n: c.detail for n, c in checks.items() if not c.passed}
+    shapes = {(r["Tq"], r["Tk"], r["D"]) for r in rec.metrics_rows if r["name"] == "err"}
+    assert {(1, 239, 128), (255, 257, 96), (128, 129, 111), (17, 17, 59)} <= shapes
+    assert not math.isnan(next(r["value"] for r in rec.metrics_rows if r["name"] == "matrix_wall_s"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel", ["torch:sdpa", "torch:sdpa-flash", "torch:sdpa-efficient", "torch:sdpa-cudnn",
+                                    "torch:sdpa-math", "torch:flex", "torch:flex-compiled"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_cuda_kernels_pass_or_say_why_not(kernel, dtype):
+    checks, rec = battery(kernel, "device=cuda", f"dtype={dtype}")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
