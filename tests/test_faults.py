@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from tfmoe import notebook
 from tfmoe.testing import run_cli
@@ -157,3 +158,45 @@ def test_bad_flush_interval_is_bad_input(fake_experiment) -> None:
 
     assert launch.run_experiment(fake_experiment, ["flush_every_s=0"], quiet=True) == 2
     assert launch.run_experiment(fake_experiment, ["flush_every_s=null"], quiet=True) == 0
+
+
+def test_interrupted_sweep_still_writes_a_complete_sweep_parquet_and_can_be_completed_later(fake_experiment) -> None:
+    """Jobs 0 ok, 1 crashes, 2 is interrupted (stops the in-process sweep), 3 never starts: sweep.parquet lists
+    all four with their state; `tfmoe sweep-complete` rebuilds it, also after a job's process is lost."""
+    from tfmoe import hydra_callbacks, launch, runner
+
+    with pytest.raises(KeyboardInterrupt):
+        launch.run_experiment(fake_experiment, ["mode=ok,crash,interrupt,ok"], multirun=True, quiet=True)
+    sweep = runner.LAST_RUN_DIRS[-1].parent
+    df = pd.read_parquet(sweep / "sweep.parquet")
+    states = df.drop_duplicates("job").set_index("job")
+    assert states["status"].to_dict() == {"0": "ok", "1": "crashed", "2": "interrupted", "3": "not_started"}
+    assert states.loc["3", "mode"] == "ok" and pd.isna(states.loc["3", "run_id"])  # known from multirun.yaml
+    assert "planted crash" in states.loc["1", "error"]
+    assert df[(df["job"] == "2") & (df["name"] == "loss")]["step"].tolist() == [0, 1, 2]  # records so far
+    assert not hydra_callbacks.STARTED_SWEEPS
+
+    (sweep / "sweep.parquet").unlink()  # as if the launching process had been killed before writing it
+    _planted_running(sweep / "0", pid=_dead_pid())
+    r = run_cli(["sweep-complete", str(sweep)], Path.cwd())
+    assert r.exit_code == 130, r.stdout + r.stderr  # the worst job: interrupted / not started
+    assert "job 0 (mode=ok): lost" in r.stdout and "job 3 (mode=ok): not_started" in r.stdout
+    states = pd.read_parquet(sweep / "sweep.parquet").drop_duplicates("job").set_index("job")["status"]
+    assert states.to_dict() == {"0": "lost", "1": "crashed", "2": "interrupted", "3": "not_started"}
+    bad = run_cli(["sweep-complete", str(sweep / "0")], Path.cwd())
+    assert bad.exit_code == 2 and "not a tfmoe sweep directory" in bad.stderr
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_sweep_with_failed_jobs_names_them(fake_experiment) -> None:
+    from tfmoe import hydra_callbacks, launch, reports
+
+    code = launch.run_experiment(fake_experiment, ["mode=ok,fail_check,bad_input"], multirun=True, quiet=True)
+    assert code == 2
+    lines = reports.sweep_problem_lines(hydra_callbacks.LAST_SWEEP_DIRS[-1])
+    assert lines[0].startswith("job 1 (mode=fail_check): failed") and lines[1].startswith("job 2 (mode=bad_input): error")

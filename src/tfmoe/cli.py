@@ -225,6 +225,19 @@ def export_mlflow_cmd(
         export_mlflow.report(export_mlflow.export(list(runs or []), runs_root, tracking_uri), tracking_uri)
 
 
+@app.command("sweep-complete")
+def sweep_complete_cmd(
+    sweep_dir: Path = typer.Argument(..., help="The sweep directory, runs/<experiment>/multirun-<...>."),
+) -> None:
+    """Write sweep.parquet for a sweep whose launching process died (killed, machine lost): every job, with the
+    state it is in (ok/failed/.../lost/running/not_started). Exit code: the worst of its jobs'."""
+    from tfmoe.hydra_callbacks import complete_sweep
+
+    with bad_input_exits_2():
+        code = complete_sweep(sweep_dir)
+    raise typer.Exit(code)
+
+
 @failures_app.command("add")
 def failures_add(
     run: str = typer.Argument(..., help="The run that shows the failure (path, id, prefix or 'latest')."),

@@ -181,7 +181,8 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     from hydra.core.global_hydra import GlobalHydra
 
     from tfmoe import hydra_callbacks, runner
-    from tfmoe.reports import exit_code_of, print_outcome
+    from tfmoe.notebook import STATUS_EXIT
+    from tfmoe.reports import exit_code_of, print_outcome, worst_exit_code
 
     overrides, flags = split_args(args)
     overrides = [force_expect(o) for o in overrides]
@@ -198,14 +199,19 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     sys.argv = [f"tfmoe {exp.name}", *flags, *overrides]
     GlobalHydra.instance().clear()
     main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=exp.config)(runner.execute)
+    hydra_failed = False
     try:
         main()
-    except SystemExit as exc:  # Hydra's own error path (after our validation this is rare)
-        if exc.code not in (0, None):
-            return EXIT_FROM_HYDRA
+    except SystemExit as exc:  # Hydra's own error path: a bad config, or a launcher that lost a job
+        hydra_failed = exc.code not in (0, None)
     finally:
         sys.argv = saved_argv
         GlobalHydra.instance().clear()
+        # a sweep that stopped early (a job killed, a launcher error, Ctrl-C/SIGTERM here) still gets its
+        # sweep.parquet: the jobs that finished and the state of the others
+        hydra_callbacks.LAST_SWEEP_DIRS.extend(hydra_callbacks.complete_unfinished_sweeps())
+    if hydra_failed and not hydra_callbacks.LAST_SWEEP_DIRS:
+        return EXIT_FROM_HYDRA
     dirs = [p.resolve() for p in runner.LAST_RUN_DIRS]
     for sweep_dir in hydra_callbacks.LAST_SWEEP_DIRS:  # jobs run by other processes (joblib, submitit)
         dirs += [p.parent.resolve() for p in sweep_dir.glob("*/run.parquet") if p.parent.resolve() not in dirs]
@@ -215,7 +221,12 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         return 0  # --cfg / --info: Hydra printed and ran nothing
     if not quiet:
         print_outcome(dirs, hydra_callbacks.LAST_SWEEP_DIRS)
-    return exit_code_of(dirs)
+    codes = [exit_code_of(dirs)]
+    if any(hydra_callbacks.has_unstarted_jobs(s) for s in hydra_callbacks.LAST_SWEEP_DIRS):
+        codes.append(STATUS_EXIT[hydra_callbacks.NOT_STARTED])
+    if hydra_failed:
+        codes.append(EXIT_FROM_HYDRA)
+    return worst_exit_code(codes)
 
 
 EXIT_FROM_HYDRA = 2

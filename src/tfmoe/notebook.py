@@ -32,7 +32,8 @@ TABLE_FILES = {
     "timings": "timings.parquet",
     "tensors": "tensors.parquet",
 }
-STATUS_EXIT = {"ok": 0, "failed": 1, "error": 2, "interrupted": 130, "crashed": 3, "running": 3, "unexpected": 4, "lost": 137}
+STATUS_EXIT = {"ok": 0, "failed": 1, "error": 2, "interrupted": 130, "crashed": 3, "running": 3, "unexpected": 4,
+               "lost": 137, "not_started": 130}  # not_started: a sweep job that never began (the sweep was stopped)
 EXPECTATIONS_FILE = "expectations.parquet"
 EXPECTATIONS_SCHEMA = pa.schema([
     ("label", pa.string()), ("metric", pa.string()), ("selector", pa.string()), ("aggregate", pa.string()),

@@ -97,6 +97,29 @@ def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | Non
         console.print(f"run directory: {df.iloc[0]['path']}", soft_wrap=True)
     for s in sweep_dirs:
         console.print(f"sweep: {s}/sweep.parquet", soft_wrap=True)
+        for line in sweep_problem_lines(s):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def sweep_problem_lines(sweep_dir: Path) -> list[str]:
+    """'job N (overrides): status: error' for every job of a sweep that did not end ok."""
+    from tfmoe.hydra_callbacks import sweep_jobs
+
+    path = Path(sweep_dir) / "sweep.parquet"
+    if not path.exists():
+        return []
+    df = read_parquet(path).drop_duplicates("job")
+    jobs = sweep_jobs(Path(sweep_dir)) or []
+    lines = []
+    for row in df.to_dict("records"):
+        if row["status"] in ("ok",):
+            continue
+        job = str(row["job"])
+        overrides = " ".join(jobs[int(job)]) if job.isdigit() and int(job) < len(jobs) else ""
+        error = row.get("error")
+        lines.append(f"job {job}{f' ({overrides})' if overrides else ''}: {row['status']}"
+                     + (f": {error}" if isinstance(error, str) and error else ""))
+    return lines
 
 
 def print_runs_table(run_dirs: list[Path]) -> None:
