@@ -51,6 +51,13 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
     return overrides, flags
 
 
+# Keys whose documented forms (the comments in conf/<config>.yaml) have more than one type: the CLI accepts
+# every one of them. Without an entry a value must have the default's type (checks: all -> a string only).
+CONFIG_FORMS: dict[tuple[str, str], tuple[type, ...]] = {
+    ("attn_check", "checks"): (str, list),  # checks: all | [masks, sdpa, ...]
+}
+
+
 def _type_name(v: Any) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
             list: "a list", dict: "a mapping"}.get(type(v), type(v).__name__)
@@ -72,6 +79,11 @@ def _compatible(default: Any, value: Any) -> bool:
     if isinstance(default, dict):
         return isinstance(value, dict)
     return True
+
+
+def _example(form: type) -> Any:
+    """A value of type ``form`` (what :func:`_compatible` compares against)."""
+    return form()
 
 
 def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
@@ -132,10 +144,15 @@ def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
         default = OmegaConf.select(defaults, key, throw_on_missing=False)
         if OmegaConf.is_config(default):
             default = OmegaConf.to_container(default)
+        forms = CONFIG_FORMS.get((exp.config, key))
         for text, value in values:
             if isinstance(value, str) and "${" in value:
                 continue  # an interpolation: OmegaConf resolves and types it later
-            if not _compatible(default, value):
+            if forms is not None:
+                if not any(_compatible(_example(form), value) for form in forms):
+                    raise BadInput(f"{key}={text}: expected {' or '.join(_type_name(_example(f)) for f in forms)} "
+                                   f"(default {key}={default!r}): fix the value")
+            elif not _compatible(default, value):
                 raise BadInput(f"{key}={text}: expected {_type_name(default)} like the default "
                                f"({key}={default!r}): fix the value")
     return composed
