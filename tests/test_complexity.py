@@ -137,7 +137,7 @@ def test_params_check_fails_when_the_block_grows_a_bias():
 
 def test_moe_params():
     p = cm.moe_block_params(SMALL, n_experts=8, top_k=2)
-    expert = 2 * 32 * 128 + 128 + 32
+    expert = 2 * 32 * 128  # the package's MoE expert: a GELU FFN without biases
     assert p["total"] == 4 * 32 * 32 + 4 * 32 + 32 * 8 + 8 * expert
     assert p["active"] == p["total"] - 6 * expert
     dense = cm.moe_block_params(SMALL, 4, 4)
@@ -145,17 +145,38 @@ def test_moe_params():
     with pytest.raises(ValueError):
         cm.moe_block_params(SMALL, 4, 5)
     per_token = cm.moe_ffn_flops_per_token(SMALL, 8, 2)
-    assert per_token["active"] == 2 * 32 * 8 + 2 * (2 * 2 * 32 * 128 + 128 + 32)
+    assert per_token["active"] == 2 * 32 * 8 + 2 * (2 * 2 * 32 * 128)
 
 
-def test_moe_check_passes_and_fails_on_a_router_that_counts_every_expert():
-    assert cx.moe_outcome(SMALL, 8, 2).passed
-    assert cx.moe_outcome(SMALL, 4, 4).passed  # k == E: active == total is right
+@pytest.mark.parametrize("E,k", [(8, 2), (4, 4), (4, 1)])
+def test_moe_model_equals_a_built_moe_block(E, k):
+    """Regression (issue 11): the check compared the formula with itself; now it counts a built MoELayer block."""
+    built = cx.moe_params_built(SMALL, E, k)
+    analytic = cm.moe_block_params(SMALL, E, k)
+    assert built == {"total": analytic["total"], "active": analytic["active"]}
+    assert cx.moe_match_outcome(analytic, built).passed and cx.moe_outcome(built, E, k).passed
 
-    def all_experts(shape, n_experts, top_k):  # planted bug: ignores top_k
-        return cm.moe_block_params(shape, n_experts, n_experts)
 
-    assert not cx.moe_outcome(SMALL, 8, 2, params_fn=all_experts).passed
+def test_moe_checks_fail_on_planted_layer_bugs():
+    from tfmoe.components.block import FeedForward
+    from tfmoe.components.moe import MoELayer
+
+    def biased_experts(d, h, E, k, residual):  # planted: experts that grew biases (the analytic model has none)
+        layer = MoELayer(d, h, E, k, residual=residual)
+        layer.experts = nn.ModuleList(FeedForward(d, h, "gelu", bias=True) for _ in range(E))
+        return layer
+
+    built = cx.moe_params_built(SMALL, 8, 2, layer_fn=biased_experts)
+    o = cx.moe_match_outcome(cm.moe_block_params(SMALL, 8, 2), built)
+    assert not o.passed and o.observed == 8 * (128 + 32) + 2 * (128 + 32)
+    assert cx.moe_outcome(built, 8, 2).passed  # still sparse: only the formula check is to blame
+
+    def every_expert(d, h, E, k, residual):  # planted: the router ignores top_k and uses every expert
+        return MoELayer(d, h, E, E, residual=residual)
+
+    built = cx.moe_params_built(SMALL, 8, 2, layer_fn=every_expert)
+    assert built["active"] == built["total"]
+    assert not cx.moe_outcome(built, 8, 2).passed
 
 
 # ----------------------------------------------------------------------------- crossover, Kaplan
@@ -188,6 +209,21 @@ def test_score_and_kv_bytes():
     assert cm.score_elements(SMALL) == 2 * 4 * 16 * 16
     assert cm.score_bytes(SMALL)["bf16"] * 2 == cm.score_bytes(SMALL)["fp32"]
     assert cm.kv_cache_bytes_per_token(SMALL, 2, n_layers=12) == 2 * 32 * 2 * 12
+
+
+def test_kv_bytes_per_token_do_not_depend_on_B():
+    """Regression (issue 11 item 6): the run divided the per-token KV bytes by B (halved at B=2)."""
+    from tfmoe.testing import run_recorded
+
+    rec = run_recorded("complexity", [*QUICK, "B=2"])
+    m = pd.DataFrame(rec.metrics_rows).set_index("name")["value"]
+    assert m["kv_cache_bytes_per_token"] == 2 * 2 * 16 * 4  # 2 (K, V) x n_layers=2 x D=16 x fp32
+    assert [c.passed for c in rec.checks_rows if c.check.startswith("kv_cache_per_token_match")] == [True]
+    block = _block(SMALL)
+    _, cache = cx.kv_cache_outcome(block, SMALL, _x(SMALL))
+    per_token = cm.kv_cache_bytes_per_token(SMALL, 4)
+    assert cx.kv_per_token_outcome(per_token, cache.nbytes(), SMALL, 1).passed
+    assert not cx.kv_per_token_outcome(per_token // SMALL.B, cache.nbytes(), SMALL, 1).passed  # the old bug
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -385,8 +421,9 @@ def test_run_records_every_name_with_T_and_D():
     assert set(m[m["name"] == "peak_fraction"]["component"]) >= {"ffn", "ffn_fc1", "qkv", "prefill"}
     assert value["timings_plausible"] in (0.0, 1.0) and value["peak_fraction_max"] > 0
     assert {c.check.split(".")[0] for c in rec.checks_rows} == {
-        "sdpa_counted_with_custom_mapping", "moe_compute_flat_in_experts", "moe_active_lt_total", "flops_forward_match", "flops_fwd_bwd_match",
-        "params_match", "kv_cache_bytes_match", "activation_bytes_match", "timings_valid"}
+        "sdpa_counted_with_custom_mapping", "moe_compute_flat_in_experts", "moe_params_match", "moe_active_lt_total",
+        "flops_forward_match", "flops_fwd_bwd_match", "params_match", "kv_cache_bytes_match",
+        "kv_cache_per_token_match", "activation_bytes_match", "timings_valid"}
     # sweep plot from two jobs' rows
     rec2 = run_recorded("complexity", [*QUICK[:1], "D=32", *QUICK[2:]])
     df = pd.concat([pd.DataFrame(rec.metrics_rows), pd.DataFrame(rec2.metrics_rows)], ignore_index=True)

@@ -77,7 +77,7 @@ CLAIMS: tuple[Claim, ...] = (
           "a layer that runs every expert on every token grows its counted FLOPs with E beyond the router's "
           "2·N·D·E; active parameters equal to the total mean nothing is saved",
           ("tests/test_claims.py::test_dense_moe_fails_moe_compute_flat_in_experts",
-           "tests/test_complexity.py::test_moe_check_passes_and_fails_on_a_router_that_counts_every_expert")),
+           "tests/test_complexity.py::test_moe_checks_fail_on_planted_layer_bugs")),
 )
 
 

@@ -107,8 +107,14 @@ def block_params(s: BlockShape) -> dict[str, int]:
     return p
 
 
+def moe_expert_shape(s: BlockShape) -> BlockShape:
+    """The FFN of one expert of :class:`tfmoe.components.moe.MoELayer`: the block's GELU FFN without biases."""
+    return BlockShape(s.B, s.T, s.D, s.H, s.hidden, "gelu", ffn_bias=False)
+
+
 def moe_block_params(s: BlockShape, n_experts: int, top_k: int) -> dict[str, int]:
-    """Params of a block whose FFN is E experts with a linear router (D -> E, no bias) choosing top-k.
+    """Params of a block whose FFN is the package's MoE layer: E bias-free GELU experts (D -> hidden -> D) and a
+    linear router (D -> E, no bias) choosing top-k.
 
     ``total`` counts every expert; ``active`` what one token touches (attention, norms, router, k experts).
     """
@@ -116,7 +122,7 @@ def moe_block_params(s: BlockShape, n_experts: int, top_k: int) -> dict[str, int
         raise ValueError(f"need 1 <= top_k <= n_experts, got top_k={top_k}, n_experts={n_experts}")
     shared = block_params(s)["total"] - ffn_params(s)
     router = s.D * n_experts
-    expert = ffn_params(s)
+    expert = ffn_params(moe_expert_shape(s))
     return {"shared": shared, "router": router, "expert": expert,
             "total": shared + router + n_experts * expert, "active": shared + router + top_k * expert}
 
@@ -151,8 +157,9 @@ def backward_matmul_flops(s: BlockShape) -> int:
 
 
 def moe_ffn_flops_per_token(s: BlockShape, n_experts: int, top_k: int) -> dict[str, int]:
-    """Forward FLOPs of an MoE FFN for one token: router 2·D·E plus top_k experts (all E if dense)."""
-    one = forward_flops(BlockShape(1, 1, s.D, s.H, s.d_ff, s.ffn, s.ffn_bias))
+    """Forward FLOPs of an MoE FFN for one token: router 2·D·E plus top_k bias-free experts (all E if dense)."""
+    e = moe_expert_shape(s)
+    one = forward_flops(BlockShape(1, 1, e.D, e.H, e.d_ff, e.ffn, e.ffn_bias))
     expert = one["ffn"] + one["bias"]
     router = 2 * s.D * n_experts
     return {"router": router, "active": router + top_k * expert, "dense_all_experts": router + n_experts * expert}

@@ -289,13 +289,56 @@ def timings_plausibility(fractions: dict[str, float], limit: float = PLAUSIBLE_P
                    f"max peak_fraction {finite[worst]:.0%} ({worst}); above {limit:.0%}: {listed or 'none'}")
 
 
-def moe_outcome(shape: cm.BlockShape, n_experts: int, top_k: int,
-                params_fn: Callable[..., dict[str, int]] = cm.moe_block_params) -> Outcome:
-    """active < total when top_k < n_experts (active == total when every expert is used)."""
-    p = params_fn(shape, n_experts, top_k)
-    passed = p["active"] < p["total"] if top_k < n_experts else p["active"] == p["total"]
-    return Outcome(passed, p["active"] / p["total"], 1.0,
-                   f"E={n_experts}, k={top_k}: active {p['active']:,} of total {p['total']:,} parameters")
+def moe_params_built(shape: cm.BlockShape, n_experts: int, top_k: int, seed: int = 0,
+                     layer_fn: Callable[..., torch.nn.Module] | None = None) -> dict[str, int]:
+    """Parameters of a block whose FFN is the package's :class:`~tfmoe.components.moe.MoELayer`, counted on the
+    built module: ``total`` every parameter; ``active`` the parameters one token's forward + backward touches
+    (those that receive a gradient: attention, norms, router and the experts the token was routed to)."""
+    from tfmoe.components.moe import MoELayer
+
+    layer_fn = layer_fn or MoELayer
+    torch.manual_seed(seed)
+    block = TransformerBlock(shape.D, shape.H, d_ff=shape.d_ff, causal=True)
+    block.ffn = _MixtureOnly(layer_fn(shape.D, shape.hidden, n_experts, top_k, residual=False))
+    total = sum(p.numel() for p in block.parameters())
+    block(torch.randn(1, 1, shape.D)).sum().backward()  # one token, dropless
+    active = sum(p.numel() for p in block.parameters() if p.grad is not None)
+    return {"total": total, "active": active}
+
+
+class _MixtureOnly(torch.nn.Module):
+    """An MoE layer in the FFN's place: the block adds the residual itself, so it takes the mixture alone."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x).out
+
+
+def moe_match_outcome(analytic: dict[str, int], built: dict[str, int]) -> Outcome:
+    """The analytic MoE block model (total and active parameters) equals the counts of the built layer."""
+    diff = abs(analytic["total"] - built["total"]) + abs(analytic["active"] - built["active"])
+    return Outcome(diff == 0, float(diff), 0.0,
+                   f"analytic total {analytic['total']:,} / active {analytic['active']:,} vs built MoE block "
+                   f"total {built['total']:,} / active (parameters one token's gradient reaches) {built['active']:,}")
+
+
+def moe_outcome(built: dict[str, int], n_experts: int, top_k: int) -> Outcome:
+    """On the built MoE block: active < total when top_k < n_experts (active == total when every expert is used)."""
+    passed = built["active"] < built["total"] if top_k < n_experts else built["active"] == built["total"]
+    return Outcome(passed, built["active"] / built["total"], 1.0,
+                   f"E={n_experts}, k={top_k}: one token touches {built['active']:,} of the built block's "
+                   f"{built['total']:,} parameters")
+
+
+def kv_per_token_outcome(per_token: int, cache_bytes: int, shape: cm.BlockShape, n_layers: int) -> Outcome:
+    """The recorded KV bytes per token equal the built one-layer cache's bytes / (B·T) times the layers."""
+    measured = cache_bytes * n_layers / (shape.B * shape.T)
+    return Outcome(per_token == measured, float(per_token - measured), 0.0,
+                   f"kv_cache_bytes_per_token {per_token:,} vs the built cache's {cache_bytes:,} bytes / "
+                   f"(B={shape.B} x T={shape.T}) x {n_layers} layers = {measured:,.0f}")
 
 
 def moe_compute_outcome(n_experts: int, top_k: int, d_model: int = 32, d_hidden: int = 64, tokens: int = 64,
@@ -481,7 +524,7 @@ def measure_group(rec: Recorder, s: Settings, shape: cm.BlockShape, e: int) -> d
     rec.metric("score_elements", cm.score_elements(shape), **tag)
     for name, nbytes in cm.score_bytes(shape).items():
         rec.metric("score_bytes", nbytes, dtype=name, **tag)
-    kv_per_token = cm.kv_cache_bytes_per_token(shape, e, s.n_layers) // shape.B
+    kv_per_token = cm.kv_cache_bytes_per_token(shape, e, s.n_layers)  # per token, whatever B
     rec.metric("kv_cache_bytes_per_token", kv_per_token, n_layers=s.n_layers, **tag)
     model = cm.model_params(shape, s.n_layers, s.vocab)
     rec.metric("params_model", model["total"], n_layers=s.n_layers, **tag)
@@ -493,9 +536,14 @@ def measure_group(rec: Recorder, s: Settings, shape: cm.BlockShape, e: int) -> d
                cm.kaplan_forward_flops_per_token(model["non_embedding_weights"], s.n_layers, T, D),
                n_layers=s.n_layers, **tag)
     moe = cm.moe_block_params(shape, s.n_experts, s.top_k)
-    rec.metric("params_moe_total", moe["total"], n_experts=s.n_experts, top_k=s.top_k, **tag)
-    rec.metric("params_moe_active", moe["active"], n_experts=s.n_experts, top_k=s.top_k, **tag)
-    check("moe_active_lt_total", moe_outcome(shape, s.n_experts, s.top_k))
+    moe_tags = {"n_experts": s.n_experts, "top_k": s.top_k, **tag}
+    rec.metric("params_moe_total", moe["total"], **moe_tags)
+    rec.metric("params_moe_active", moe["active"], **moe_tags)
+    built = moe_params_built(shape, s.n_experts, s.top_k, rec.seed)
+    rec.metric("params_moe_total_built", built["total"], **moe_tags)
+    rec.metric("params_moe_active_built", built["active"], **moe_tags)
+    check("moe_params_match", moe_match_outcome(moe, built))
+    check("moe_active_lt_total", moe_outcome(built, s.n_experts, s.top_k))
 
     # counted
     fwd = counted_block_flops(shape, rec.dtype, backward=False)
@@ -511,6 +559,7 @@ def measure_group(rec: Recorder, s: Settings, shape: cm.BlockShape, e: int) -> d
     check("params_match", params_outcome(block, shape))
     kv, cache = kv_cache_outcome(block, shape, x)
     check("kv_cache_bytes_match", kv)
+    check("kv_cache_per_token_match", kv_per_token_outcome(kv_per_token, cache.nbytes(), shape, s.n_layers))
     rec.metric("kv_cache_bytes", cache.nbytes(), **tag)
     del cache
     saved_box: list[int] = []
