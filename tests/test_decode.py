@@ -186,6 +186,29 @@ def test_chi2_goodness_of_fit_accepts_right_and_rejects_wrong_samples():
     assert sampling.chi2_goodness_of_fit(bad, probs, 1e-3).p_value < 1e-6
 
 
+def test_chi2_fails_at_once_on_a_sample_of_a_zero_probability_token():
+    """Regression (issue 11 item 7): 41 impossible samples in 20,000 were pooled away and still gave p = 0.72."""
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0])
+    g = torch.Generator().manual_seed(0)
+    samples = torch.multinomial(probs, 20000, replacement=True, generator=g)
+    assert sampling.chi2_goodness_of_fit(samples, probs).p_value > 1e-3
+    samples[:41] = 3  # drawn from a token the distribution forbids
+    res = sampling.chi2_goodness_of_fit(samples, probs)
+    assert res.p_value == 0.0 and res.impossible == 41 and res.stat == math.inf
+    one = sampling.chi2_goodness_of_fit(torch.zeros(50, dtype=torch.long), torch.tensor([1.0, 0.0]))
+    assert one.p_value == 1.0 and one.df == 0  # one possible token, every sample is it: nothing to reject
+    assert sampling.chi2_goodness_of_fit(torch.ones(50, dtype=torch.long), torch.tensor([1.0, 0.0])).p_value == 0.0
+
+
+def test_reference_truncated_distributions_by_hand():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert decode.reference_top_k_probs(logits, 2).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    assert decode.reference_top_p_probs(logits, 0.6).tolist() == pytest.approx([0.625, 0.375, 0, 0])  # crosses 0.6
+    assert decode.reference_top_p_probs(logits, 0.5).tolist() == pytest.approx([1, 0, 0, 0])
+    assert decode.reference_top_p_probs(logits, 1.0).tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05])
+    assert decode.reference_top_k_probs(torch.tensor([1.0, 1.0, 0.0]), 1).tolist() == pytest.approx([0.5, 0.5, 0])
+
+
 # ----------------------------------------------------------------------------- model-level facts
 def test_reference_greedy_matches_generate(lab):
     _, _, _, model, prompt, _ = lab
@@ -229,10 +252,11 @@ def test_check_battery_passes_on_the_real_components(lab):
     probs = torch.softmax(model(seq)[0].detach(), -1)
     decode.check_top_p_sets(rec, probs, s.top_p_grid)
     decode.check_chi2(rec, model(seq)[0, 5].detach(), s.chi2_draws, s.chi2_alpha, 0)
+    decode.check_truncated_sampling(rec, model(seq)[0, 5].detach(), s.chi2_draws, s.chi2_alpha, 0, s.top_k, s.top_p)
     decode.check_parallel_vs_serial(rec, model, seq, s, torch.float32)
     decode.check_kv_cache(rec, model, prompt, s.check_tokens, s, torch.float32)
     assert rec.all_passed, [c for c in rec.checks_rows if not c.passed]
-    assert len(rec.checks_rows) == 13
+    assert len(rec.checks_rows) == 15
 
 
 # ------------------------------------------------------------------------- checks: planted bugs
@@ -330,6 +354,35 @@ def test_chi2_check_fails_for_a_wrong_sampler(lab, monkeypatch, bug):
     rec = make_rec()
     decode.check_chi2(rec, logits[int(entropy.argmax())], s.chi2_draws, s.chi2_alpha, 0)
     assert not passed(rec, "temperature1_matches_softmax")
+
+
+def _truncated_failures(lab) -> set[str]:
+    s, _, stream, model, _, _ = lab
+    logits = model(stream[-40:][None])[0].detach()
+    entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    rec = make_rec()
+    decode.check_chi2(rec, logits[int(entropy.argmax())], s.chi2_draws, s.chi2_alpha, 0)
+    decode.check_truncated_sampling(rec, logits[int(entropy.argmax())], s.chi2_draws, s.chi2_alpha, 0, 5, 0.7)
+    return {c.check for c in rec.checks_rows if not c.passed}
+
+
+def test_truncated_sampling_passes_and_fails_on_planted_filter_bugs(lab, monkeypatch):
+    """top-k / top-p sampled distributions, tested statistically (issue 11 item 7): each planted filter bug fails
+    its own check only (temperature-1 sampling does not use the filters)."""
+    assert _truncated_failures(lab) == set()
+    real_k, real_p = sampling.top_k_filter, sampling.top_p_keep_mask
+    monkeypatch.setattr(sampling, "top_k_filter", lambda logits, k: real_k(logits, k + 1))  # keeps one too many
+    assert _truncated_failures(lab) == {"top_k_sampling_matches"}
+    monkeypatch.setattr(sampling, "top_k_filter", real_k)
+
+    def drops_crossing(probs, p):  # keeps tokens while cumsum <= p: the crossing token is lost
+        sp, order = torch.sort(probs.double(), dim=-1, descending=True)
+        keep = torch.cumsum(sp, -1) <= p
+        keep[..., 0] = True
+        return torch.zeros_like(keep).scatter(-1, order, keep)
+
+    monkeypatch.setattr(sampling, "top_p_keep_mask", drops_crossing)
+    assert _truncated_failures(lab) == {"top_p_sampling_matches"}
 
 
 class ForgetfulCache(KVCache):

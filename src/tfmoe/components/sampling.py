@@ -239,24 +239,35 @@ class Chi2Result:
     n_bins: int
     observed: torch.Tensor  # (n_bins,) counts
     expected: torch.Tensor  # (n_bins,) N * p
+    impossible: int = 0  # samples of categories whose probability is exactly 0 (any one fails the test)
 
 
 def chi2_goodness_of_fit(samples: torch.Tensor, probs: torch.Tensor, alpha: float = 1e-3,
                          min_expected: float = 5.0) -> Chi2Result:
     """Pearson's chi-square test of ``samples`` (N,) ids against ``probs`` (V,). Categories whose expected
-    count N·p is below ``min_expected`` are pooled into one bin (the usual validity rule)."""
+    count N·p is below ``min_expected`` are pooled into one bin (the usual validity rule).
+
+    A sample of a category with probability exactly 0 is impossible under ``probs``: it is never pooled away
+    (pooling would dilute it, or drop it when the pooled bin expects nothing); the test fails at once
+    (statistic inf, p-value 0). A distribution with one possible category passes when every sample is it."""
     n = samples.numel()
     p = probs.double().cpu()
     p = p / p.sum()
     counts = torch.bincount(samples.cpu(), minlength=p.numel()).double()
+    possible = p > 0
+    impossible = int(counts[~possible].sum())
     expected = n * p
-    big = expected >= min_expected
+    big = (expected >= min_expected) & possible
+    small = ~big & possible
     obs_bins, exp_bins = counts[big], expected[big]
-    if (~big).any() and expected[~big].sum() > 0:
-        obs_bins = torch.cat([obs_bins, counts[~big].sum()[None]])
-        exp_bins = torch.cat([exp_bins, expected[~big].sum()[None]])
+    if small.any():
+        obs_bins = torch.cat([obs_bins, counts[small].sum()[None]])
+        exp_bins = torch.cat([exp_bins, expected[small].sum()[None]])
     df = obs_bins.numel() - 1
+    if impossible:
+        return Chi2Result(math.inf, max(df, 1), 0.0, chi2_critical(alpha, max(df, 1)), obs_bins.numel(), obs_bins,
+                          exp_bins, impossible)
     if df < 1:
-        raise ValueError("the distribution has a single category with enough mass: nothing to test")
+        return Chi2Result(0.0, 0, 1.0, 0.0, obs_bins.numel(), obs_bins, exp_bins, 0)
     stat = float(((obs_bins - exp_bins) ** 2 / exp_bins).sum())
     return Chi2Result(stat, df, chi2_sf(stat, df), chi2_critical(alpha, df), obs_bins.numel(), obs_bins, exp_bins)

@@ -331,19 +331,68 @@ def check_top_p_sets(rec: Recorder, probs: torch.Tensor, grid: list[float]) -> N
               "with cumulative probability >= p")
 
 
+def reference_top_k_probs(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The top-k distribution from first principles, in fp64: softmax over the logits >= the k-th largest
+    (ties at the k-th value kept, as a threshold filter does), 0 elsewhere. logits (V,)."""
+    x = logits.double()
+    kth = torch.sort(x, descending=True).values[min(k, x.numel()) - 1]
+    w = torch.where(x >= kth, torch.exp(x - x.max()), torch.zeros_like(x))
+    return w / w.sum()
+
+
+def reference_top_p_probs(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """The nucleus distribution from first principles, in fp64: walk the tokens from most to least likely and
+    keep each while the mass already kept is < p (the token that crosses p is kept), then renormalise."""
+    q = torch.exp(logits.double() - logits.double().max())
+    q = q / q.sum()
+    out = torch.zeros_like(q)
+    kept = 0.0
+    for i in sorted(range(q.numel()), key=lambda j: -float(q[j])):
+        if kept >= p:
+            break
+        out[i] = q[i]
+        kept += float(q[i])
+    return out / out.sum()
+
+
+def check_sampled_distribution(rec: Recorder, name: str, logits: torch.Tensor, reference: torch.Tensor, draws: int,
+                               alpha: float, seed: int, what: str, **sampler: Any) -> sampling.Chi2Result:
+    """Draw ``draws`` tokens with ``sampling.sample_next(logits, **sampler)`` from one context's logits (V,) and
+    test them against ``reference`` (V,), a distribution computed here without the sampling module."""
+    g = torch.Generator(device=logits.device).manual_seed(seed)
+    samples = sampling.sample_next(logits[None].expand(draws, -1), generator=g, **sampler)  # (N,)
+    res = sampling.chi2_goodness_of_fit(samples, reference, alpha)
+    tag = {"distribution": name}
+    rec.metric("chi2_stat", res.stat, **tag)
+    rec.metric("chi2_df", res.df, **tag)
+    rec.metric("chi2_critical", res.critical, **tag)
+    rec.metric("chi2_impossible_samples", res.impossible, **tag)
+    if res.impossible:
+        detail = (f"{res.impossible} of {draws} draws are tokens the {what} gives probability 0 "
+                  "(e.g. a filter that keeps too many tokens): the sampler draws outside the distribution")
+    else:
+        detail = (f"chi-square p-value over {draws} draws vs the {what} ({res.n_bins} bins, df={res.df}, "
+                  f"stat={res.stat:.2f}, critical value {res.critical:.2f} at alpha={alpha}); must not be below alpha")
+    rec.check(name, res.p_value >= alpha, res.p_value, alpha, detail)
+    return res
+
+
 def check_chi2(rec: Recorder, logits: torch.Tensor, draws: int, alpha: float, seed: int) -> sampling.Chi2Result:
     """Draw ``draws`` tokens at temperature 1 from one context's logits (V,) and test them against softmax."""
-    g = torch.Generator(device=logits.device).manual_seed(seed)
-    samples = sampling.sample_next(logits[None].expand(draws, -1), temperature=1.0, generator=g)  # (N,)
     probs = torch.softmax(logits.double(), dim=-1)  # fp64 reference distribution
-    res = sampling.chi2_goodness_of_fit(samples, probs, alpha)
-    rec.metric("chi2_stat", res.stat)
-    rec.metric("chi2_df", res.df)
-    rec.metric("chi2_critical", res.critical)
-    rec.check("temperature1_matches_softmax", res.p_value >= alpha, res.p_value, alpha,
-              f"chi-square p-value over {draws} draws ({res.n_bins} bins, df={res.df}, stat={res.stat:.2f}, "
-              f"critical value {res.critical:.2f} at alpha={alpha}); must not be below alpha")
-    return res
+    return check_sampled_distribution(rec, "temperature1_matches_softmax", logits, probs, draws, alpha, seed,
+                                      "fp64 softmax", temperature=1.0)
+
+
+def check_truncated_sampling(rec: Recorder, logits: torch.Tensor, draws: int, alpha: float, seed: int,
+                             top_k: int | None, top_p: float | None) -> None:
+    """top-k and top-p sampling at temperature 1 against their first-principles distributions (chi-square)."""
+    if top_k is not None:
+        check_sampled_distribution(rec, "top_k_sampling_matches", logits, reference_top_k_probs(logits, top_k), draws,
+                                   alpha, seed + 1, f"top-{top_k} softmax", temperature=1.0, top_k=top_k)
+    if top_p is not None:
+        check_sampled_distribution(rec, "top_p_sampling_matches", logits, reference_top_p_probs(logits, top_p),
+                                   draws, alpha, seed + 2, f"top-p {top_p} nucleus", temperature=1.0, top_p=top_p)
 
 
 def incremental_logits(model: TinyCausalLM, seq: torch.Tensor) -> torch.Tensor:
@@ -540,6 +589,10 @@ def _run(s: DecodeSettings, rec: Recorder) -> None:
         t_star = int(entropy.argmax())
         rec.metric("chi2_context_entropy", float(entropy[t_star]), position=t_star)
         chi2 = check_chi2(rec, ctx_logits[t_star], s.chi2_draws, s.chi2_alpha, rec.seed)
+        check_truncated_sampling(rec, ctx_logits[t_star], s.chi2_draws, s.chi2_alpha, rec.seed, s.top_k, s.top_p)
+        if s.top_k is None or s.top_p is None:
+            rec.note("sampled-distribution check skipped for " + " and ".join(
+                k for k, v in (("top_k", s.top_k), ("top_p", s.top_p)) if v is None) + " (null: off)")
         tol = None  # fp32 / fp64: logit_tol_eps x eps x scale
         if rec.dtype in (torch.float16, torch.bfloat16):
             tol = low_precision_tol(s, model, ref32, seq)
