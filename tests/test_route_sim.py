@@ -77,6 +77,44 @@ def test_router_softmax_topk_weights_renormalised():
     torch.testing.assert_close(r.topk_weight, ref / ref.sum(-1, keepdim=True))
 
 
+def _router_grad_from_task_loss(top_k: int, **kw) -> float:
+    """|dL/dW_router| of an MSE task loss alone (no balancing loss) through an MoE layer."""
+    torch.manual_seed(0)
+    layer = moe.MoELayer(16, 32, 8, top_k, capacity_factor=None, **kw)
+    x, y = torch.randn(64, 16), torch.randn(64, 16)
+    F.mse_loss(layer(x).out, y).backward()
+    return float(layer.router.gate.weight.grad.norm())
+
+
+def test_router_learns_from_the_task_loss_at_top_1():
+    """Regression (issue 11 item 5): at k=1 the one chosen weight was renormalised to exactly 1, so the task loss
+    gave the router no gradient (2e-9 vs 0.024 at k=2). Switch Transformer gates by the raw probability."""
+    torch.manual_seed(0)
+    router = moe.Router(16, 8, 1)
+    r = router(torch.randn(50, 16))
+    torch.testing.assert_close(r.topk_weight, r.probs.gather(1, r.topk_idx))  # the unnormalised probability
+    assert (r.topk_weight < 1).all()
+    k1, k2 = _router_grad_from_task_loss(1), _router_grad_from_task_loss(2)
+    assert k1 > 0.1 * k2 > 0  # same order as k=2
+    assert _router_grad_from_task_loss(1, renormalize=True) < 1e-6 * k2  # the old behaviour, still on request
+    assert moe.Router(16, 8, 2).renormalize and not moe.Router(16, 8, 1).renormalize
+    # and it learns: a few steps of the task loss alone move the router towards the better expert
+    torch.manual_seed(0)
+    layer = moe.MoELayer(16, 32, 2, 1, capacity_factor=None)
+    x = torch.randn(256, 16)
+    with torch.no_grad():
+        y = x + layer.experts[0](x)  # expert 0, fully weighted, is the task
+    opt = torch.optim.Adam(layer.router.parameters(), lr=0.1)
+    losses = []
+    for _ in range(40):
+        opt.zero_grad()
+        loss = F.mse_loss(layer(x).out, y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.8 * losses[0]
+
+
 def test_router_sigmoid_scores_normalised_probs():
     torch.manual_seed(1)
     router = moe.Router(8, 6, 3, score_func="sigmoid")

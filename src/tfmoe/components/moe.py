@@ -1,8 +1,10 @@
 """Mixture-of-Experts routing and dispatch in plain PyTorch (course §2.6).
 
 Router: logits = x W_g, computed in fp32; scores = softmax(logits), or sigmoid(logits) as in DeepSeek-V3;
-top-k on the scores (plus a selection-only bias for aux-loss-free balancing); the chosen scores are
-renormalised to sum to 1 and become the combine weights.
+top-k on the scores (plus a selection-only bias for aux-loss-free balancing); the chosen scores become the
+combine weights, renormalised to sum to 1 when k > 1 (Mixtral, DeepSeek-V3). At k = 1 the weight is the chosen
+score itself, as in Switch Transformer (Fedus et al. 2021: the expert's output is gated by its router
+probability): renormalising one weight makes it exactly 1, and the task loss then gives the router no gradient.
 
 Capacity: C = ceil(tokens * k / n_experts * capacity_factor) assignments per expert; ``None`` = dropless.
 Overflow assignments are dropped in a fixed priority order: every token's 1st choice in token order, then
@@ -12,8 +14,9 @@ comes out equal to its input.
 
 Dispatch, two ways with the same arithmetic order on CPU (so the outputs agree to the last bit):
   loop   - the course's teaching loop: for each expert, torch.where(topk_idx == e) -> gather -> FFN -> index_add_
-  sorted - Megablocks style: stable argsort of the assignments by expert, bincount -> offsets, one contiguous
-           slice of the sorted order per expert, index_add_ back.
+  sorted - sort-based dispatch: a stable argsort of the assignments by expert, bincount -> offsets, then a Python
+           loop of dense per-expert FFN calls, one contiguous slice of the sorted order each, index_add_ back (no
+           block-sparse kernel or grouped GEMM as in MegaBlocks: the same per-expert matmuls as the loop).
 
 Balancing: Switch aux loss, ST-MoE router z-loss, noisy top-k (Shazeer et al. 2017) and the aux-loss-free
 per-expert selection bias (Wang et al. 2024, DeepSeek-V3).
@@ -46,16 +49,17 @@ class Routing:
     scores: torch.Tensor  # (N,E) softmax probabilities or sigmoid affinities
     probs: torch.Tensor  # (N,E) scores normalised to sum 1 over experts (= scores for softmax)
     topk_idx: torch.Tensor  # (N,k) int64, chosen experts, best first
-    topk_weight: torch.Tensor  # (N,k) fp32, chosen scores renormalised to sum 1
+    topk_weight: torch.Tensor  # (N,k) fp32 combine weights: chosen scores, renormalised to sum 1 when renormalised
 
 
 class Router(nn.Module):
     """x (N,D) -> Routing. ``noisy``: H = xW_g + N(0,1)·softplus(xW_noise), in training mode only.
     ``selection_bias`` (E,) is a buffer (not trained by gradients) added to the scores for choosing
-    experts only; the combine weights use the unbiased scores."""
+    experts only; the combine weights use the unbiased scores. ``renormalize``: divide the k chosen scores by
+    their sum; None (default) = only when k > 1 (at k = 1 Switch gates by the raw probability)."""
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, score_func: str = "softmax",
-                 noisy: bool = False):
+                 noisy: bool = False, renormalize: bool | None = None):
         super().__init__()
         if n_experts < 1:
             raise ValueError(f"n_experts={n_experts} must be >= 1")
@@ -64,6 +68,7 @@ class Router(nn.Module):
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"unknown score_func {score_func!r}: choose one of {SCORE_FUNCS}")
         self.n_experts, self.top_k, self.score_func = n_experts, top_k, score_func
+        self.renormalize = top_k > 1 if renormalize is None else bool(renormalize)
         self.gate = nn.Linear(d_model, n_experts, bias=False)
         self.noise_gate = nn.Linear(d_model, n_experts, bias=False) if noisy else None
         if noisy:
@@ -85,7 +90,7 @@ class Router(nn.Module):
             probs = scores / scores.sum(dim=-1, keepdim=True)
         _, topk_idx = torch.topk(scores.detach() + self.selection_bias, self.top_k, dim=-1)  # (N,k)
         chosen = scores.gather(-1, topk_idx)  # (N,k), gradients flow through the unbiased scores
-        topk_weight = chosen / chosen.sum(dim=-1, keepdim=True)
+        topk_weight = chosen / chosen.sum(dim=-1, keepdim=True) if self.renormalize else chosen
         return Routing(logits, scores, probs, topk_idx, topk_weight)
 
 
@@ -160,8 +165,9 @@ def dispatch_loop(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Te
 
 def dispatch_sorted(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, keep: torch.Tensor,
                     experts: Sequence[nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Megablocks-style: sort the kept assignments by expert (stable argsort), bincount -> offsets, run each
-    expert on its one contiguous slice of the sorted order, scatter back with index_add_. Same contract as
+    """Sort-based dispatch: sort the kept assignments by expert (stable argsort), bincount -> offsets, then loop over
+    the experts, each a dense FFN call on its one contiguous slice of the sorted order, scattered back with
+    index_add_ (no block-sparse grouped GEMM as in MegaBlocks). Same contract as
     :func:`dispatch_loop`. Each slice is gathered and scattered on its own: on a CPU that keeps the
     (n_e,D) working set in cache, which beat one (N*k,D) gather + one scatter by ~20% at E=64, N=16k."""
     N, k = topk_idx.shape
@@ -235,11 +241,11 @@ class MoELayer(nn.Module):
 
     def __init__(self, d_model: int, d_hidden: int, n_experts: int, top_k: int,
                  capacity_factor: float | None = None, score_func: str = "softmax", noisy: bool = False,
-                 dispatch: str = "sorted", residual: bool = True):
+                 dispatch: str = "sorted", residual: bool = True, renormalize: bool | None = None):
         super().__init__()
         if dispatch not in DISPATCH:
             raise ValueError(f"unknown dispatch {dispatch!r}: choose one of {DISPATCHES}")
-        self.router = Router(d_model, n_experts, top_k, score_func, noisy)
+        self.router = Router(d_model, n_experts, top_k, score_func, noisy, renormalize)
         self.experts = nn.ModuleList(FeedForward(d_model, d_hidden, "gelu", bias=False) for _ in range(n_experts))
         self.capacity_factor, self.dispatch, self.residual = capacity_factor, dispatch, residual
         self.n_experts, self.top_k = n_experts, top_k
