@@ -376,6 +376,30 @@ def test_norm_statistics_fail_on_uncentred_layernorm():
     assert not out.passed and out.observed > 1 and "y" in out.evidence
 
 
+def test_norm_statistics_reference_is_independent_of_f_layer_norm(monkeypatch):
+    """Regression (issue 11 item 2): the reference was F.layer_norm, the op LayerNorm32 calls (deviation ratio
+    exactly 0.5). A bug in that op (here: Bessel-corrected variance) must fail the check."""
+    real = F.layer_norm
+
+    def bessel_layer_norm(x, shape, weight=None, bias=None, eps=1e-5):
+        d = x.shape[-1]
+        return real(x, shape, weight, bias, eps) * math.sqrt((d - 1) / d)  # var / (d-1) instead of / d
+
+    ok = bs.check_norm_statistics("layernorm", LayerNorm32(D), 1e-5, D, [torch.float32, torch.float16], [1.0], CPU)
+    assert ok.passed and ok.observed != 0.5, ok.detail
+    monkeypatch.setattr(F, "layer_norm", bessel_layer_norm)
+    out = bs.check_norm_statistics("layernorm", LayerNorm32(D), 1e-5, D, [torch.float32], [1.0], CPU)
+    assert not out.passed and out.observed > 10, out.detail
+
+
+def test_plain_norm_by_hand():
+    x = torch.tensor([[1.0, 2.0, 3.0, 6.0]], dtype=torch.float64)  # mean 3, var 3.5
+    want = (x - 3.0) / math.sqrt(3.5 + 1e-5)
+    torch.testing.assert_close(bs.plain_norm("layernorm", x, 1e-5), want)
+    torch.testing.assert_close(bs.plain_norm("rmsnorm", x, 1e-5), x / math.sqrt(50 / 4 + 1e-5))
+    assert bs.plain_norm("layernorm", x.half(), 1e-5).dtype == torch.float16
+
+
 def test_norm_statistics_fail_on_batch_axis_norm():
     out = bs.check_norm_statistics("layernorm", BatchAxisNorm(D), 1e-5, D, [torch.float32], [1.0], CPU)
     assert not out.passed
@@ -568,3 +592,30 @@ def test_cli_depth_sweep_writes_sweep_plots(tmp_path):
     assert set(slopes) == {"pre", "post"} and all(math.isfinite(v) for v in slopes.values())
     for name in ("sweep_grad_norm_per_layer", "sweep_last_layer_grad_vs_depth", "sweep_std_per_layer"):
         assert (sweep_dir / f"{name}.png").stat().st_size > 0
+
+
+def test_terminal_table_and_summary_show_mean_std_grad_per_stage_under_parquet_names(base_cfg):
+    """Regression (issue 11 item 10): the table left out the mean and called the last stage "output" while
+    metrics.parquet calls it resid2 (pre) / norm2 (post)."""
+    from rich.console import Console
+
+    from tfmoe.testing import make_recorder
+
+    cfg = cfg_with(base_cfg, lowp_dtypes=[])
+    rec = make_recorder(cfg)
+    rec.console = Console(record=True, width=200)
+    bs.run(cfg, rec)
+    text = rec.console.export_text()
+    assert "std output" not in text and "|g| output" not in text and "resid2" in text
+    for column in ("mean", "std", "‖dL/dx‖"):
+        assert column in text
+    metrics = pd.DataFrame(rec.metrics_rows)
+    stages = set(metrics["stage"].dropna())
+    assert stages == set(bs.STAGES)
+    summary = "\n".join(rec.summary_parts)
+    pre = metrics[(metrics["variant"] == "pre") & (metrics["layer"] == 2) & (metrics["stage"] == "resid2")]
+    mean = pre[pre["name"] == "mean"]["value"].item()
+    std = pre[pre["name"] == "std"]["value"].item()
+    grad = pre[pre["name"] == "grad_norm"]["value"].item()
+    assert f"| 2 | resid2 | {mean:.3g} | {std:.3g} | {grad:.3g} |" in summary
+    assert "the block's output is norm2" in summary  # post-norm

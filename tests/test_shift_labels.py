@@ -23,9 +23,9 @@ def model(seed: int = 0) -> TinyCausalLM:
 def test_shift_and_pad_normal(side: str) -> None:
     b = sl.shift_and_pad(SEQS, PAD, side, IGN)
     assert b.sequences.shape == (3, 5) and b.inputs.shape == b.labels.shape == (3, 4)
-    assert sl.check_labels_are_next_tokens(b, SEQS, IGN) == 0
-    assert sl.check_no_label_on_padding(b, IGN) == 0
-    assert int((b.labels != IGN).sum()) == sum(len(s) - 1 for s in SEQS)
+    assert sl.check_labels_are_next_tokens(b, SEQS, IGN, side) == 0
+    assert sl.check_no_label_on_padding(b, IGN) == 0 == sl.check_no_label_on_padding(b, IGN, SEQS, side)
+    assert sl.label_count(b, IGN) == sum(len(s) - 1 for s in SEQS)
     # the shortest sequence: right padding puts its pads last, left padding first
     assert b.attention_mask[2].tolist() == ([1, 1, 1, 0] if side == "right" else [0, 0, 1, 1])
 
@@ -56,6 +56,60 @@ def test_planted_pad_id_labels_fail_cross_entropy_check() -> None:
     b.labels = b.sequences[:, 1:].clone()  # bug: padding labelled with the PAD id instead of ignore_index
     bad, _, _ = sl.ce_mismatch(logits, b, IGN)
     assert bad > 1e-3
+
+
+def _failed(monkeypatch, batch_bug, side: str = "right") -> set[str]:
+    """The checks a run fails when shift_and_pad's batch is changed by ``batch_bug`` (a planted bug)."""
+    real = sl.shift_and_pad
+
+    def buggy(seqs, pad_id, pad_side, ignore_index=-100):
+        return batch_bug(real(seqs, pad_id, pad_side, ignore_index), ignore_index)
+
+    monkeypatch.setattr(sl, "shift_and_pad", buggy)
+    rec = run_recorded("shift-labels", [f"pad_side={side}", "model.n_layers=1"])
+    monkeypatch.setattr(sl, "shift_and_pad", real)
+    return {c.check for c in rec.checks_rows if not c.passed}
+
+
+def test_planted_lost_last_label_fails_label_count_only(monkeypatch) -> None:
+    """label_count had no planted-bug test (issue 11 item 2); blame stays with it (item 9): the kept labels are
+    right, no label sits on padding."""
+    def drop_last_label(b, ign):  # bug: the last target of every sequence (… -> EOS) is ignored
+        last = b.label_mask.cumsum(1) == b.label_mask.sum(1, keepdim=True)
+        b.labels[last & (b.label_mask == 1)] = ign
+        return b
+
+    # the loss then averages over 3 targets fewer, so the CE check (vs every target of the sequences) fails too
+    assert _failed(monkeypatch, drop_last_label) == {"label_count", "ce_ignore_index_matches_manual"}
+
+
+def test_planted_mask_bug_is_judged_against_the_sequences_not_the_batch_mask(monkeypatch) -> None:
+    """Regression (issue 11 item 2): no_label_on_padding read the batch's own mask, so a shift_and_pad whose mask
+    and labels were wrong together passed. Here the mask claims one pad after each shorter sequence is real."""
+    def one_pad_too_many(b, ign):
+        L = b.sequences.shape[1]
+        for i in range(b.sequences.shape[0]):
+            n = int(b.mask[i].sum())
+            if n < L:
+                b.mask[i, n] = 1
+                b.label_mask[i, n - 1] = 1
+                b.labels[i, n - 1] = b.sequences[i, n]  # EOS -> PAD becomes a "pair"
+        return b
+
+    failed = _failed(monkeypatch, one_pad_too_many)
+    assert {"no_label_on_padding", "label_count"} <= failed and "labels_are_next_tokens" not in failed
+    b = one_pad_too_many(sl.shift_and_pad(SEQS, PAD, "right", IGN), IGN)
+    assert sl.check_no_label_on_padding(b, IGN) == 0  # the batch's own mask cannot see it
+    assert sl.check_no_label_on_padding(b, IGN, SEQS, "right") == 2
+
+
+def test_expected_label_positions_by_hand() -> None:
+    assert sl.expected_label_positions(SEQS, 4, "right") == [[0, 1, 2, 3], [0, 1, 2], [0, 1]]
+    assert sl.expected_label_positions(SEQS, 4, "left") == [[0, 1, 2, 3], [1, 2, 3], [2, 3]]
+    for side in ("right", "left"):
+        b = sl.shift_and_pad(SEQS, PAD, side, IGN)
+        assert sl.check_labels_are_next_tokens(b, SEQS, IGN, side) == 0
+        assert sl.check_no_label_on_padding(b, IGN, SEQS, side) == 0
 
 
 class NoPaddingMaskLM(torch.nn.Module):

@@ -310,6 +310,42 @@ def test_counts_check_fails_when_the_batch_path_drops_tokens(corpus, texts):
     assert good.passed and not bad.passed and bad.observed > 0
 
 
+def test_counts_check_fails_when_a_baseline_adapter_is_wrong_in_both_paths(corpus, texts):
+    """Regression (issue 11 item 2): for bytes/chars the reference was the adapter's own expression, so a bug in the
+    adapter (batch path and direct_count alike) was compared with itself."""
+    class Utf16Bytes(lab.BytesAdapter):  # planted: counts UTF-16 code units as bytes, consistently
+        def encode_batch(self, ts):
+            return [list(t.encode("utf-16-le")) for t in ts]
+
+        def direct_count(self, text):
+            return len(text.encode("utf-16-le"))
+
+    class Utf16Chars(lab.CharsAdapter):  # planted: a JavaScript-style length (surrogate pairs count twice)
+        def encode_batch(self, ts):
+            return [[int.from_bytes(t.encode("utf-16-le")[i:i + 2], "little") for i in range(0, 2 * self.direct_count(t), 2)]
+                    for t in ts]
+
+        def direct_count(self, text):
+            return len(text.encode("utf-16-le")) // 2
+
+    samples = [*corpus, tk.Sample(len(corpus), "emoji", "😀 ok 👍🏽")]
+    all_texts = [*texts, samples[-1].text]
+    rec = recorder()
+    tk.check_counts(rec, samples, [_encoded(lab.BytesAdapter(), all_texts), _encoded(lab.CharsAdapter(), all_texts)])
+    assert all(c.passed for c in rec.checks_rows)
+    rec = recorder()
+    tk.check_counts(rec, samples, [_encoded(Utf16Bytes(), all_texts), _encoded(Utf16Chars(), all_texts)])
+    by_name = {c.check: c for c in rec.checks_rows}
+    assert not by_name["counts_match_library[bytes]"].passed and by_name["counts_match_library[bytes]"].observed > 0
+    assert not by_name["counts_match_library[chars]"].passed and by_name["counts_match_library[chars]"].observed >= 1
+
+
+def test_independent_counts_by_hand():
+    for text in ["", "abc", "é", "世界", "😀👍🏽", "a\u0301"]:
+        assert tk.utf8_length(text) == len(text.encode("utf-8"))
+        assert tk.code_point_count(text) == len(text)
+
+
 def test_round_trip_check_fails_for_a_lossy_decoder(corpus, texts):
     class Latin1(lab.BytesAdapter):
         def decode(self, ids):
@@ -347,6 +383,41 @@ def test_digit_grouping_check_fails_for_a_tokenizer_that_keeps_digit_runs_whole(
     rec = recorder()
     tk.record_digits(rec, [_encoded(cl100k, texts)], 30)
     assert rec.checks_rows[0].passed
+
+
+def test_digit_grouping_check_sees_the_direction(texts, cl100k):
+    """Regression (issue 11 item 2): right-to-left grouping (1|234|567) has the same token counts as left-to-right
+    (123|456|7), so counting could not tell them apart; the pieces are compared now."""
+    assert tk.digit_groups("1234567", 3) == ["123", "456", "7"]
+
+    class RightToLeft(lab.Adapter):  # planted: groups digit runs from the right, with cl100k's own tokens
+        name, source, lossless = "cl100k_base", "test", True
+
+        def encode_batch(self, ts):
+            out = []
+            for t in ts:
+                if t.isdigit():
+                    head = len(t) % 3
+                    groups = ([t[:head]] if head else []) + [t[i:i + 3] for i in range(head, len(t), 3)]
+                    out.append([cl100k.encoding.encode_ordinary(g)[0] for g in groups])
+                else:
+                    out.append(cl100k.encoding.encode_ordinary(t))
+            return out
+
+        def token_bytes(self, ids):
+            return cl100k.token_bytes(ids)
+
+    fake = RightToLeft()
+    runs = [tk.PI_DIGITS[:n] for n in range(1, 31)]
+    assert [len(s) for s in fake.encode_batch(runs)] == [len(s) for s in cl100k.encode_batch(runs)]  # same counts
+    rec = recorder()
+    tk.record_digits(rec, [_encoded(fake, texts)], 30)
+    [row] = rec.checks_rows
+    assert not row.passed and row.detail.startswith("4-digit run -> 3|141, expected 314|1"), row.detail
+    assert row.observed == 18  # the runs of 4..30 digits whose length is not a multiple of 3
+    rec = recorder()
+    tk.record_digits(rec, [_encoded(cl100k, texts)], 30)
+    assert rec.checks_rows[0].passed, rec.checks_rows[0].detail
 
 
 def test_premium_check_fails_when_premium_is_a_mean_of_ratios(corpus, texts, cl100k, monkeypatch):

@@ -353,23 +353,36 @@ def _identity_affine(norm: nn.Module) -> nn.Module:
     return norm
 
 
+def _mean_last(x: torch.Tensor) -> torch.Tensor:
+    """Mean over the hidden axis by hand: sum / D (no torch statistics op)."""
+    return x.sum(dim=-1) / x.shape[-1]
+
+
 def _norm_deviation(kind: str, x: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-token deviation of ``y`` from what a normalisation of ``x`` must give (fp64), shape (B,T).
+    """Per-token deviation of ``y`` from what a normalisation of ``x`` must give (fp64), shape (B,T); every mean
+    and variance computed here by hand (sums over the hidden axis / D, biased), none by a torch norm op.
     layernorm: max(|mean(y)|, |std(y) - sqrt(var/(var+eps))|); rmsnorm: |rms(y) - sqrt(ms/(ms+eps))|."""
     x64, y64 = x.double(), y.double()
     if kind == "layernorm":
-        var = x64.var(dim=-1, correction=0)
+        var = _mean_last((x64 - _mean_last(x64)[..., None]) ** 2)
         want_std = torch.sqrt(var / (var + eps))
-        return torch.maximum(y64.mean(dim=-1).abs(), (y64.std(dim=-1, correction=0) - want_std).abs())
-    ms = x64.pow(2).mean(dim=-1)
-    return (y64.pow(2).mean(dim=-1).sqrt() - torch.sqrt(ms / (ms + eps))).abs()
+        y_mean = _mean_last(y64)
+        y_std = torch.sqrt(_mean_last((y64 - y_mean[..., None]) ** 2))
+        return torch.maximum(y_mean.abs(), (y_std - want_std).abs())
+    ms = _mean_last(x64 * x64)
+    return (torch.sqrt(_mean_last(y64 * y64)) - torch.sqrt(ms / (ms + eps))).abs()
 
 
-def plain_torch_norm(kind: str, x: torch.Tensor, eps: float) -> torch.Tensor:
-    """PyTorch's own op on x upcast to at least fp32, cast back: the reference a norm must match."""
+def plain_norm(kind: str, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """A plain implementation written here from the definition (sums / D, no torch norm op, so it shares no code
+    with LayerNorm32's F.layer_norm), on x upcast to at least fp32 like the module, cast back: the same-dtype
+    baseline a norm must match within 2x (FlashAttention's rule)."""
     xu = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    d = (x.shape[-1],)
-    y = F.layer_norm(xu, d, eps=eps) if kind == "layernorm" else F.rms_norm(xu, d, eps=eps)
+    if kind == "layernorm":
+        centred = xu - _mean_last(xu)[..., None]
+        y = centred / torch.sqrt(_mean_last(centred * centred)[..., None] + eps)
+    else:
+        y = xu / torch.sqrt(_mean_last(xu * xu)[..., None] + eps)
     return y.to(x.dtype)
 
 
@@ -377,8 +390,9 @@ def check_norm_statistics(kind: str, norm: nn.Module, eps: float, d_model: int,
                           dtypes: Sequence[torch.dtype], scales: Sequence[float],
                           device: torch.device, seed: int = 0) -> Outcome:
     """Before affine, LayerNorm gives per-token mean 0 and std sqrt(var/(var+eps)) (≈1); RMSNorm gives
-    per-token RMS sqrt(ms/(ms+eps)) (≈1). Tolerance per dtype: 2x PyTorch's own op's deviation on the same
-    input (F.layer_norm / F.rms_norm, upcast like the module), at least one ulp of the dtype."""
+    per-token RMS sqrt(ms/(ms+eps)) (≈1), the statistics computed by hand in fp64. Tolerance per dtype: 2x the
+    deviation of :func:`plain_norm` (the definition written out, upcast like the module) on the same input, at
+    least one ulp of the dtype."""
     worst_ratio, worst = -math.inf, (math.nan, math.nan, "")
     evidence: dict[str, torch.Tensor] = {}
     for i, dtype in enumerate(dtypes):
@@ -387,7 +401,7 @@ def check_norm_statistics(kind: str, norm: nn.Module, eps: float, d_model: int,
             x = _norm_inputs(seed + 10 * i + j, d_model, scale, device, dtype)
             with torch.no_grad():
                 y = module(x)
-                ref = plain_torch_norm(kind, x, eps)
+                ref = plain_norm(kind, x, eps)
             dev = _norm_deviation(kind, x, y, eps).max().item()
             ref_dev = _norm_deviation(kind, x, ref, eps).max().item()
             tol = max(2 * ref_dev, dtype_eps(dtype)) if math.isfinite(ref_dev) else dtype_eps(dtype)
@@ -650,21 +664,41 @@ def sweep_plots(df: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ run
-def _table(name: str, s: StackStats, variant: Variant) -> Table:
-    table = Table(title=f"{name}: {variant.norm_position}-norm, {variant.norm}, {variant.ffn} "
-                        f"(loss {s.loss:.4f})")
-    cols = ["layer", "std input", "std attn_out", "std ffn_out", "std output", "|g| input", "|g| output",
-            "|dL/dW2|"]
-    for c in cols:
-        table.add_column(c, justify="right")
+def stage_rows(s: StackStats, variant: Variant) -> list[list[str]]:
+    """One row per (layer, stage), stage names as in metrics.parquet: layer, stage, mean, std, ‖dL/dx‖, and the
+    layer's ‖dL/dW2‖ on its first row."""
+    rows = []
     for layer in range(len({r["layer"] for r in s.activations})):
-        table.add_row(
-            str(layer), *(f"{s.value(layer, st, 'std'):.3g}" for st in ("input", "attn_out", "ffn_out")),
-            f"{s.value(layer, variant.output_stage, 'std'):.3g}",
-            f"{s.value(layer, 'input', 'grad_norm'):.3g}", f"{s.value(layer, variant.output_stage, 'grad_norm'):.3g}",
-            f"{s.param_grad(layer, FFN_OUT_PARAM[variant.ffn]):.3g}",
-        )
+        for i, stage in enumerate(STAGES):
+            w2 = f"{s.param_grad(layer, FFN_OUT_PARAM[variant.ffn]):.3g}" if i == 0 else ""
+            rows.append([str(layer), stage, f"{s.value(layer, stage, 'mean'):.3g}", f"{s.value(layer, stage, 'std'):.3g}",
+                         f"{s.value(layer, stage, 'grad_norm'):.3g}", w2])
+    return rows
+
+
+STAGE_COLUMNS = ("layer", "stage", "mean", "std", "‖dL/dx‖", "‖dL/dW2‖")
+
+
+def _title(name: str, s: StackStats, variant: Variant) -> str:
+    return (f"{name}: {variant.norm_position}-norm, {variant.norm}, {variant.ffn} (loss {s.loss:.4f}); the block's "
+            f"output is {variant.output_stage}")
+
+
+def _table(name: str, s: StackStats, variant: Variant) -> Table:
+    table = Table(title=_title(name, s, variant))
+    for c in STAGE_COLUMNS:
+        table.add_column(c, justify="left" if c == "stage" else "right")
+    for row in stage_rows(s, variant):
+        table.add_row(*row, end_section=row[1] == STAGES[-1])
     return table
+
+
+def stage_markdown(name: str, s: StackStats, variant: Variant) -> str:
+    """The same per-(layer, stage) table as the terminal's, for summary.md."""
+    lines = [f"### {_title(name, s, variant)}", "", "| " + " | ".join(STAGE_COLUMNS) + " |",
+             "|" + "---|" * len(STAGE_COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in stage_rows(s, variant)]
+    return "\n".join(lines)
 
 
 def _record_stats(rec: Recorder, variant: Variant, s: StackStats) -> dict[str, float]:
@@ -754,6 +788,8 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     rec.plot("act_grad_norm_per_stage",
              plot_per_stage(results, "grad_norm", "||dL/d activation|| per layer and stage (at init)"))
     rec.summary(_summary_markdown(variants, summaries, cfg))
+    rec.summary("## Per layer and stage (mean, std and gradient norm of each activation)\n\n"
+                + "\n\n".join(stage_markdown(v.name, results[v.name], v) for v in variants))
 
 
 def _summary_markdown(variants: Sequence[Variant], summaries: dict[str, dict[str, float]],

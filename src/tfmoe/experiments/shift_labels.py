@@ -87,46 +87,82 @@ def token_losses(model: TinyCausalLM, batch: ShiftedBatch, ignore_index: int = -
 
 
 # ------------------------------------------------------------------------------------------- checks
-def check_labels_are_next_tokens(batch: ShiftedBatch, seqs: list[list[int]], ignore_index: int) -> int:
-    """Mismatches between the batch's (input, label) pairs and each original sequence's (s[t], s[t+1])."""
+# The checks judge the batch against the original sequences and the padding side, never against the batch's own
+# masks (a bug in shift_and_pad that made its masks and labels wrong together would otherwise be invisible).
+def expected_label_positions(seqs: list[list[int]], width: int, pad_side: str) -> list[list[int]]:
+    """Per sequence, the input positions (0..width-1 of inputs = sequences[:, :-1]) that must carry a label:
+    its first len(s)-1 positions with right padding, its last len(s)-1 with left padding."""
+    L = width + 1
+    return [list(range(len(s) - 1)) if pad_side == "right" else list(range(L - len(s), L - 1)) for s in seqs]
+
+
+def check_labels_are_next_tokens(batch: ShiftedBatch, seqs: list[list[int]], ignore_index: int,
+                                 pad_side: str = "right") -> int:
+    """Kept labels whose (input, label) pair is not (s[t], s[t+1]) at that position of the original sequence.
+    Judges only the labels present where a label belongs; a missing label is ``label_count``'s, a label on
+    padding ``no_label_on_padding``'s."""
     bad = 0
-    for i, s in enumerate(seqs):
-        keep = batch.labels[i] != ignore_index
-        pairs = list(zip(batch.inputs[i][keep].tolist(), batch.labels[i][keep].tolist(), strict=True))
-        expected = list(zip(s[:-1], s[1:], strict=True))
-        bad += sum(p != e for p, e in zip(pairs, expected, strict=False)) + abs(len(pairs) - len(expected))
+    for i, (s, positions) in enumerate(zip(seqs, expected_label_positions(seqs, batch.inputs.shape[1], pad_side),
+                                           strict=True)):
+        for t, pos in enumerate(positions):
+            label = int(batch.labels[i, pos])
+            if label != ignore_index and (int(batch.inputs[i, pos]), label) != (s[t], s[t + 1]):
+                bad += 1
     return bad
 
 
-def check_no_label_on_padding(batch: ShiftedBatch, ignore_index: int) -> int:
-    """Labels present at a position whose input or target is padding (from the padding mask)."""
+def check_no_label_on_padding(batch: ShiftedBatch, ignore_index: int, seqs: list[list[int]] | None = None,
+                              pad_side: str = "right") -> int:
+    """Labels present at a position where no label belongs (its input or target is padding), from the original
+    sequences' lengths and the padding side (``seqs=None``: from the batch's own padding mask)."""
     has_label = batch.labels != ignore_index
-    padded = (batch.mask[:, :-1] == 0) | (batch.mask[:, 1:] == 0)
+    if seqs is None:
+        padded = (batch.mask[:, :-1] == 0) | (batch.mask[:, 1:] == 0)
+    else:
+        padded = torch.ones_like(has_label)
+        for i, positions in enumerate(expected_label_positions(seqs, batch.inputs.shape[1], pad_side)):
+            padded[i, positions] = False
     return int((has_label & padded).sum())
 
 
-def manual_mean_ce(logits: torch.Tensor, batch: ShiftedBatch) -> torch.Tensor:
-    """Mean of -log p(label) over the positions the padding mask says have a target, in fp64."""
+def label_count(batch: ShiftedBatch, ignore_index: int) -> int:
+    """Labels the batch keeps (must be Σ(len(s) − 1): one per (token, next token) pair)."""
+    return int((batch.labels != ignore_index).sum())
+
+
+def manual_mean_ce(logits: torch.Tensor, batch: ShiftedBatch, seqs: list[list[int]] | None = None,
+                   pad_side: str = "right") -> torch.Tensor:
+    """Mean of -log p(next token) over the positions that have a target, in fp64: those of the original
+    sequences and padding side (``seqs=None``: the batch's label_mask), targets from the sequences themselves."""
     logp = torch.log_softmax(logits.double(), dim=-1)  # (B,L-1,V)
-    valid = batch.label_mask.bool()
-    targets = batch.sequences[:, 1:]  # the true next tokens, independent of the ignore_index labels
+    if seqs is None:
+        valid = batch.label_mask.bool()
+        targets = batch.sequences[:, 1:]  # the true next tokens, independent of the ignore_index labels
+    else:
+        valid = torch.zeros(batch.inputs.shape, dtype=torch.bool, device=logits.device)
+        targets = torch.zeros(batch.inputs.shape, dtype=torch.long, device=logits.device)
+        for i, (s, positions) in enumerate(zip(seqs, expected_label_positions(seqs, batch.inputs.shape[1], pad_side),
+                                               strict=True)):
+            valid[i, positions] = True
+            targets[i, positions] = torch.tensor(s[1:], device=logits.device)
     picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B,L-1)
     return -(picked[valid]).mean()
 
 
 def per_sequence_losses(model: TinyCausalLM, seqs: list[list[int]], pad_id: int, pad_side: str,
                         ignore_index: int, positions_from_mask: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each sequence's per-token losses and logits at its valid positions, from a padded batch."""
+    """Each sequence's per-token losses and logits at the positions that have a target, from a padded batch."""
     batch = shift_and_pad(seqs, pad_id, pad_side, ignore_index)
     logits, loss = token_losses(model, batch, ignore_index, positions_from_mask)
-    valid = batch.label_mask.bool()
-    return [loss[i][valid[i]] for i in range(len(seqs))], [logits[i][valid[i]] for i in range(len(seqs))]
+    positions = expected_label_positions(seqs, batch.inputs.shape[1], pad_side)  # from the sequences, not the batch
+    return [loss[i][p] for i, p in enumerate(positions)], [logits[i][p] for i, p in enumerate(positions)]
 
 
-def ce_mismatch(logits: torch.Tensor, batch: ShiftedBatch, ignore_index: int) -> tuple[float, float, float]:
-    """(|torch CE with ignore_index − manual fp64 mean over label_mask|, torch CE, manual CE)."""
+def ce_mismatch(logits: torch.Tensor, batch: ShiftedBatch, ignore_index: int, seqs: list[list[int]] | None = None,
+                pad_side: str = "right") -> tuple[float, float, float]:
+    """(|torch CE with ignore_index − manual fp64 mean over the positions with a target|, torch CE, manual CE)."""
     torch_ce = F.cross_entropy(logits.float().transpose(1, 2), batch.labels, ignore_index=ignore_index)
-    manual = manual_mean_ce(logits, batch)
+    manual = manual_mean_ce(logits, batch, seqs, pad_side)
     return abs(torch_ce.double().item() - manual.item()), torch_ce.item(), manual.item()
 
 
@@ -247,23 +283,28 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     rec.summary("## Per-position table\n\n" + "\n".join(md))
 
     # checks on the labels themselves
-    rec.check("labels_are_next_tokens", check_labels_are_next_tokens(batch, seqs, ignore) == 0,
-              check_labels_are_next_tokens(batch, seqs, ignore), 0,
-              "every kept (input, label) pair equals (s[t], s[t+1]) of the original sequence")
-    n_bad = check_no_label_on_padding(batch, ignore)
-    rec.check("no_label_on_padding", n_bad == 0, n_bad, 0, "labels where input or target is padding")
-    n_labels = int((batch.labels != ignore).sum())
+    side = str(cfg.pad_side)
+    n_wrong = check_labels_are_next_tokens(batch, seqs, ignore, side)
+    rec.check("labels_are_next_tokens", n_wrong == 0, n_wrong, 0,
+              "every kept (input, label) pair equals (s[t], s[t+1]) of the original sequence at its position")
+    n_bad = check_no_label_on_padding(batch, ignore, seqs, side)
+    rec.check("no_label_on_padding", n_bad == 0, n_bad, 0,
+              "labels where input or target is padding (from the sequences' lengths and the padding side)")
+    n_labels = label_count(batch, ignore)
     expected = sum(len(s) - 1 for s in seqs)
-    rec.check("label_count", n_labels == expected, n_labels, expected, "kept labels == Σ(len(s) − 1)")
+    rec.check("label_count", n_labels == expected, n_labels, expected,
+              "kept labels == Σ(len(s) − 1)" + ("" if n_labels >= expected else
+                                                 f": {expected - n_labels} (token, next token) pairs lost a label"))
 
     # loss: torch's ignore_index vs a manual mean over valid positions
     with torch.no_grad():
         batch_dev = ShiftedBatch(*(t.to(rec.device) for t in vars(batch).values()))
         logits, tok_loss = token_losses(model, batch_dev, ignore)
-        ce_diff, torch_ce, manual = ce_mismatch(logits, batch_dev, ignore)
+        ce_diff, torch_ce, manual = ce_mismatch(logits, batch_dev, ignore, seqs, side)
         ce_tol = 8 * torch.finfo(torch.float32).eps * max(1.0, abs(manual))  # CE itself runs in fp32
         rec.check_le("ce_ignore_index_matches_manual", ce_diff, ce_tol,
-                     "F.cross_entropy(ignore_index) vs fp64 mean of -log p over label_mask positions")
+                     "F.cross_entropy(ignore_index) vs fp64 mean of -log p(next token) over the positions that have "
+                     "a target")
         rec.metric("loss", torch_ce)
         rec.metric("loss_manual_fp64", manual)
         rec.metric("valid_labels", n_labels)
@@ -291,5 +332,6 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     rec.tensor("attention_mask", batch.attention_mask)
     rec.tensor("label_mask", batch.label_mask)
     rec.tensor("token_loss", tok_loss.cpu())
-    rec.summary(f"loss (mean over {n_labels} valid labels) = {torch_ce:.6f}; padding invariance max |Δ| = "
-                f"{d_loss:.3g} (tolerance {tol * scale:.3g}); {cfg.pad_side} vs {other} padding max |Δ| = {d_side:.3g}")
+    rec.summary(f"loss (mean over {n_labels} valid labels) = {torch_ce:.6f}; padding invariance, alone vs in the "
+                f"padded batch: per-token losses max |Δ| = {d_loss:.3g}, logits max |Δ| = {d_logits:.3g} (tolerance "
+                f"{tol * scale:.3g}); {cfg.pad_side} vs {other} padding: per-token losses max |Δ| = {d_side:.3g}")

@@ -106,9 +106,15 @@ def digit_count(b: bytes) -> int:
     return sum(1 for x in b if x in ASCII_DIGITS)
 
 
+def digit_groups(run: str, group: int) -> list[str]:
+    """How a \\p{N}{1,group} pre-tokenizer splits a digit run: from the left, 1234567 -> 123|456|7."""
+    return [run[i:i + group] for i in range(0, len(run), group)]
+
+
 def digit_violations(adapter: lab.Adapter, ids: list[list[int]], group: int, run_max: int) -> tuple[int, int, list[str]]:
-    """Tokens with more than ``group`` digits in the encoded samples, plus digit runs of length
-    1..run_max (encoded alone) whose token count is not ceil(n / group). Returns (count, max digits per
+    """Tokens with more than ``group`` digits in the encoded samples, plus digit runs of length 1..run_max
+    (encoded alone) whose pieces are not the left-to-right groups (1234567 -> 123|456|7; right-to-left grouping
+    1|234|567 has the same token count, so the pieces themselves are compared). Returns (count, max digits per
     token seen, examples)."""
     bad: list[str] = []
     most = 0
@@ -120,8 +126,11 @@ def digit_violations(adapter: lab.Adapter, ids: list[list[int]], group: int, run
                 bad.append(f"token {lab.display_bytes(piece)!r} has {n} digits")
     runs = [PI_DIGITS[:n] for n in range(1, run_max + 1)]
     for run, seq in zip(runs, adapter.encode_batch(runs), strict=True):
-        if len(seq) != math.ceil(len(run) / group):
-            bad.append(f"{len(run)}-digit run -> {len(seq)} tokens, expected {math.ceil(len(run) / group)}")
+        pieces = [lab.display_bytes(b) for b in adapter.token_bytes(seq)]
+        want = digit_groups(run, group)
+        if pieces != want:
+            bad.append(f"{len(run)}-digit run -> {'|'.join(pieces)}, expected {'|'.join(want)} (groups of "
+                       f"{group} from the left)")
     return len(bad), most, bad
 
 
@@ -277,14 +286,38 @@ def record_aggregates(rec: Recorder, samples: list[Sample], encoded: list[Encode
     return totals
 
 
+def utf8_length(text: str) -> int:
+    """UTF-8 bytes of ``text`` from the code points, by the encoding's ranges (RFC 3629), not by an encoder."""
+    return sum(1 if cp < 0x80 else 2 if cp < 0x800 else 3 if cp < 0x10000 else 4 for cp in map(ord, text))
+
+
+def code_point_count(text: str) -> int:
+    """Code points of ``text`` counted on its UTF-8 bytes: every byte that is not a continuation byte (10xxxxxx)
+    starts one character (independent of Python's own str length)."""
+    return sum(1 for b in text.encode("utf-8", errors="surrogatepass") if b & 0xC0 != 0x80)
+
+
+def reference_count(adapter: lab.Adapter, text: str) -> tuple[int, str]:
+    """The count ``adapter``'s batch path must give for ``text`` and where it comes from. Library tokenizers: the
+    library's own single-text call. bytes / chars (no library): computed here from first principles, never with
+    the adapter's own expression (a bug there would otherwise be compared with itself)."""
+    if isinstance(adapter, lab.BytesAdapter):
+        return utf8_length(text), "UTF-8 lengths of the code points (RFC 3629 ranges)"
+    if isinstance(adapter, lab.CharsAdapter):
+        return code_point_count(text), "UTF-8 lead bytes (one per code point)"
+    return adapter.direct_count(text), "the library's own encode() counts"
+
+
 def check_counts(rec: Recorder, samples: list[Sample], encoded: list[Encoded]) -> None:
-    """The recorded counts (from the batch path) equal the library's own single-text call, sample by sample."""
+    """The recorded counts (from the batch path) equal an independent count, sample by sample: the library's own
+    single-text call, or for bytes / chars a first-principles count."""
     for e in encoded:
-        direct = [e.adapter.direct_count(x.text) for x in samples]
-        bad = [(x.line, len(ids), d) for x, ids, d in zip(samples, e.ids, direct, strict=True) if len(ids) != d]
-        detail = f"{len(samples)} samples: batch counts == the library's own encode() counts"
+        direct = [reference_count(e.adapter, x.text) for x in samples]
+        bad = [(x.line, len(ids), d) for x, ids, (d, _) in zip(samples, e.ids, direct, strict=True) if len(ids) != d]
+        source = direct[0][1] if direct else "the reference"
+        detail = f"{len(samples)} samples: batch counts == {source}"
         if bad:
-            detail = "first mismatch: line {} recorded {}, library {}".format(*bad[0])
+            detail = "first mismatch: line {} recorded {}, reference {}".format(*bad[0]) + f" ({source})"
         rec.check(f"counts_match_library[{e.adapter.name}]", not bad, len(bad), 0, detail)
 
 
@@ -341,7 +374,7 @@ def record_digits(rec: Recorder, encoded: list[Encoded], run_max: int) -> dict[s
             n_bad, most, bad = digit_violations(e.adapter, e.ids, group, run_max)
             rec.check(f"digits_grouped_by_{group}[{e.adapter.name}]", n_bad == 0, n_bad, 0,
                       bad[0] if bad else f"no token holds more than {group} digits (most: {most}); runs of "
-                      f"1..{run_max} digits take ceil(n/{group}) tokens")
+                      f"1..{run_max} digits split into groups of {group} from the left (1234567 -> 123|456|7)")
     return rows
 
 
