@@ -370,7 +370,7 @@ def test_truncated_sampling_passes_and_fails_on_planted_filter_bugs(lab, monkeyp
     """top-k / top-p sampled distributions, tested statistically (issue 11 item 7): each planted filter bug fails
     its own check only (temperature-1 sampling does not use the filters)."""
     assert _truncated_failures(lab) == set()
-    real_k, real_p = sampling.top_k_filter, sampling.top_p_keep_mask
+    real_k = sampling.top_k_filter
     monkeypatch.setattr(sampling, "top_k_filter", lambda logits, k: real_k(logits, k + 1))  # keeps one too many
     assert _truncated_failures(lab) == {"top_k_sampling_matches"}
     monkeypatch.setattr(sampling, "top_k_filter", real_k)
