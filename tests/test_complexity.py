@@ -189,6 +189,12 @@ def test_crossover_is_d_ff():
         assert at["scores"] + at["attn_v"] == at["ffn"]
         assert below["scores"] + below["attn_v"] < below["ffn"]
         assert cm.crossover_T_all_linear(shape) == 2 * shape.D + shape.hidden
+        # a causal kernel that skips the masked half: its (T+1)/2 visible keys per query meet the FFN at ~2·d_ff
+        Tc = int(cm.crossover_T_causal(shape))
+        assert Tc == 2 * shape.hidden - 1
+        causal = cm.BlockShape(1, Tc, shape.D, shape.H, shape.d_ff)
+        f = cm.forward_flops(causal)
+        assert (f["scores"] + f["attn_v"]) * (Tc + 1) / (2 * Tc) == f["ffn"]
 
 
 @pytest.mark.parametrize("L,T,D", [(12, 1024, 768), (2, 7, 16)])
@@ -198,7 +204,7 @@ def test_kaplan_cross_check(L, T, D):
     assert N == 12 * L * D * D == 2 * D * L * (2 * D + 4 * D)
     ours = cm.model_forward_flops_per_token(shape, L, 1000, causal_visible=True)
     kaplan = cm.kaplan_forward_flops_per_token(N, L, T, D)
-    assert ours - kaplan == pytest.approx(2 * L * D, rel=1e-12)  # (T+1)/2 visible keys vs Kaplan's T/2
+    assert ours - kaplan == pytest.approx(2 * L * D, rel=1e-12)  # (T+1)/2 visible keys vs Kaplan's 2·L·T·D term
     dense = cm.model_forward_flops_per_token(shape, L, 1000)
     assert dense == pytest.approx(2 * N + 4 * L * T * D, rel=1e-12)
     assert cm.model_forward_flops_per_token(shape, L, 1000, include_logits=True) - dense == 2 * D * 1000
@@ -358,7 +364,7 @@ def test_time_fn_uses_benchmark_timer_on_both_clocks():
     a = torch.randn(128, 128)
     threads = torch.get_num_threads()
     med, best, cpu = cx.time_fn(rec, "mm", lambda: a @ a, min_run_time=0.01, warmup=1)
-    assert 0 < best <= med < 50 and 0 < cpu < 50
+    assert 0 < best <= med and math.isfinite(med) and 0 < cpu and math.isfinite(cpu)  # no timing bounds: loaded CI
     assert torch.get_num_threads() == threads  # Timer runs with the run's threads (its default would be 1)
     row = rec.timings_rows[-1]
     assert row["stage"] == "mm" and row["repeats"] >= 1 and row["calls_per_block"] >= 1 and row["cpu_ms"] == cpu

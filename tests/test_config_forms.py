@@ -24,7 +24,8 @@ DOCUMENTED_FORMS = {
     "attn-check": [
         "checks=all,[masks,sdpa],masks,[masks,sdpa,fully_masked,gradients,kv_cache,chunked,invariances,dropout]",
         "lengths=null,[4,3]", "head_counts=null,[1,2]", "dropout=0,0.2", "mode=full,chunked",
-        "impl=mypackage.module:MyAttention", "chunked.impl=mypackage.module:my_function", "chunked.probe_T=32768",
+        "impl=mypackage.module:MyAttention,torch:mha,hf:llama", "chunked.impl=mypackage.module:my_function",
+        "chunked.probe_T=32768",
     ],
     "arch": ["rope=false", "visibility_tol_eps=8,16.5", "equivariance_tol_eps=32.5", "min_position_effect=1"],
     "block-stats": [
@@ -39,6 +40,8 @@ DOCUMENTED_FORMS = {
     "route-sim": [
         "capacity_factor=null,2,1.25", "score_func=sigmoid,softmax", "dispatch=loop,sorted",
         "strategies=[none,aux_free],[aux_loss]", "steps=0", "top_k=1",
+        "impl=null,hf:mixtral,hf:deepseek_v3,mypackage.module:ToyMoE", "layer.norm_topk_prob=false",
+        "layer.routed_scaling_factor=1", "layer.bias_scale=0",
     ],
     "tokenize": [
         "input=/tmp/text.txt,null", "tokenizers=[cl100k_base,bytes],[file:/tmp/tokenizer.json]", "extras=[]",

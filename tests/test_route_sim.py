@@ -115,6 +115,14 @@ def test_router_learns_from_the_task_loss_at_top_1():
     assert losses[-1] < 0.8 * losses[0]
 
 
+def test_top_1_run_passes_the_layer_battery_and_the_course_case():
+    """The layer battery's reference for the package's own layer follows the same rule (raw weight at k=1)."""
+    from tfmoe.testing import run_recorded
+
+    rec = run_recorded("route-sim", ["top_k=1", "steps=0"])
+    assert rec.all_passed, [(c.check, c.detail) for c in rec.checks_rows if not c.passed]
+
+
 def test_router_sigmoid_scores_normalised_probs():
     torch.manual_seed(1)
     router = moe.Router(8, 6, 3, score_func="sigmoid")

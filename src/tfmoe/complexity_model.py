@@ -20,13 +20,16 @@ counts (it counts mm/bmm/addmm and ignores softmax, bias adds, LayerNorm and GEL
 matmul is two matmuls of the same size (grad wrt input and wrt weight/other operand), so the backward
 matmul FLOPs are exactly 2x forward and a training step is 3x forward.
 
-Crossover: the T² attention terms (scores + attn_v = 4·B·T²·D) equal the FFN (4·B·T·D·d_ff) at T = d_ff;
-with d_ff = 4D that is T = 4D. Against all T-linear matmuls (qkv + out_proj + ffn = 8·B·T·D² + 4·B·T·D·d_ff)
+Crossover: in the dense T² count (every query meets every key, masked or not: what the explicit block computes and
+FlopCounterMode counts) the T² attention terms (scores + attn_v = 4·B·T²·D) equal the FFN (4·B·T·D·d_ff) at
+T = d_ff; with d_ff = 4D that is T = 4D. A causal kernel that skips the masked upper half does ~half the T² work
+(2·B·T²·D), which moves the crossover to T ≈ 2·d_ff. Against all T-linear matmuls (qkv + out_proj + ffn = 8·B·T·D² + 4·B·T·D·d_ff)
 the crossover is T = 2D + d_ff.
 
 Kaplan et al. 2020 (Table 1): C_forward ≈ 2N + 2·n_layer·n_ctx·d_attn per token with N = 2·D·L·(2·d_attn + d_ff)
-non-embedding parameters. Its attention term counts only the keys a causal query sees on average;
-:func:`model_forward_flops_per_token` with ``causal_visible=True`` does the same.
+non-embedding parameters. Its attention term is half this block's dense 4·n_layer·n_ctx·D;
+:func:`model_forward_flops_per_token` with ``causal_visible=True`` (the (T+1)/2 keys a causal query sees on
+average) comes within 2·L·D of it. Why the paper's term is half is not stated here (no source checked).
 
 Memory: :func:`training_activation_bytes` is the exact byte count of the tensors autograd saves for the
 backward pass of this block (measured with ``torch.autograd.graph.saved_tensors_hooks``; the block computes
@@ -50,7 +53,8 @@ FP32_BYTES = 4  # LayerNorm, QKᵀ and softmax run in at least fp32 in this bloc
 
 @dataclass(frozen=True)
 class BlockShape:
-    """One block's sizes. ``d_ff=None`` means 4·D (GELU) or LLaMA's 2/3·4D rounded up to 8 (SwiGLU)."""
+    """One block's sizes. ``d_ff=None`` means 4·D (GELU) or 2/3·4D rounded up to a multiple of 8 (SwiGLU:
+    :func:`tfmoe.components.block.swiglu_hidden`; LLaMA rounds to a multiple of 256)."""
 
     B: int
     T: int
@@ -166,9 +170,16 @@ def moe_ffn_flops_per_token(s: BlockShape, n_experts: int, top_k: int) -> dict[s
 
 
 def crossover_T(s: BlockShape) -> float:
-    """T where the T² attention matmuls (scores + attn_v) equal the FFN matmuls: d_ff for GELU."""
+    """T where the dense T² attention matmuls (scores + attn_v, every query x every key) equal the FFN matmuls:
+    d_ff for GELU. (A causal kernel skipping the masked half: ~2·d_ff.)"""
     per_token_ffn = forward_flops(BlockShape(1, 1, s.D, s.H, s.d_ff, s.ffn, s.ffn_bias))["ffn"]
     return per_token_ffn / (4 * s.D)
+
+
+def crossover_T_causal(s: BlockShape) -> float:
+    """T where a causal kernel's T² matmuls equal the FFN's, counting only the (T+1)/2 keys each query sees on
+    average: 4·T·D·(T+1)/2 = T·per_token_ffn  =>  T = 2·d_ff − 1 for GELU (≈ twice the dense crossover)."""
+    return 2 * crossover_T(s) - 1
 
 
 def crossover_T_all_linear(s: BlockShape) -> float:
@@ -192,7 +203,8 @@ def model_forward_flops_per_token(s: BlockShape, n_layers: int, vocab: int, caus
     """Forward matmul FLOPs per token of a T-token sequence through L blocks (+ the 2·D·V logits).
 
     Dense (default): every query meets all T keys, as the explicit attention computes it.
-    ``causal_visible``: only the (T+1)/2 keys a causal query sees on average (Kaplan's convention).
+    ``causal_visible``: only the (T+1)/2 keys a causal query sees on average (what a kernel that skips the
+    masked keys computes).
     """
     one = BlockShape(1, s.T, s.D, s.H, s.d_ff, s.ffn, s.ffn_bias)
     f = forward_flops(one)

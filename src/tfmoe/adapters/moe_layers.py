@@ -101,14 +101,16 @@ def _linear64(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 # ----------------------------------------------------------------- the package's own layer
 class OwnLayer(LayerUnderTest):
-    """tfmoe.components.moe.MoELayer, dropless: out = x + sum_k w_k expert_k(x), weights renormalised."""
+    """tfmoe.components.moe.MoELayer, dropless: out = x + sum_k w_k expert_k(x), weights renormalised when k > 1
+    (at k = 1 the raw probability, as in Switch Transformer)."""
 
     exposes_probs = True
     aux_loss_name = "tfmoe.components.moe.switch_aux_loss"
 
     def __init__(self, sizes: LayerSizes):
         self.sizes, self.label = sizes, "tfmoe MoELayer"
-        self.semantics = ref.RoutingSemantics(sizes.score_func, sizes.top_k, normalize=True, residual=True)
+        self.semantics = ref.RoutingSemantics(sizes.score_func, sizes.top_k, normalize=sizes.top_k > 1,
+                                              residual=True)
 
     def build(self, seed: int) -> nn.Module:
         s = self.sizes
@@ -140,7 +142,8 @@ class OwnLayer(LayerUnderTest):
         return float(moe.switch_aux_loss(captured.probs, idx, coef=1.0))
 
     def alternatives(self) -> dict[str, ref.RoutingSemantics]:
-        return {"not renormalised": self.semantics.variant(normalize=False),
+        flip = "renormalised" if not self.semantics.normalize else "not renormalised"
+        return {flip: self.semantics.variant(normalize=not self.semantics.normalize),
                 "no residual": self.semantics.variant(residual=False)}
 
 

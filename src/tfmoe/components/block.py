@@ -61,7 +61,8 @@ def make_norm(kind: str, d: int, eps: float = 1e-5) -> nn.Module:
 
 
 def swiglu_hidden(d_model: int, multiple_of: int = 8) -> int:
-    """LLaMA's convention: 2/3 · 4d rounded up to a multiple, so parameters match a 4d GELU FFN."""
+    """2/3 · 4d rounded up to a multiple of ``multiple_of``, so the parameters match a 4d GELU FFN (LLaMA's rule;
+    tfmoe rounds to a multiple of 8, LLaMA's released models to 256: pass d_ff explicitly to match one)."""
     h = int(2 * 4 * d_model / 3)
     return multiple_of * math.ceil(h / multiple_of)
 

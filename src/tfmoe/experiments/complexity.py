@@ -521,6 +521,7 @@ def measure_group(rec: Recorder, s: Settings, shape: cm.BlockShape, e: int) -> d
     rec.metric("params_block_weights", params["weights"], **tag)
     rec.metric("crossover_T", cm.crossover_T(shape), **tag)
     rec.metric("crossover_T_all_linear", cm.crossover_T_all_linear(shape), **tag)
+    rec.metric("crossover_T_causal", cm.crossover_T_causal(shape), **tag)
     rec.metric("score_elements", cm.score_elements(shape), **tag)
     for name, nbytes in cm.score_bytes(shape).items():
         rec.metric("score_bytes", nbytes, dtype=name, **tag)
