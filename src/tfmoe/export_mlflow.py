@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import RUN_FILE, load_run, read_parquet, resolve_run
+from tfmoe.notebook import RUN_FILE, effective_status, load_run, read_parquet, resolve_run
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 STATUS = {"ok": "FINISHED", "failed": "FAILED", "error": "FAILED", "crashed": "FAILED", "lost": "FAILED",
@@ -139,7 +139,7 @@ class Exporter:
 
         data = load_run(run_dir)
         run = data.run
-        rid, status = str(run["run_id"]), str(run["status"])
+        rid, status = str(run["run_id"]), effective_status(run)  # a dead `running` run is `lost`
         if status == "running":
             done.still_running.append(rid)
             return None
@@ -188,7 +188,7 @@ class Exporter:
         sid = sweep_dir.name.removeprefix("multirun-")
         parent = self.known[exp_id].get(sid)
         if parent is None:
-            statuses = {str(r["status"]) for r in runs}
+            statuses = {effective_status(r) for r in runs}
             starts = [t for t in (_ms(r["started_at"]) for r in runs) if t is not None]
             tags = {"tfmoe.run_id": sid, "tfmoe.sweep": "true", "tfmoe.experiment": experiment,
                     "tfmoe.path": str(sweep_dir.resolve()), "mlflow.runName": sweep_dir.name,
@@ -205,8 +205,9 @@ class Exporter:
         for job in jobs:
             self.export_run(job, parent, done)
         ends = [t for t in (_ms(r["finished_at"]) for r in runs) if t is not None]
-        if "running" not in {str(r["status"]) for r in runs}:
-            worst = "FINISHED" if {str(r["status"]) for r in runs} == {"ok"} else "FAILED"
+        statuses = {effective_status(r) for r in runs}
+        if "running" not in statuses:
+            worst = "FINISHED" if statuses == {"ok"} else "FAILED"
             self.client.set_terminated(parent, worst, end_time=max(ends) if ends else None)
 
 

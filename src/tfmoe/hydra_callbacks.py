@@ -126,6 +126,12 @@ class SweepCallback(Callback):
                             TimeElapsedColumn(), transient=False)
         _PROGRESS["bar"], _PROGRESS["task"] = progress, progress.add_task("jobs", total=total)
         progress.start()
+        from hydra.core.global_hydra import GlobalHydra
+
+        from tfmoe.sweep_speed import faster_composition
+
+        if GlobalHydra.instance().is_initialized():  # compose each job once, parse each YAML file once
+            _PROGRESS["undo"] = faster_composition(GlobalHydra.instance().config_loader())
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if "bar" in _PROGRESS:  # only in the launching process (basic launcher); workers have none
@@ -140,6 +146,8 @@ class SweepCallback(Callback):
 
 
 def stop_progress(finished: bool) -> None:
+    if "undo" in _PROGRESS:  # the sweep's faster composition (sweep_speed.py) ends with it
+        _PROGRESS.pop("undo")()
     if "bar" in _PROGRESS:
         bar, task = _PROGRESS.pop("bar"), _PROGRESS.pop("task")
         if finished and bar.tasks[0].total is not None:  # jobs that ran in worker processes did not advance it

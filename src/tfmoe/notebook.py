@@ -257,7 +257,9 @@ class RunWriter:
         self.write_run(self._row("running", notes=list(rec.notes) if rec is not None else []))
 
     def write_run(self, row: dict[str, Any]) -> None:
-        write_parquet(pd.DataFrame([row]), self.run_dir / RUN_FILE, schema=RUN_SCHEMA)
+        # straight to arrow (one row, a fixed schema): no pandas frame per write, which a sweep pays per job
+        table = pa.Table.from_pylist([row], schema=RUN_SCHEMA)
+        _atomic_replace(self.run_dir / RUN_FILE, lambda tmp: pq.write_table(table, tmp))
 
     def finish(self, rec: Any, status: str, exit_code: int, error: str | None,
                peak_device_mem_bytes: int | None, peak_rss_bytes: int | None, tensor_max_numel: int) -> None:
