@@ -296,6 +296,8 @@ def execute(cfg: DictConfig) -> int:
 
 
 def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) -> int:
+    from rich.markup import escape
+
     from tfmoe.notebook import device_name, environment
     from tfmoe.recorder import Recorder, device_peak, forget_device_peak
 
@@ -335,12 +337,13 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
         if not rec.all_passed:
             status, code = "failed", EXIT_CHECK_FAILED
             failed = [c.check for c in rec.checks_rows if not c.passed]
-            err.print(f"[red]{exp.name}: {len(failed)} check(s) failed:[/] {', '.join(failed)}")
+            err.print(f"[red]{exp.name}: {len(failed)} check(s) failed:[/] ", escape(", ".join(failed)), sep="")
             for inference in explain_failures(exp.name, rec, cfg, writer):
                 err.print(inference.line(), markup=False)
         missed = finish_expectations(expectations, rec, writer)
         if missed:
-            err.print(f"[yellow]{exp.name}: {len(missed)} expectation(s) did not hold:[/] " + "; ".join(missed))
+            err.print(f"[yellow]{exp.name}: {len(missed)} expectation(s) did not hold:[/] ", escape("; ".join(missed)),
+                      sep="")
             if status == "ok":
                 status, code = "unexpected", EXIT_UNEXPECTED
     except BadInput as exc:
