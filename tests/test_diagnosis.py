@@ -53,6 +53,14 @@ def test_scale_signature_needs_the_head_count_pattern() -> None:
     assert diagnose("attn-check", {**base, "sdpa_match": {**base["sdpa_match"], "passed": True}}, per_head, {}) == []
 
 
+def test_fully_masked_rows_blames_nan_only_when_values_are_nonfinite() -> None:
+    checks = {"fully_masked_rows": {"passed": False, "observed": 8.0, "threshold": 0.0, "detail": ""}}
+    finite = [{"name": "fully_masked_nonfinite_values", "value": 0.0}]
+    assert not any("NaiveMHAWrapper" in i.planted for i in diagnose("attn-check", checks, finite, {}))
+    nan = [{"name": "fully_masked_nonfinite_values", "value": 12.0}]
+    assert [i.planted for i in diagnose("attn-check", checks, nan, {})] == [("NaiveMHAWrapper",)]
+
+
 def test_catalogue_reads_check_names_the_batteries_record() -> None:
     """Every check a signature reads is written by its experiment (a renamed check would silently never match)."""
     for sig in diagnosis.CATALOGUE:
