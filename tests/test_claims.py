@@ -39,7 +39,7 @@ def test_six_claims_listed_as_json_and_table_without_torch() -> None:
 def test_table_format(workdir: Path) -> None:
     r = run_cli(["claims"], workdir)
     assert r.exit_code == 0 and "visibility_decoder_lower_triangular" in r.stdout and "moe_compute_flat" in r.stdout
-    assert "round_trip[cl100k_base]" in r.stdout  # F-39: rich markup once ate the [...]
+    assert "round_trip[cl100k_base]" in r.stdout  # F-50: rich markup once ate the [...]
 
 
 @pytest.mark.parametrize("claim", claims.CLAIMS, ids=[c.key for c in claims.CLAIMS])
