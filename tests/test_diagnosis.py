@@ -24,7 +24,8 @@ def infer(*overrides: str) -> list[diagnosis.Inference]:
 
 
 @pytest.mark.parametrize(("bug", "extra"), [
-    ("ScaleByDModel", ["checks=[sdpa,invariances]"]),
+    ("ScaleByDModel", ["checks=[sdpa,invariances]"]),  # weights wrong, rows and masks right
+    ("MissingTransposeMerge", ["checks=[masks,sdpa]"]),  # weights right, output wrong
     ("ScaleByDModel", ["n_heads=1", "checks=[sdpa,invariances]"]),  # passes sdpa_match at H=1, head_counts fails
     ("WrongSoftmaxAxis", ["checks=[masks]"]),
     ("CausalOffByOne", ["checks=[masks]"]),
@@ -36,6 +37,12 @@ def test_planted_bug_is_named_as_the_likely_cause(bug: str, extra: list[str]) ->
     found = infer(f"impl=buggy_attention:{bug}", *extra)
     assert any(bug in i.planted for i in found), [i.line() for i in found]
     assert all(i.line().startswith("likely cause (inferred, not proven)") for i in found)
+
+
+def test_scale_and_merge_are_told_apart_by_the_weights() -> None:
+    scale = infer("impl=buggy_attention:ScaleByDModel", "checks=[masks,sdpa]")
+    merge = infer("impl=buggy_attention:MissingTransposeMerge", "checks=[masks,sdpa]")
+    assert [i.planted for i in scale] == [("ScaleByDModel",)] and [i.planted for i in merge] == [("MissingTransposeMerge",)]
 
 
 def test_correct_module_gets_no_inference() -> None:

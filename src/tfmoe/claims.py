@@ -45,7 +45,7 @@ CLAIMS: tuple[Claim, ...] = (
           "weights that ignore q·k (uniform, or fixed by position) give outputs that differ from PyTorch's "
           "scaled_dot_product_attention on the same projections",
           ("tests/test_claims.py::test_attention_that_ignores_content_fails_sdpa_match",
-           "tests/test_attn_check.py::test_planted_bug_fails_its_check")),
+           "tests/test_attn_check.py::test_planted_bug_fails_exactly_its_family")),
     Claim("encoder_vs_decoder",
           "An encoder is bidirectional (every position sees every position) while a decoder is causal "
           "(position i sees only positions <= i)",

@@ -99,6 +99,37 @@ def _scale_or_merge(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) 
     return None
 
 
+def _weights_error(metrics: list[dict[str, Any]]) -> float | None:
+    for r in metrics:
+        if r.get("name") == "max_abs_err" and r.get("comparison") == "weights_vs_reference":
+            return float(r["value"])
+    return None
+
+
+def _forward_wrong_masks_right(c: Checks) -> bool:
+    return _failed(c, "sdpa_match") and _passed_or_absent(c, "row_sums", "causal_zero", "padding_zero", "shapes")
+
+
+def _scale_only(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    """The output is wrong and so are the weights, yet every row sums to 1 and the masks hold: the scores' scale."""
+    w = _weights_error(m)
+    limit = c.get("sdpa_match", {}).get("threshold") or 0.0
+    if _forward_wrong_masks_right(c) and w is not None and w > 100 * max(limit, 1e-12):
+        return (f"{_obs(c, 'sdpa_match')}; the returned weights differ from softmax(QKᵀ/√d_head) by {w:.3g} while "
+                "every row sums to 1 and the masks hold")
+    return None
+
+
+def _merge_only(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    """The weights are right but the output is not: what happens after the weights (merge, output projection)."""
+    w = _weights_error(m)
+    limit = c.get("sdpa_match", {}).get("threshold") or 0.0
+    if _forward_wrong_masks_right(c) and w is not None and w <= 10 * max(limit, 1e-12):
+        return (f"{_obs(c, 'sdpa_match')}; the returned weights match softmax(QKᵀ/√d_head) (error {w:.3g}), so the "
+                "scores, scale and masks are right")
+    return None
+
+
 def _rows_blank(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
     if _failed(c, "row_sums") and c["row_sums"].get("observed") is not None \
             and abs(float(c["row_sums"]["observed"]) - 1.0) < 1e-6:
@@ -148,6 +179,12 @@ CATALOGUE: tuple[Signature, ...] = (
               _scale_or_merge,
               "scores scaled by 1/√d_model instead of 1/√d_head, or heads merged back without transposing "
               "(B,H,T,Dh)->(B,T,H,Dh): both are invisible at one head", ("ScaleByDModel", "MissingTransposeMerge")),
+    Signature("attn-check", ("sdpa_match", "row_sums", "causal_zero", "padding_zero", "shapes"), _scale_only,
+              "scores scaled by 1/√d_model instead of 1/√d_head (right only at one head, where they are equal)",
+              ("ScaleByDModel",)),
+    Signature("attn-check", ("sdpa_match", "row_sums", "causal_zero", "padding_zero", "shapes"), _merge_only,
+              "the heads are merged back without transposing (B,H,T,Dh) -> (B,T,H,Dh) first (or the output "
+              "projection is wrong): positions and heads get interleaved", ("MissingTransposeMerge",)),
     Signature("attn-check", ("row_sums",), _rows_blank,
               "the padding mask hides padded queries (rows) instead of padded keys (columns)", ("PaddingOnQueries",)),
     Signature("attn-check", ("row_sums",), _rows_not_normalised,
