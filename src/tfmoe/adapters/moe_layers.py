@@ -70,6 +70,9 @@ class LayerUnderTest:
     exposes_probs: bool = False  # the layer returns/exposes a full router distribution that must sum to 1
     aux_loss_name: str | None = None  # the model's own load-balancing loss, where it defines one
     draws_correction_bias: bool = False  # build() draws a selection-only bias from the seed (DeepSeek-V3)
+    # the precision the design routes in at least (HF's and the package's routers compute in fp32 whatever the
+    # run's dtype); None = the run's dtype (the course's listing)
+    router_precision: torch.dtype | None = torch.float32
 
     def build(self, seed: int) -> nn.Module:
         raise NotImplementedError
@@ -102,7 +105,7 @@ def _linear64(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 # ----------------------------------------------------------------- the package's own layer
 class OwnLayer(LayerUnderTest):
     """tfmoe.components.moe.MoELayer, dropless: out = x + sum_k w_k expert_k(x), weights renormalised when k > 1
-    (at k = 1 the raw probability, as in Switch Transformer)."""
+    (at k = 1 the raw probability, as in Switch Transformer: the layer's documented rule, not read from the layer)."""
 
     exposes_probs = True
     aux_loss_name = "tfmoe.components.moe.switch_aux_loss"
@@ -186,6 +189,7 @@ class ToyInterfaceLayer(LayerUnderTest):
     are solved (least squares of out_t on the chosen experts' outputs, float64)."""
 
     exposes_probs = True
+    router_precision = None
 
     def __init__(self, spec: str, sizes: LayerSizes):
         self.cls, self.sizes, self.label = load_class(spec), sizes, spec
@@ -247,15 +251,15 @@ class ToyInterfaceLayer(LayerUnderTest):
                   rows: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Captured:
         flat = x.reshape(-1, x.shape[-1])
         n, e = flat.shape[0], self.sizes.n_experts
-        selected = torch.zeros(n, e, dtype=torch.bool)
-        expert_out = torch.zeros(n, e, flat.shape[1], dtype=torch.float64)
+        selected = torch.zeros(n, e, dtype=torch.bool, device=x.device)
+        expert_out = torch.zeros(n, e, flat.shape[1], dtype=torch.float64, device=x.device)
         for i, (inp, y) in rows.items():
             match = (inp.reshape(-1, 1, flat.shape[1]) == flat.reshape(1, n, -1)).all(dim=-1)  # (n_i,N)
             token = match.float().argmax(dim=1)  # the token each row is
             ok = match.any(dim=1)
             selected[token[ok], i] = True
             expert_out[token[ok], i] = y.reshape(-1, flat.shape[1])[ok].double()
-        weights = torch.zeros(n, e, dtype=torch.float64)
+        weights = torch.zeros(n, e, dtype=torch.float64, device=x.device)
         target = out.reshape(n, -1).double()
         for t in range(n):
             chosen = selected[t].nonzero().flatten()
