@@ -6,14 +6,14 @@ PYTHON ?= python3
 TORCH_INDEX_URL ?=
 TORCH_SPEC = torch==2.13.0
 
-.PHONY: setup run test test-slow lint bench clean
+.PHONY: setup run test test-slow test-cluster slurm-up slurm-down lint bench clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(VENV)/bin/pip install -q -e '.[dev,hf,mlflow]'
+	$(VENV)/bin/pip install -q -e '.[dev,hf,mlflow,ray]'
 	touch $@
 
 run: setup
@@ -24,6 +24,18 @@ test: setup
 
 test-slow: setup
 	$(VENV)/bin/pytest -m slow
+
+# A real single-node SLURM cluster on this machine (root; Debian's slurmctld/slurmd/slurmdbd, munge, MariaDB).
+slurm-up:
+	bash scripts/slurm-up.sh
+
+slurm-down:
+	bash scripts/slurm-down.sh
+
+# The cluster tests (pytest -m cluster) between slurm-up and slurm-down; the cluster is stopped even if they fail.
+test-cluster: setup
+	bash scripts/slurm-up.sh
+	$(VENV)/bin/pytest -m cluster; rc=$$?; bash scripts/slurm-down.sh || rc=1; exit $$rc
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stop the single-node SLURM cluster of scripts/slurm-up.sh: cancel its jobs, stop slurmd, slurmctld and munged,
+# Stop the single-node SLURM cluster of scripts/slurm-up.sh: cancel its jobs, stop slurmd, slurmctld, slurmdbd,
+# MariaDB and munged,
 # and wait until none of them is left running. Idempotent; the packages and the config stay installed.
 set -uo pipefail
 [ "$(id -u)" = 0 ] || { echo "slurm-down: needs root" >&2; exit 2; }
@@ -22,10 +23,15 @@ stop() {  # stop the daemon whose pid file is $1, waiting for it to exit
 }
 stop /run/slurmd.pid
 stop /run/slurmctld.pid
+stop /run/slurmdbd.pid
+if command -v mariadb-admin >/dev/null && mariadb-admin --silent ping >/dev/null 2>&1; then
+  mariadb-admin shutdown || true
+  for _ in $(seq 100); do mariadb-admin --silent ping >/dev/null 2>&1 || break; sleep 0.1; done
+fi
 stop /run/munge/munged.pid
 
-left=$(ps -eo pid=,comm= | awk '$2 ~ /^(slurmctld|slurmd|slurmstepd|munged)$/')
+left=$(ps -eo pid=,comm= | awk '$2 ~ /^(slurmctld|slurmd|slurmdbd|slurmstepd|munged|mariadbd|mysqld|mariadbd-safe|mysqld_safe)$/')
 if [ -n "$left" ]; then
   echo "slurm-down: still running:" >&2; echo "$left" >&2; exit 1
 fi
-echo "slurm-down: slurmctld, slurmd and munged stopped"
+echo "slurm-down: slurmctld, slurmd, slurmdbd, MariaDB and munged stopped"

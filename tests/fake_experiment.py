@@ -1,9 +1,13 @@
 """A tiny experiment for testing the notebook core's promises (statuses, exit codes, crash/interrupt safety).
 
-``mode`` picks the behaviour: ok | fail_check | crash | interrupt | bad_input.
+``mode`` picks the behaviour: ok | fail_check | crash | interrupt | bad_input | sigterm | sigusr2 | exit.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import sys
 
 import torch
 from omegaconf import DictConfig
@@ -25,6 +29,10 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
             raise KeyboardInterrupt
         if cfg.mode == "crash" and step == 2:
             raise RuntimeError("planted crash")
+        if cfg.mode in ("sigterm", "sigusr2") and step == 2:  # a real signal to this process, as kill/SLURM send
+            os.kill(os.getpid(), getattr(signal, cfg.mode.upper()))
+        if cfg.mode == "exit" and step == 2:  # a library calling sys.exit inside the run
+            sys.exit(5)
     if cfg.mode == "bad_input":
         raise BadInput("mode=bad_input was asked for: pick another mode")
     rec.check("always_true_for_ok", cfg.mode != "fail_check", 1.0, 0.0, "planted failure when mode=fail_check",

@@ -200,3 +200,32 @@ def test_a_sweep_with_failed_jobs_names_them(fake_experiment) -> None:
     assert code == 2
     lines = reports.sweep_problem_lines(hydra_callbacks.LAST_SWEEP_DIRS[-1])
     assert lines[0].startswith("job 1 (mode=fail_check): failed") and lines[1].startswith("job 2 (mode=bad_input): error")
+
+
+@pytest.mark.parametrize(("mode", "code", "name"), [("sigterm", 143, "SIGTERM"), ("sigusr2", 140, "SIGUSR2")])
+def test_a_signal_inside_the_run_is_recorded_and_stops_the_sweep(fake_experiment, monkeypatch: pytest.MonkeyPatch,
+                                                                 mode: str, code: int, name: str) -> None:
+    """SIGTERM always, and SIGUSR2 inside a submitit job (whose own handler would raise inside the experiment):
+    the steps so far are written, status interrupted, the error names the signal, the in-process sweep stops."""
+    import signal as signal_module
+
+    from tfmoe import launch, runner
+    from tfmoe.errors import Terminated
+
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    before = signal_module.getsignal(signal_module.SIGTERM)
+    with pytest.raises(Terminated) as stopped:
+        launch.run_experiment(fake_experiment, [f"mode={mode}"], quiet=True)
+    assert stopped.value.exit_code == code
+    data = notebook.load_run(runner.LAST_RUN_DIRS[-1])
+    assert data.run["status"] == "interrupted" and data.run["exit_code"] == code and name in data.run["error"]
+    assert data.metrics["step"].tolist() == [0, 1, 2]
+    assert signal_module.getsignal(signal_module.SIGTERM) == before  # the runner's handler is gone again
+
+
+def test_a_system_exit_inside_the_run_is_never_recorded_ok(fake_experiment) -> None:
+    from tfmoe import launch, runner
+
+    assert launch.run_experiment(fake_experiment, ["mode=exit"], quiet=True) != 0
+    data = notebook.load_run(runner.LAST_RUN_DIRS[-1])
+    assert data.run["status"] == "crashed" and "SystemExit" in data.run["error"]

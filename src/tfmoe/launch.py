@@ -124,6 +124,8 @@ def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
         first_values.append(f"{prefix}{key}={text_values[0]}")
         if not o.is_hydra_override() and "/" not in key and o.type.name == "CHANGE":
             checks.append((key, list(zip(text_values, typed_values, strict=False))))
+    for o in parsed:
+        check_launcher_installed(o.key_or_group, first_values)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
@@ -177,6 +179,25 @@ def validate_expectations(exp: Experiment, composed: Any) -> None:
         expectations.validate(parsed, declared_for(exp.name), exp.name)
 
 
+# Launchers that come from an optional extra: hydra/launcher=<name> -> (plugin module, extra)
+OPTIONAL_LAUNCHERS = {"ray": ("hydra_plugins.hydra_ray_launcher", "ray")}
+
+
+def check_launcher_installed(key: str, overrides: list[str]) -> None:
+    """``hydra/launcher=ray`` without Hydra's Ray launcher installed: one line naming the extra, not Hydra's error."""
+    import importlib.util
+
+    if key != "hydra/launcher":
+        return
+    for o in overrides:
+        name = o.partition("=")[2] if o.startswith("hydra/launcher=") else None
+        if name in OPTIONAL_LAUNCHERS:
+            module, extra = OPTIONAL_LAUNCHERS[name]
+            if importlib.util.find_spec(module) is None:
+                raise BadInput(f"hydra/launcher={name} needs Hydra's {name} launcher plugin, not installed: "
+                               f"pip install -e '.[{extra}]' (make test installs it)")
+
+
 def check_writable(run_root: str) -> None:
     """Refuse an unwritable runs root before any run starts (nothing is lost, nothing half-written)."""
     import tempfile
@@ -227,7 +248,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         # a sweep that stopped early (a job killed, a launcher error, Ctrl-C/SIGTERM here) still gets its
         # sweep.parquet: the jobs that finished and the state of the others
         hydra_callbacks.LAST_SWEEP_DIRS.extend(hydra_callbacks.complete_unfinished_sweeps())
-    if hydra_failed and not hydra_callbacks.LAST_SWEEP_DIRS:
+    if hydra_failed and not hydra_callbacks.LAST_SWEEP_DIRS and not runner.LAST_RUN_DIRS:
         return EXIT_FROM_HYDRA
     dirs = [p.resolve() for p in runner.LAST_RUN_DIRS]
     for sweep_dir in hydra_callbacks.LAST_SWEEP_DIRS:  # jobs run by other processes (joblib, submitit)

@@ -1,0 +1,133 @@
+"""Sweeps on a real single-node SLURM cluster (scripts/slurm-up.sh; run with `make test-cluster`): jobs go through
+sbatch, a job past hydra.launcher.timeout_min is stopped by SLURM and keeps its records, a job killed with SIGKILL
+is reported `lost`, and every sweep ends with a complete sweep.parquet."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tfmoe import notebook
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+TFMOE = [sys.executable, "-m", "tfmoe.cli"]
+SLURM = ["hydra/launcher=submitit_slurm"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster() -> None:
+    if shutil.which("sbatch") is None:
+        pytest.fail("no SLURM here: run `make test-cluster` (it starts the cluster with scripts/slurm-up.sh)")
+    state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+    if state.returncode != 0 or not state.stdout.strip().startswith(("idle", "mix", "alloc")):
+        pytest.fail(f"the SLURM node is not up ({state.stdout.strip() or state.stderr.strip()}): make slurm-up")
+
+
+def _tfmoe(args: list[str], cwd: Path, timeout: float = 480) -> subprocess.CompletedProcess:
+    return subprocess.run([*TFMOE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "250"})
+
+
+def _sweep_dir(cwd: Path, experiment: str) -> Path:
+    (sweep,) = (cwd / "runs" / experiment).glob("multirun-*")
+    return sweep
+
+
+def _slurm_job_ids(sweep: Path) -> list[str]:
+    return sorted({p.name.split("_")[0] for p in (sweep / ".submitit").iterdir() if p.name[0].isdigit()})
+
+
+def _sacct_states(job_id: str) -> dict[str, str]:
+    """SLURM's own record of each task of a job array ('<id>_<task>' -> state), read back from its accounting."""
+    deadline = time.monotonic() + 60
+    while True:
+        out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id],
+                             capture_output=True, text=True, timeout=30).stdout
+        states = dict(line.split("|", 1) for line in out.split())
+        if states and all(s.split()[0] not in ("PENDING", "RUNNING", "COMPLETING") for s in states.values()):
+            return states
+        if time.monotonic() > deadline:
+            return states
+        time.sleep(1)
+
+
+def test_slurm_sweep_runs_both_jobs_through_sbatch(tmp_path: Path) -> None:
+    r = _tfmoe(["shift-labels", "-m", "seed=0,1", *SLURM], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    sweep = _sweep_dir(tmp_path, "shift-labels")
+    df = pd.read_parquet(sweep / "sweep.parquet")
+    assert set(df["seed"]) == {0, 1} and (df["status"] == "ok").all()
+    for job in ("0", "1"):
+        run = notebook.load_run(sweep / job).run
+        assert run["status"] == "ok" and "submitit" in " ".join(run["argv"])  # ran by submitit's worker
+    ids = _slurm_job_ids(sweep)
+    assert len(ids) == 1  # one sbatch job array of two tasks
+    assert _sacct_states(ids[0]) == {f"{ids[0]}_0": "COMPLETED", f"{ids[0]}_1": "COMPLETED"}
+
+
+def test_a_job_past_its_slurm_time_limit_keeps_its_records_as_interrupted(tmp_path: Path) -> None:
+    """Job 0 ends in seconds; job 1 would run for hours: at timeout_min=1 SLURM sends SIGTERM (signal_delay_s=0
+    keeps submitit's earlier SIGUSR2 warning out of the way), tfmoe records it as interrupted and the sweep says so."""
+    r = _tfmoe(["route-sim", "-m", "steps=20,1000000", "strategies=[none]", *SLURM,
+                "hydra.launcher.timeout_min=1", "hydra.launcher.signal_delay_s=0"], tmp_path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 143, out
+    assert "job 1 (steps=1000000 strategies=[none]): interrupted: terminated by SIGTERM" in out
+    sweep = _sweep_dir(tmp_path, "route-sim")
+    states = pd.read_parquet(sweep / "sweep.parquet").drop_duplicates("job").set_index("job")["status"]
+    assert states.to_dict() == {"0": "ok", "1": "interrupted"}
+    late = notebook.load_run(sweep / "1")
+    assert late.run["exit_code"] == 143 and "SIGTERM" in late.run["error"]
+    assert late.metrics["step"].max() > 20  # the steps done before the limit are on disk
+    (job_id,) = _slurm_job_ids(sweep)
+    assert _sacct_states(job_id) == {f"{job_id}_0": "COMPLETED", f"{job_id}_1": "TIMEOUT"}  # SLURM's own verdict
+
+
+def test_a_job_killed_by_sigkill_is_lost_and_the_sweep_still_completes(tmp_path: Path) -> None:
+    """SIGKILL to job 1's process (the OOM killer; SLURM after KillWait): submitit raises for the job,
+    yet the sweep ends with a sweep.parquet that holds job 0's results and job 1 as `lost`, and exits 137."""
+    proc = subprocess.Popen([*TFMOE, "route-sim", "-m", "steps=20,1000000", "strategies=[none]", *SLURM],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "COLUMNS": "250"})
+    try:
+        deadline = time.monotonic() + 300
+        metrics = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = list((tmp_path / "runs" / "route-sim").glob("multirun-*/1/metrics.parquet"))
+            if found and _has_training_steps(found[0]):
+                metrics = found[0]
+                break
+            time.sleep(0.5)
+        assert metrics is not None, "job 1 never wrote training steps while running"
+        sweep = metrics.parent.parent
+        # the OOM killer's way: SIGKILL straight to the job's process, found from what run.parquet records
+        # (`scancel --signal=KILL` would be a cancel: SLURM sends SIGTERM first)
+        row = notebook.read_run_row(sweep / "1")
+        assert row["status"] == "running" and notebook.process_alive(row["pid"], row["process_started_at"])
+        os.kill(int(row["pid"]), signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 137, out + err
+    assert "job 1 (steps=1000000 strategies=[none]): lost" in out
+    states = pd.read_parquet(sweep / "sweep.parquet").drop_duplicates("job").set_index("job")["status"]
+    assert states.to_dict() == {"0": "ok", "1": "lost"}
+    assert _has_training_steps(sweep / "1" / "metrics.parquet")  # its periodic writes survive the kill
+
+
+def _has_training_steps(path: Path) -> bool:
+    try:
+        m = pd.read_parquet(path)
+    except (OSError, ValueError):
+        return False
+    return "step" in m and m["step"].notna().any()
