@@ -452,7 +452,7 @@ class RunData:
 
 def read_parquet(path: Path) -> pd.DataFrame:
     try:
-        return pq.read_table(path).to_pandas()
+        return pq.ParquetFile(path).read().to_pandas()  # one file: no dataset discovery (about 2x faster)
     except FileNotFoundError:
         raise BadInput(f"{path} is missing: is this a complete tfmoe run directory?") from None
     except (pa.ArrowException, OSError) as exc:
