@@ -74,3 +74,63 @@ def test_bad_refs_and_empty_roots_are_bad_input(workdir: Path) -> None:
         export_mlflow.export([], workdir / "runs", f"sqlite:///{workdir / 'm.db'}")
     r = run_cli(["export", "mlflow", "nosuchrun"], workdir)
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_mlflow_ui_shows_an_exported_runs_metrics_in_headless_chromium(fake_experiment) -> None:
+    """`mlflow ui --backend-store-uri sqlite:///mlflow.db` (README) on localhost, the run's page read by Debian's
+    chromium (installed by scripts/chromium-up.sh) with the page's JavaScript run."""
+    import subprocess
+    import time
+    import urllib.request
+
+    mlflow = pytest.importorskip("mlflow")
+    repo = Path(__file__).resolve().parents[1]
+    browser = subprocess.run(["bash", str(repo / "scripts" / "chromium-up.sh")], capture_output=True, text=True)
+    assert browser.returncode == 0, f"scripts/chromium-up.sh could not provide chromium: {browser.stderr[-800:]}"
+    chromium = browser.stdout.strip().splitlines()[-1]
+
+    launch.run_experiment(fake_experiment, ["seed=5"], quiet=True)
+    run_dir = runner.LAST_RUN_DIRS[-1]
+    assert run_cli(["export", "mlflow"], Path.cwd()).exit_code == 0  # the default: ./mlflow.db
+    client = mlflow.tracking.MlflowClient(tracking_uri="sqlite:///mlflow.db")
+    exp = client.get_experiment_by_name("fake")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`tfmoe.run_id` = '{run_dir.name}'")
+    port = _free_port()
+    ui = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "ui", "--backend-store-uri",
+                           "sqlite:///mlflow.db", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(180):
+            try:
+                if urllib.request.urlopen(f"{base}/health", timeout=2).read() == b"OK":
+                    break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail("mlflow ui did not answer /health within 3 minutes")
+        page = f"{base}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
+        dom = ""
+        for _ in range(3):  # the first load of a cold UI can time out on a loaded machine
+            dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                                  "--virtual-time-budget=30000", "--dump-dom", page],
+                                 capture_output=True, text=True, timeout=240).stdout
+            if "loss/variant:a" in dom:
+                break
+        assert run_dir.name in dom  # the run's name on its page
+        assert "loss/variant:a" in dom and "sums_per_call" in dom  # its metrics, rendered by the UI
+    finally:
+        import os
+        import signal
+
+        os.killpg(ui.pid, signal.SIGTERM)
+        ui.wait(timeout=30)
