@@ -69,11 +69,25 @@ def test_fully_masked_rows_blames_nan_only_when_values_are_nonfinite() -> None:
 
 
 def test_catalogue_reads_check_names_the_batteries_record() -> None:
-    """Every check a signature reads is written by its experiment (a renamed check would silently never match)."""
+    """Every check a signature reads is written by the experiments (a renamed check would silently never match)."""
+    source = "".join(p.read_text() for p in (REPO / "src" / "tfmoe" / "experiments").glob("*.py"))
     for sig in diagnosis.CATALOGUE:
-        source = (REPO / "src" / "tfmoe" / "experiments" / f"{EXPERIMENTS[sig.experiment].module}.py").read_text()
+        assert sig.experiment in EXPERIMENTS
         for name in sig.checks:
-            assert re.search(rf"[\"']{re.escape(name)}[\"']", source), f"{sig.experiment} records no check {name}"
+            bare = name.removeprefix("layer.")  # route-sim's layer battery records PREFIX + name
+            assert re.search(rf"[\"'](layer\.)?{re.escape(bare)}[\"'\]]", source), f"no experiment records {name}"
+
+
+@pytest.mark.parametrize("bug", ["SoftmaxOverTokens", "NotRenormalised", "ArgminRouting", "FirstComeCapacity"])
+def test_route_layer_planted_bug_is_named(bug: str) -> None:
+    from tfmoe.experiments import route_layer
+    from tfmoe.testing import compose, make_recorder
+
+    cfg = compose("route-sim", ["steps=0", f"impl=buggy_moe:{bug}", "layer.seq=8"])
+    rec = make_recorder(cfg)
+    route_layer.run_battery(route_layer.params_from_cfg(cfg), rec)
+    found = diagnose("route-sim", checks_mapping(rec.checks_rows), rec.metrics_rows, {})
+    assert any(f"buggy_moe.{bug}" in i.planted for i in found), [i.line() for i in found]
 
 
 def test_cli_prints_the_inference_next_to_failed_checks_and_show_repeats_it(workdir: Path) -> None:

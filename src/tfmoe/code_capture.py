@@ -156,6 +156,16 @@ def read(run_dir: Path) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------------------- replay
+def line_delta(old: Path, new: Path, shown: int, width: int) -> str:
+    """'+1 −1 lines: -old line; +new line' between two text files."""
+    a = old.read_text(encoding="utf-8", errors="replace").splitlines()
+    b = new.read_text(encoding="utf-8", errors="replace").splitlines()
+    delta = [ln for ln in difflib.unified_diff(a, b, lineterm="", n=0)
+             if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
+    added, removed = sum(ln.startswith("+") for ln in delta), sum(ln.startswith("-") for ln in delta)
+    return f"+{added} −{removed} lines: " + "; ".join(delta[:shown])[:width]
+
+
 def changes_since(run_dir: Path) -> list[str]:
     """One plain sentence per recorded user file that changed on disk (or vanished) since the run."""
     out = []
@@ -171,13 +181,7 @@ def changes_since(run_dir: Path) -> list[str]:
             continue
         how = ""
         if r["copy"] and (Path(run_dir) / r["copy"]).exists():
-            old_lines = (Path(run_dir) / r["copy"]).read_text(encoding="utf-8", errors="replace").splitlines()
-            new_lines = src.read_text(encoding="utf-8", errors="replace").splitlines()
-            delta = [ln for ln in difflib.unified_diff(old_lines, new_lines, lineterm="", n=0)
-                     if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
-            added, removed = sum(ln.startswith("+") for ln in delta), sum(ln.startswith("-") for ln in delta)
-            shown = "; ".join(delta[:4])
-            how = f" (+{added} −{removed} lines: {shown[:300]})"
+            how = f" ({line_delta(Path(run_dir) / r['copy'], src, 4, 300)})"
         use = f"replaying with the recorded copy {r['copy']}" if r["copy"] and (r["kind"] == "module" or re.fullmatch(
             r"[\w.]+", r["key"])) else "the replay reads the file as it is now (no recorded copy can stand in)"
         out.append(f"{r['key']}: {src} changed since the run (sha256 {r['sha256'][:12]} → {now[:12]}){how}; {use}")
@@ -232,12 +236,7 @@ def diff_code(a_dir: Path, b_dir: Path) -> pd.DataFrame:
         note = ""
         if a is not None and b is not None and sha_a != sha_b and a["copy"] and b["copy"] \
                 and (Path(a_dir) / a["copy"]).exists() and (Path(b_dir) / b["copy"]).exists():
-            la = (Path(a_dir) / a["copy"]).read_text(encoding="utf-8", errors="replace").splitlines()
-            lb = (Path(b_dir) / b["copy"]).read_text(encoding="utf-8", errors="replace").splitlines()
-            delta = [ln for ln in difflib.unified_diff(la, lb, lineterm="", n=0)
-                     if ln[:1] in "+-" and not ln.startswith(("+++", "---"))]
-            note = f"+{sum(x.startswith('+') for x in delta)} −{sum(x.startswith('-') for x in delta)} lines: " \
-                   + "; ".join(delta[:3])[:200]
+            note = line_delta(Path(a_dir) / a["copy"], Path(b_dir) / b["copy"], 3, 200)
         rows.append({"file": f"{key[0]} ({key[1]})", "A": (sha_a or "(absent)")[:12], "B": (sha_b or "(absent)")[:12],
                      "note": note, "differs": sha_a != sha_b and key[1] != "tfmoe_diff"})
     return pd.DataFrame(rows, columns=["file", "A", "B", "note", "differs"])
