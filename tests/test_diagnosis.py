@@ -29,9 +29,9 @@ def infer(*overrides: str) -> list[diagnosis.Inference]:
     ("ScaleByDModel", ["n_heads=1", "checks=[sdpa,invariances]"]),  # passes sdpa_match at H=1, head_counts fails
     ("WrongSoftmaxAxis", ["checks=[masks]"]),
     ("CausalOffByOne", ["checks=[masks]"]),
-    ("CacheWithoutOffset", ["checks=[masks,kv_cache]"]),
+    pytest.param("CacheWithoutOffset", ["checks=[masks,kv_cache]"], marks=pytest.mark.slow),
     ("GlobalMaxSoftmax", ["checks=[invariances]"]),
-    ("DropoutKeepProb", ["checks=[dropout]"]),
+    pytest.param("DropoutKeepProb", ["checks=[dropout]"], marks=pytest.mark.slow),
 ])
 def test_planted_bug_is_named_as_the_likely_cause(bug: str, extra: list[str]) -> None:
     found = infer(f"impl=buggy_attention:{bug}", *extra)
@@ -78,7 +78,8 @@ def test_catalogue_reads_check_names_the_batteries_record() -> None:
             assert re.search(rf"[\"'](layer\.)?{re.escape(bare)}[\"'\]]", source), f"no experiment records {name}"
 
 
-@pytest.mark.parametrize("bug", ["SoftmaxOverTokens", "NotRenormalised", "ArgminRouting", "FirstComeCapacity"])
+@pytest.mark.parametrize("bug", ["SoftmaxOverTokens", *(pytest.param(b, marks=pytest.mark.slow) for b in (
+    "NotRenormalised", "ArgminRouting", "FirstComeCapacity"))])
 def test_route_layer_planted_bug_is_named(bug: str) -> None:
     from tfmoe.experiments import route_layer
     from tfmoe.testing import compose, make_recorder

@@ -3,6 +3,7 @@ the worked example)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -37,8 +38,6 @@ def test_boundary_one_character_one_token() -> None:
 
 @pytest.mark.parametrize(("args", "needle"), [
     (['texts=["我爱猫"]'], "needs tokenizer=NAME"),
-    (['texts=["我爱猫",""]', "tokenizer=chars"], "texts[1] is empty"),
-    (["texts=[]", "tokenizer=chars"], "non-empty list of strings"),
     (['texts=["猫"]', "tokenizer=nosuch"], "unknown tokenizer 'nosuch'"),
 ])
 def test_bad_texts_exit_2_with_the_fix(workdir: Path, args: list[str], needle: str) -> None:
@@ -47,11 +46,20 @@ def test_bad_texts_exit_2_with_the_fix(workdir: Path, args: list[str], needle: s
     assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.stderr
 
 
-def test_cli_run_keeps_the_notes_and_the_hand_vocabulary_default(workdir: Path) -> None:
+@pytest.mark.parametrize(("texts", "needle"), [
+    (["我爱猫", ""], "texts[1] is empty"), ([], "non-empty list of strings"), ("我爱猫", "non-empty list"),
+    (["猫", 3], "non-empty list of strings"),
+])
+def test_malformed_texts_are_refused(texts, needle: str) -> None:
+    from tfmoe.errors import BadInput
+
+    with pytest.raises(BadInput, match=re.escape(needle)):
+        encode_texts(texts, "chars", "PAD")
+
+
+def test_cli_run_keeps_the_tokenizer_notes(workdir: Path) -> None:
     r = run_cli(["shift-labels", 'texts=["我爱猫","猫"]', "tokenizer=o200k_base", "--expect",
                  "tokens_per_text[text=1] == 1"], workdir)
     assert r.exit_code == 0, r.stderr
     notes = list(pd.read_parquet(r.run_dir / "run.parquet").iloc[0]["notes"])
     assert any("texts tokenized by o200k_base" in n for n in notes) and any("'猫' -> 1 token(s)" in n for n in notes)
-    default = run_cli(["shift-labels"], workdir)
-    assert default.exit_code == 0 and "我" in (default.run_dir / "summary.md").read_text()
