@@ -135,6 +135,7 @@ class HFBlock(LayerUnderTest):
         self.model_type, self.sizes, self.label = model_type, sizes, f"hf:{model_type}"
         self.layout = MODEL_TYPES[model_type].layout
         self.draws_correction_bias = self.layout == "deepseek_v3"
+        self.logits_in_fp32 = self.layout == "deepseek_v3"  # its router weight is kept in fp32 and cast to it
         check_sizes(model_type, self.layout, sizes)
         self.config = tiny_config(model_type, sizes)
         self.modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")

@@ -70,9 +70,10 @@ class LayerUnderTest:
     exposes_probs: bool = False  # the layer returns/exposes a full router distribution that must sum to 1
     aux_loss_name: str | None = None  # the model's own load-balancing loss, where it defines one
     draws_correction_bias: bool = False  # build() draws a selection-only bias from the seed (DeepSeek-V3)
-    # the precision the design routes in at least (HF's and the package's routers compute in fp32 whatever the
-    # run's dtype); None = the run's dtype (the course's listing)
+    # the precision the combine weights carry at least (HF's and the package's routers take softmax/sigmoid in fp32
+    # whatever the run's dtype); None = the run's dtype (the course's listing)
     router_precision: torch.dtype | None = torch.float32
+    logits_in_fp32: bool = True  # router logits computed in fp32 (the package, DeepSeek-V3) or in the run's dtype
 
     def build(self, seed: int) -> nn.Module:
         raise NotImplementedError
@@ -190,6 +191,7 @@ class ToyInterfaceLayer(LayerUnderTest):
 
     exposes_probs = True
     router_precision = None
+    logits_in_fp32 = False
 
     def __init__(self, spec: str, sizes: LayerSizes):
         self.cls, self.sizes, self.label = load_class(spec), sizes, spec

@@ -130,10 +130,22 @@ class Observation:
 def observe(lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights, x: torch.Tensor,
             sem: ref.RoutingSemantics | None = None) -> Observation:
     out, cap = lut.run(module, x)
-    ref_out, r = ref.forward(_flat(x).double(), sem or lut.semantics, weights)
-    # a decision closer to a tie than the logits' rounding (run dtype; routers score in >= fp32) may go either way
-    tie = 4 * _ulps(x.dtype, torch.float32) * max(1.0, _max_abs(r.logits))
-    return Observation(x, out, cap, ref_out, r, r.margin > tie)
+    sem = sem or lut.semantics
+    ref_out, r = ref.forward(_flat(x).double(), sem, weights)
+    return Observation(x, out, cap, ref_out, r, r.margin > score_rounding(lut, sem, weights, x, r))
+
+
+def score_rounding(lut: LayerUnderTest, sem: ref.RoutingSemantics, weights: ref.LayerWeights, x: torch.Tensor,
+                   r: ref.ReferenceRouting) -> float:
+    """How far the layer's scores can sit from the float64 ones by rounding alone: the same router computed
+    plainly (logits in the run's dtype, or fp32 where the design computes them so; scores in fp32), 4x its
+    worst score error + 4 fp32 ulps. A decision closer to a tie than this may go either way."""
+    ld = torch.float32 if lut.logits_in_fp32 else x.dtype
+    logits = (_flat(x).to(ld) @ weights.router.to(ld).T).float()
+    if weights.router_bias is not None:
+        logits = logits + weights.router_bias.float()
+    scores = logits.softmax(dim=-1) if sem.score_func == "softmax" else logits.sigmoid()
+    return 4 * _max_abs(scores.double() - r.scores) + 4 * _ulps(torch.float32)
 
 
 # ------------------------------------------------------------------------------- checks
