@@ -137,6 +137,8 @@ def test_effective_status_running_lost_and_other_hosts(fake_experiment) -> None:
     assert notebook.load_run(run_dir).run["status"] == "lost"
     assert notebook.run_index(Path("runs"))["status"].tolist() == ["lost"]
     assert reports.exit_code_of([run_dir]) == 137
+    sql = run_cli(["sql", "SELECT status FROM runs", "--format", "json"], Path.cwd())
+    assert json.loads(sql.stdout) == [{"status": "lost"}], sql.stdout + sql.stderr
     _planted_running(run_dir, hostname="node-17.cluster")
     shown = run_cli(["runs", "--format", "json"], Path.cwd())
     body = json.loads(shown.stdout)
