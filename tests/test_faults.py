@@ -120,18 +120,17 @@ def test_effective_status_running_lost_and_other_hosts(fake_experiment) -> None:
     assert notebook.effective_status({"status": "ok", "hostname": me["hostname"], "pid": 1 << 30}) == "ok"
     alive = {"status": "running", **me}
     assert notebook.effective_status(alive) == "running" and "this host" in notebook.where_running(alive)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    assert notebook.effective_status({**alive, "pid": dead.pid}) == "lost"
+    dead_pid = _dead_pid()
+    assert notebook.effective_status({**alive, "pid": dead_pid}) == "lost"
     reused = {**alive, "process_started_at": pd.Timestamp(me["process_started_at"]) - pd.Timedelta(hours=1)}
     assert notebook.effective_status(reused) == "lost"  # same pid, another process: not ours
-    elsewhere = {**alive, "hostname": "node-17.cluster", "pid": dead.pid}
+    elsewhere = {**alive, "hostname": "node-17.cluster", "pid": dead_pid}
     assert notebook.effective_status(elsewhere) == "running"
     assert notebook.where_running(elsewhere).startswith("on node-17.cluster") and "another host" in \
         notebook.where_running(elsewhere)
     assert notebook.effective_status({"status": "running", "hostname": me["hostname"], "pid": None}) == "running"
     # every reader goes through it: runs, show, the sweep collector and exit codes
-    _planted_running(run_dir, pid=dead.pid)
+    _planted_running(run_dir, pid=dead_pid)
     from tfmoe import reports
 
     assert notebook.load_run(run_dir).run["status"] == "lost"
