@@ -76,6 +76,13 @@ def kernel_nan_rows(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, fill_empty=False)
 
 
+def kernel_nan_to_num_rows(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                           enable_gqa=False):
+    """Bug (backward): softmax over an all -inf row, then nan_to_num — the forward is 0 there, but the softmax's
+    backward is NaN, and NaN reaches dk and dv (the first cwd kernel written for the tests did exactly this)."""
+    return torch.nan_to_num(_attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, fill_empty=False), nan=0.0)
+
+
 class _WrongGradAttention(torch.autograd.Function):
     """The right forward, a hand-written backward that forgets the softmax Jacobian's δ term."""
 

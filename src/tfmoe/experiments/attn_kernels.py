@@ -15,7 +15,7 @@ and backward: max|kernel - ref| <= factor · max|plain - ref| + 2 · the dtype's
 
 Cases belong to one check family each (``kernel_<family>``); a family is judged only on cases whose
 prerequisites passed (every masked case needs ``scale``; a case with Hkv < Hq needs ``gqa``; the fully masked
-case needs ``padding_bool``; a case's backward needs its own forward), so one bug fails one family and the other
+case needs ``padding_bool`` (its additive twin ``padding_additive``); a case's backward needs its own forward), so one bug fails one family and the other
 families say they were not judged. A case the kernel cannot take (its signature lacks ``scale``/``enable_gqa``/
 ``attn_mask``/``is_causal``) is *skipped*; one it refuses with NotImplementedError (FlexAttention's backward on
 CPU) is *not applicable* with the kernel's own reason — neither is a failure.
@@ -55,10 +55,10 @@ from tfmoe.memory import available_memory_bytes
 from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int, require_number
 
-MASKS = ("none", "causal", "pad_bool", "pad_additive", "fully_masked")
+MASKS = ("none", "causal", "pad_bool", "pad_additive", "fully_masked", "fully_masked_additive")
 FAMILIES = ("scale", "gqa", "causal", "padding_bool", "padding_additive", "fully_masked", "backward")
 MASK_FAMILY = {"causal": "causal", "pad_bool": "padding_bool", "pad_additive": "padding_additive",
-               "fully_masked": "fully_masked"}
+               "fully_masked": "fully_masked", "fully_masked_additive": "fully_masked"}
 POLICIES = ("zeros", "nan", "uniform")
 SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
@@ -385,6 +385,9 @@ def make_inputs(case: Case, B: int, Hq: int, align: str, seed: int, index: int, 
         visible = key_padding_visibility(pad_lengths(B, Tk, False), Tk, device)
         bias = draw(B, 1, Tq, Tk)  # a finite score bias (ALiBi-like) on every pair, -inf on padded keys
         kwargs["attn_mask"] = bias.masked_fill(~visible, float("-inf"))
+    elif case.mask == "fully_masked_additive":  # 0 / -inf key padding, the last row all -inf
+        visible = key_padding_visibility(pad_lengths(B, Tk, True), Tk, device)
+        kwargs["attn_mask"] = torch.zeros(visible.shape, device=device, dtype=dtype).masked_fill(~visible, -math.inf)
     if case.scale is not None:
         kwargs["scale"] = case.scale
     if Hkv != Hq:
@@ -413,7 +416,8 @@ class Judged:
         return math.isfinite(self.err) and self.err <= self.limit
 
     def text(self, what: str) -> str:
-        return (f"max|{what} - ref| {self.err:.3g} vs limit {self.limit:.3g} "
+        err = f"{self.err:.3g}" if math.isfinite(self.err) else "inf (NaN or inf values)"
+        return (f"max|{what} - ref| {err} vs limit {self.limit:.3g} "
                 f"({self.factor:g}×plain {self.plain_err:.3g} + rounding {self.atol:.3g})")
 
 
@@ -560,7 +564,8 @@ def run_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype
 
 # ============================================================================================ the battery
 PREREQ_TEXT = {"scale": "kernel_scale (plain attention)", "gqa": "kernel_gqa (Hkv < Hq)",
-               "padding_bool": "kernel_padding_bool (boolean masks)"}
+               "padding_bool": "kernel_padding_bool (boolean masks)",
+               "padding_additive": "kernel_padding_additive (float masks)"}
 
 
 def prerequisites(case: Case, Hq: int) -> list[str]:
@@ -569,7 +574,7 @@ def prerequisites(case: Case, Hq: int) -> list[str]:
     if case.Hkv != Hq and case.family != "gqa":
         needs.append("gqa")
     if case.family == "fully_masked":
-        needs.append("padding_bool")
+        needs.append("padding_additive" if case.mask == "fully_masked_additive" else "padding_bool")
     return needs
 
 
