@@ -613,7 +613,21 @@ def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_bl
 
 
 def run_kernel_battery(cfg: DictConfig, rec: Recorder) -> None:
-    """The kernel battery: every case of the matrix, one check per family, a conformance summary."""
+    """The kernel battery: every case of the matrix, one check per family, a conformance summary.
+
+    On CPU with ``threads`` unset it runs on one intra-op thread: its tensors are at most a few MB, and on a
+    shared 2-core machine OpenMP's hand-offs cost more than the maths (the default matrix took 215 s wall /
+    55 s CPU on 2 threads vs 30 s / 7 s on 1 at load 15: benchmarks/bench_attn_kernels.py)."""
+    from tfmoe.runner import torch_threads
+
+    one = rec.device.type == "cpu" and cfg.get("threads") is None
+    if one:
+        rec.note("kernel mode on CPU: 1 intra-op thread (threads=null; pass threads=N to choose)")
+    with torch_threads(1 if one else None):
+        _run_battery(cfg, rec)
+
+
+def _run_battery(cfg: DictConfig, rec: Recorder) -> None:
     device, dtype = rec.device, rec.dtype
     s = kernel_settings(cfg)
     kernel = load_kernel(s.spec, s.causal_align, device)
