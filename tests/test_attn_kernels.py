@@ -103,6 +103,19 @@ def test_exact_zero_gradients_and_long_reductions_do_not_fail_a_correct_kernel()
     assert all(r["plain_err"] == 0 for r in dq) and any(r["value"] > 0 for r in dq)  # the case that needs a floor
 
 
+def test_low_precision_large_gradients_get_their_own_rounding():
+    """|dv| ~ 30 in fp16 (MQA over 6 x 40 rows): FlashAttention's 2·|(r + 0.3 - 0.3) - r| is the rounding at 0.3,
+    far below one fp16 ulp of dv; the cast term 2·max|fl(ref) - ref| is what any fp16 result carries."""
+    from tfmoe.experiments.attn_check import rounding_atol
+    from tfmoe.experiments.attn_kernels import cast_rounding
+
+    ref = torch.full((4,), 30.0 + 1 / 3, dtype=torch.float64)
+    assert cast_rounding(ref, torch.float16) > 4 * rounding_atol(ref, torch.float16)
+    checks, _ = battery("torch:sdpa", "dtype=fp16", "cases.shapes=[[40,1,16]]", "cases.masks=[none]",
+                        "cases.kv_heads=[1]")
+    assert not failed(checks), {n: checks[n].detail for n in failed(checks)}
+
+
 def test_sdpa_under_its_module_path_and_a_plain_kernel_pass():
     checks, rec = battery("torch.nn.functional:scaled_dot_product_attention")
     assert failed(checks) == set() and any("not inspectable" in n for n in rec.notes)
