@@ -619,3 +619,34 @@ def test_terminal_table_and_summary_show_mean_std_grad_per_stage_under_parquet_n
     grad = pre[pre["name"] == "grad_norm"]["value"].item()
     assert f"| 2 | resid2 | {mean:.3g} | {std:.3g} | {grad:.3g} |" in summary
     assert "the block's output is norm2" in summary  # post-norm
+
+
+def test_each_planted_bug_fails_only_its_own_family(monkeypatch):
+    """Blame audit (issue 11 item 9), whole runs: a bug of one family fails that family's checks and only the others
+    the maths forces (an FFN that mixes tokens over the sequence also lets the future leak into the past)."""
+    from tfmoe.components import block as block_mod
+    from tfmoe.testing import run_recorded
+
+    def failed() -> set[str]:
+        rec = run_recorded("block-stats", ["n_layers=2", "d_model=32", "seq_len=8", "batch_size=2", "lowp_dtypes=[]"])
+        return {c.check for c in rec.checks_rows if not c.passed}
+
+    assert failed() == set()
+    with monkeypatch.context() as m:
+        m.setattr(attention_mod, "combine_masks", lambda *a, **k: None)
+        assert failed() == {"causal_stack[pre]", "causal_stack[post]"}
+
+    def uncentred(self, x):
+        x32 = block_mod.upcast(x)
+        y = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(x32.dtype) + self.bias.to(x32.dtype)).to(x.dtype)
+
+    with monkeypatch.context() as m:
+        m.setattr(block_mod.LayerNorm32, "forward", uncentred)
+        assert failed() == {"norm_statistics[layernorm]"}
+    real_ffn = block_mod.FeedForward.forward
+    with monkeypatch.context() as m:
+        m.setattr(block_mod.FeedForward, "forward",
+                  lambda self, x: real_ffn(self, x) + 0.1 * real_ffn(self, x).mean(dim=-2, keepdim=True))
+        assert failed() == {"ffn_position_wise[pre]", "ffn_position_wise[post]", "causal_stack[pre]",
+                            "causal_stack[post]"}
