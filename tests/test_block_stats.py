@@ -631,7 +631,7 @@ def test_each_planted_bug_fails_only_its_own_family(monkeypatch):
         rec = run_recorded("block-stats", ["n_layers=2", "d_model=32", "seq_len=8", "batch_size=2", "lowp_dtypes=[]"])
         return {c.check for c in rec.checks_rows if not c.passed}
 
-    assert failed() == set()
+    # (the same run without a planted bug passes every check: test_cli_end_to_end)
     with monkeypatch.context() as m:
         m.setattr(attention_mod, "combine_masks", lambda *a, **k: None)
         assert failed() == {"causal_stack[pre]", "causal_stack[post]"}
