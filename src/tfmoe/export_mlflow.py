@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 import pandas as pd
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import RUN_FILE, effective_status, load_run, read_parquet, resolve_run
+from tfmoe.notebook import RUN_FILE, _present, effective_status, load_run, read_parquet, resolve_run
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 STATUS = {"ok": "FINISHED", "failed": "FAILED", "error": "FAILED", "crashed": "FAILED", "lost": "FAILED",
@@ -58,20 +57,11 @@ def metric_key(name: str, tags: dict[str, Any]) -> str:
     return _BAD_NAME_CHARS.sub("_", key)[:250]
 
 
-def _present(v: Any) -> bool:
-    if v is None or v is pd.NA:
-        return False
-    return not (isinstance(v, float) and math.isnan(v))
+def flatten(d: Any) -> dict[str, str]:
+    """The config as MLflow params: dotted keys, lists as JSON."""
+    from tfmoe.reports import _flatten
 
-
-def flatten(d: Any, prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-    else:
-        out[prefix[:-1]] = json.dumps(d) if isinstance(d, (list, tuple)) else str(d)
-    return out
+    return {k: json.dumps(v) if isinstance(v, (list, tuple)) else str(v) for k, v in _flatten(d).items()}
 
 
 def _ms(ts: Any) -> int | None:
