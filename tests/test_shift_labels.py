@@ -175,6 +175,24 @@ def test_run_records_the_named_tensors_and_is_bit_identical() -> None:
     assert loss == [r["value"] for r in b.metrics_rows if r["name"] == "loss"] and loss[0] > 0
 
 
+def test_summary_names_losses_and_logits() -> None:
+    """Regression (issue 11 item 10): the summary said "padding invariance max |Δ| = 2.38e-07" without saying it was
+    the per-token losses (the README said Δ = 0); both quantities are named now, in the terminal and summary.md."""
+    from rich.console import Console
+
+    from tfmoe.testing import compose, make_recorder
+
+    cfg = compose("shift-labels", ["model.n_layers=1"])
+    rec = make_recorder(cfg)
+    rec.console = Console(record=True, width=400)
+    sl.run(cfg, rec)
+    m = {r["name"]: r["value"] for r in rec.metrics_rows if "sequence" not in r}
+    want = (f"alone vs in the padded batch: per-token losses max |Δ| = {m['padding_invariance_max_abs']:.3g}, "
+            f"logits max |Δ| = {m['padding_invariance_logits_max_abs']:.3g}")
+    assert want in rec.summary_parts[-1] and want in rec.console.export_text()
+    assert f"right vs left padding: per-token losses max |Δ| = {m['left_right_max_abs']:.3g}" in rec.summary_parts[-1]
+
+
 def test_low_precision_run_passes_with_dtype_tolerances() -> None:
     rec = run_recorded("shift-labels", ["dtype=bf16", "model.n_layers=1"])
     assert rec.all_passed, [(c.check, c.observed, c.threshold) for c in rec.checks_rows if not c.passed]

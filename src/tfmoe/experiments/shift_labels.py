@@ -332,6 +332,8 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     rec.tensor("attention_mask", batch.attention_mask)
     rec.tensor("label_mask", batch.label_mask)
     rec.tensor("token_loss", tok_loss.cpu())
-    rec.summary(f"loss (mean over {n_labels} valid labels) = {torch_ce:.6f}; padding invariance, alone vs in the "
-                f"padded batch: per-token losses max |Δ| = {d_loss:.3g}, logits max |Δ| = {d_logits:.3g} (tolerance "
-                f"{tol * scale:.3g}); {cfg.pad_side} vs {other} padding: per-token losses max |Δ| = {d_side:.3g}")
+    line = (f"loss (mean over {n_labels} valid labels) = {torch_ce:.6f}; padding invariance, alone vs in the "
+            f"padded batch: per-token losses max |Δ| = {d_loss:.3g}, logits max |Δ| = {d_logits:.3g} (tolerance "
+            f"{tol * scale:.3g}); {cfg.pad_side} vs {other} padding: per-token losses max |Δ| = {d_side:.3g}")
+    rec.print(line)
+    rec.summary(line)
