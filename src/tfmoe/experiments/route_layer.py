@@ -22,6 +22,7 @@ Design probes (metrics ``layer.alt.<name>``): the output error of plausible misr
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, OwnL
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
+from tfmoe.experiments.route_sim import check_cv_maxvio, check_loads_sum
 from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int, require_number
 
@@ -112,8 +114,6 @@ def _max_abs(a: torch.Tensor) -> float:
 
 
 def _cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    import copy
-
     return copy.deepcopy(module).to(dtype)
 
 
@@ -222,8 +222,6 @@ def check_sums(rec: Recorder, lut: LayerUnderTest, o: Observation) -> list[str]:
 
 def check_loads(rec: Recorder, lut: LayerUnderTest, o: Observation) -> None:
     """Loads, CV, MaxVio computed by the package from the captured routing; recomputed in numpy."""
-    from tfmoe.experiments.route_sim import check_cv_maxvio, check_loads_sum
-
     s = lut.sizes
     sel = o.cap.selected
     k_per_token = sel.sum(dim=-1)
