@@ -23,8 +23,8 @@ from tfmoe.errors import BadInput
 from tfmoe.notebook import RUN_FILE, _present, effective_status, load_run, read_parquet, resolve_run
 
 DEFAULT_URI = "sqlite:///mlflow.db"
-STATUS = {"ok": "FINISHED", "failed": "FAILED", "error": "FAILED", "crashed": "FAILED", "lost": "FAILED",
-          "unreadable": "FAILED", "interrupted": "KILLED"}
+STATUS = {"ok": "FINISHED", "unexpected": "FINISHED", "failed": "FAILED", "error": "FAILED", "crashed": "FAILED",
+          "lost": "FAILED", "unreadable": "FAILED", "interrupted": "KILLED"}  # unexpected: checks passed, a prediction missed
 ENV_TAGS = ["git_commit", "git_dirty", "python", "torch", "cuda", "cudnn", "numpy", "pandas", "pyarrow", "hydra",
             "device", "device_name", "dtype", "hostname", "platform"]
 NOT_A_TAG = {"name", "value", "step", "measured"}
