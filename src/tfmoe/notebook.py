@@ -219,6 +219,7 @@ class RunWriter:
     expectations: pd.DataFrame | None = None  # rows of EXPECTATIONS_SCHEMA (see tfmoe.expectations)
     inference_lines: list[str] = field(default_factory=list)  # likely causes of failed checks (tfmoe.diagnosis)
     process: dict[str, Any] = field(default_factory=lambda: process_identity())
+    _checkpointed: tuple[int, int, int] = (0, 0, 0)  # metrics/checks/timings rows at the last checkpoint
 
     def _row(self, status: str, **extra: Any) -> dict[str, Any]:
         row = {name: None for name in RUN_SCHEMA.names}
@@ -249,11 +250,19 @@ class RunWriter:
 
     def checkpoint(self, rec: Any) -> None:
         """While the run runs: metrics, checks and timings so far, and a heartbeat in run.parquet (status
-        still ``running``). Each file is replaced atomically, so a SIGKILL loses only what came after."""
+        still ``running``). Each file is replaced atomically, so a SIGKILL loses only what came after. A table
+        that has not grown since the last checkpoint is not rewritten (a timing loop is disturbed as little as
+        possible); run.parquet always is (the heartbeat)."""
         if rec is not None:
-            write_parquet(metrics_frame(list(rec.metrics_rows)), self.run_dir / TABLE_FILES["metrics"])
-            self._write_checks(rec)
-            write_parquet(timings_frame(list(rec.timings_rows)), self.run_dir / TABLE_FILES["timings"])
+            sizes = (len(rec.metrics_rows), len(rec.checks_rows), len(rec.timings_rows))
+            written = self._checkpointed
+            if sizes[0] != written[0]:
+                write_parquet(metrics_frame(list(rec.metrics_rows)), self.run_dir / TABLE_FILES["metrics"])
+            if sizes[1] != written[1]:
+                self._write_checks(rec)
+            if sizes[2] != written[2]:
+                write_parquet(timings_frame(list(rec.timings_rows)), self.run_dir / TABLE_FILES["timings"])
+            self._checkpointed = sizes
         self.write_run(self._row("running", notes=list(rec.notes) if rec is not None else []))
 
     def write_run(self, row: dict[str, Any]) -> None:
