@@ -33,7 +33,7 @@ import pandas as pd
 from tfmoe.notebook import RUN_FILE, RUN_SCHEMA, TABLE_FILES, read_parquet
 
 CATALOG_FILE = ".tfmoe-catalog.sqlite3"
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
 # Statuses a run never leaves; any other (running) is re-checked at every sync.
 FINAL_STATUSES = ("ok", "failed", "error", "interrupted", "crashed")
 RACY_S = 2.0
@@ -48,7 +48,8 @@ CREATE TABLE IF NOT EXISTS containers (path TEXT PRIMARY KEY, parent TEXT, sig T
 CREATE TABLE IF NOT EXISTS runs (
     path TEXT PRIMARY KEY, parent TEXT, sig TEXT, run_id TEXT, experiment TEXT, status TEXT, started_at TEXT,
     wall_s REAL, device TEXT, dtype TEXT, overrides TEXT, checks_passed INTEGER, checks_total INTEGER, row TEXT);
--- each run's run/metrics/checks/timings tables as Arrow IPC streams, for `tfmoe sql` (one read, not 40,000 files)
+-- each run's run/metrics/checks/timings tables as Arrow IPC streams, cached by the first `tfmoe sql` that needs
+-- them (one SQLite read, not 40,000 parquet files), dropped whenever the run is re-read
 CREATE TABLE IF NOT EXISTS tables (path TEXT PRIMARY KEY, run BLOB, metrics BLOB, checks BLOB, timings BLOB);
 CREATE INDEX IF NOT EXISTS runs_run_id ON runs (run_id);
 CREATE INDEX IF NOT EXISTS runs_started ON runs (started_at);
@@ -184,8 +185,12 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
         except Exception:
             pass
     row["checks_passed"], row["checks_total"] = passed, total
-    row["_tables"] = {name: _ipc(run_dir / fname) for name, fname in SQL_TABLES.items()}
     return row
+
+
+def _read_tables(run_dir: Path) -> list[bytes | None]:
+    """The run's SQL_TABLES as Arrow IPC streams, in SQL_TABLES' order."""
+    return [_ipc(run_dir / fname) for fname in SQL_TABLES.values()]
 
 
 def _ipc(path: Path) -> bytes | None:
@@ -214,9 +219,7 @@ def _read_runs(run_dirs: list[Path]) -> list[dict[str, Any]]:
 
 
 def _upsert_run(conn: sqlite3.Connection, rel: str, parent: str, sig: str | None, row: dict[str, Any]) -> None:
-    blobs = row.pop("_tables", {})
-    conn.execute("INSERT OR REPLACE INTO tables VALUES (?,?,?,?,?)",
-                 (rel, *(blobs.get(name) for name in SQL_TABLES)))
+    conn.execute("DELETE FROM tables WHERE path = ?", (rel,))  # stale: `tfmoe sql` caches it again when asked
     conn.execute(
         "INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (rel, parent, sig, str(row.get("run_id")), row.get("experiment"), row.get("status"), row.get("started_at"),
@@ -355,11 +358,37 @@ def count(conn: sqlite3.Connection) -> int:
     return int(conn.execute("SELECT count(*) FROM runs").fetchone()[0])
 
 
+def fill_tables(conn: sqlite3.Connection, runs_root: Path) -> int:
+    """Cache the SQL tables of every run that has none yet (after a sync); returns how many were read."""
+    root = Path(runs_root)
+    missing = [p for (p,) in conn.execute("SELECT r.path FROM runs r LEFT JOIN tables t USING (path) "
+                                          "WHERE t.path IS NULL")]
+    if not missing:
+        return 0
+    if len(missing) < 16:
+        blobs = [_read_tables(root / p) for p in missing]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
+            blobs = list(pool.map(_read_tables, [root / p for p in missing], chunksize=64))
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.executemany("INSERT OR REPLACE INTO tables SELECT ?, ?, ?, ?, ? WHERE EXISTS "
+                         "(SELECT 1 FROM runs WHERE path = ?)", [(p, *b, p) for p, b in zip(missing, blobs, strict=True)])
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return len(missing)
+
+
 def arrow_tables(conn: sqlite3.Connection, runs_root: Path, name: str) -> list[tuple[str, str, str, Any, int, int]]:
     """(run_id, path, status, pyarrow.Table or None, checks passed, checks total) of each run, with its ``name``
-    table ('run', 'metrics', 'checks', 'timings') as cached at its last sync."""
+    table ('run', 'metrics', 'checks', 'timings'), cached (see :func:`fill_tables`)."""
     import pyarrow as pa
 
+    fill_tables(conn, runs_root)
     root = str(Path(runs_root))
     out = []
     for run_id, path, status, passed, total, blob in conn.execute(
