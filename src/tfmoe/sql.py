@@ -64,6 +64,10 @@ def one_line(exc: BaseException) -> str:
 def _concat(tables: list[Any]) -> Any:
     """One table from many whose columns differ (experiments' tag columns): by name, types promoted; a column
     whose types cannot be reconciled (an int tag here, a string there) becomes a string column."""
+    groups: dict[Any, list[Any]] = {}
+    for t in tables:  # same schema: a cheap concatenation; only the few distinct schemas need promoting
+        groups.setdefault(t.schema, []).append(t)
+    tables = [pa.concat_tables(g) for g in groups.values()]
     try:
         return pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError):
