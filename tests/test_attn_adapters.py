@@ -9,31 +9,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_attn_check import FAST, failed, one_thread  # noqa: F401  (one_thread: the module-wide fixture)
 
 from tfmoe.errors import BadInput
 from tfmoe.testing import run_cli, run_recorded
 
 TESTS = Path(__file__).resolve().parent
 # Tiny cases (D=16, 4 heads, T=6): each battery takes about a second; the chunked probe is the only big tensor.
-SMALL = ["d_model=16", "n_heads=4", "T=6", "chunked.probe_T=256", "chunked.probe_block_size=16",
-         "chunked.timing_repeats=1", "dropout_samples=20000", "gradcheck_T=2", "chunked.memory_ratio_max=0.35"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+SMALL = ["d_model=16", "n_heads=4", "T=6", *FAST]
 
 
 def battery(*overrides: str):
     rec = run_recorded("attn-check", [*SMALL, *overrides])
     return {c.check: c for c in rec.checks_rows}, rec
-
-
-def failed(checks) -> set[str]:
-    return {name for name, c in checks.items() if not c.passed}
 
 
 def hf():
