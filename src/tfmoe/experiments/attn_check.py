@@ -590,8 +590,15 @@ def check_rows_and_masks(ctx: Ctx) -> None:
     dev = row_sum_deviation(attn, ctx.valid)
     tol = 4 * eps * (1 + math.log2(s.T))
     ctx.rec.metric("row_sum_max_dev", dev, dtype=str(attn.dtype).removeprefix("torch."))
+    cause = ""
+    if math.isfinite(dev) and dev > tol:
+        for coarse in COARSER.get(attn.dtype, ()):
+            if dev <= 4 * torch.finfo(coarse).eps * (1 + math.log2(s.T)):
+                cause = (f"; CAUSE: the weights sum to 1 only to {str(coarse).removeprefix('torch.')} precision: the "
+                         f"module computes its softmax in {str(coarse).removeprefix('torch.')} (see sdpa_match)")
+                break
     ctx.rec.check_le("row_sums", dev, tol, f"max |Σ_k w - 1| over {int(ctx.valid.sum())} query rows x {s.n_heads} heads "
-                     f"(rows without a visible key excluded); tolerance 4·eps·(1+log2 T)",
+                     f"(rows without a visible key excluded); tolerance 4·eps·(1+log2 T)" + cause,
                      evidence=ctx.evidence(attn=attn))
     if s.causal:
         future = ~torch.ones(s.T, s.T, dtype=torch.bool).tril()  # (T,T) key j > query i
