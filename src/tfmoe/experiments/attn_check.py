@@ -803,6 +803,16 @@ def check_gradients(ctx: Ctx) -> None:
     else:
         ok = torch.autograd.gradcheck(f64, inputs, eps=1e-6, atol=1e-5, rtol=1e-3, fast_mode=True,
                                       raise_exception=False)
+        # A module whose forward is wrong escapes the precision probe above; if its gradients then agree with
+        # finite differences at a coarse step, the fine-step failure is rounding (it computes in reduced
+        # precision), not a wrong backward: not judged. A wrong backward disagrees at any step.
+        coarse_ok = not ok and not c64.passed and torch.autograd.gradcheck(f64, inputs, eps=1e-3, atol=1e-3, rtol=1e-2,
+                                                        fast_mode=True, raise_exception=False)
+    if not coarse and coarse_ok:
+        rec.note("gradcheck not judged: at fp64's finite-difference step (1e-6) the gradients disagree, at a coarse "
+                 "step (1e-3) they agree: the module computes in reduced precision (its forward is also off the "
+                 "reference, see sdpa_match), so fp64 gradcheck cannot judge its backward")
+    elif not coarse:
         rec.check("gradcheck", ok, None, None,
                   f"torch.autograd.gradcheck (fp64, fast_mode) of output w.r.t. x and {', '.join(names)} at B=2, "
                   f"T={Tg}, D={s.d_model}, H={s.n_heads}: {'analytic = numerical' if ok else 'analytic != numerical gradient'}",
