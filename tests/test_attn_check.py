@@ -133,7 +133,7 @@ def test_bf16_internal_is_named_in_fp16():
 
 
 def test_scale_bug_no_longer_fails_fully_masked_rows():
-    """Issue 11 item 9 (F-61): fully_masked_rows re-judged the other rows against SDPA, so a sqrt(d_model) scale
+    """Issue 11 item 9 (F-73): fully_masked_rows re-judged the other rows against SDPA, so a sqrt(d_model) scale
     also failed it ("8 values of the other rows off the reference"). It now judges only fully masked rows."""
     checks, _ = battery("impl=buggy_attention:ScaleByDModel", "checks=[fully_masked]")
     assert checks["fully_masked_rows"].passed, checks["fully_masked_rows"].detail
@@ -292,7 +292,7 @@ def test_cuda_battery_passes(dtype):
 
 # ------------------------------------------------------------------ issue 11: references share no code
 def test_reference_masks_do_not_share_the_packages_mask_helper(monkeypatch):
-    """Issue 11 item 1 (F-59): the references built their masks with tfmoe's own combine_masks/causal_mask, so
+    """Issue 11 item 1 (F-71): the references built their masks with tfmoe's own combine_masks/causal_mask, so
     an off-by-one in that helper (each query also sees the next key) left sdpa_match passing (3e-8) while
     chunked_match was blamed. The reference now writes its own lower-triangular matrix."""
     from tfmoe.components import masks
@@ -333,7 +333,7 @@ def course_listing(monkeypatch):
 
 
 def test_course_listing_verbatim_passes_the_whole_battery_in_fp32(monkeypatch):
-    """Issue 11 item 3 (F-60): the listing's .float() softmax computes fp64 input in fp32, so fp64 gradcheck
+    """Issue 11 item 3 (F-72): the listing's .float() softmax computes fp64 input in fp32, so fp64 gradcheck
     failed a module whose gradients are right. Now the battery detects it, says so, and grad_match judges."""
     checks, rec = battery(course_listing(monkeypatch))
     assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
