@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,13 +186,14 @@ def settings_from_cfg(cfg: DictConfig) -> Settings:
 def load_object(spec: str, what: str) -> Any:
     """'python.module:Name' -> the object (importlib; nothing is instantiated). The current directory is
     importable, as with ``python -m``: a my_attn.py beside the user needs no PYTHONPATH."""
+    from tfmoe.experiments.attn_kernels import cwd_importable
+
     module_name, sep, attr = spec.partition(":")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
     if not sep or not module_name or not attr:
         raise BadInput(f"{what}={spec!r} is not 'python.module:Name': write e.g. {what}=mypackage.attn:MyAttention")
     try:
-        module = importlib.import_module(module_name)
+        with cwd_importable():
+            module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time error of the user's module is bad input
         raise BadInput(f"{what}={spec!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc}): "
                        "check the module path (the current directory and PYTHONPATH are searched)") from None
