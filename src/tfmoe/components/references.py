@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+# the kernel battery's reference (also first principles) holds the GQA head mapping
+from tfmoe.components.reference_attention import kv_head_index
+
 
 # ============================================================================================== masks
 def visibility(T_q: int, T_k: int, causal: bool, key_padding: torch.Tensor | None = None,
@@ -132,13 +135,6 @@ def rotate(t: torch.Tensor, rope: Rope, positions: torch.Tensor, exact: bool = T
     return torch.cat([a * cos - b * sin, b * cos + a * sin, t[..., d:]], dim=-1)
 
 
-def kv_head_of_query_head(n_heads: int, n_kv_heads: int) -> torch.Tensor:
-    """GQA's mapping: query head h reads kv head h // (Hq / Hkv) (consecutive query heads share one kv head)."""
-    if n_heads % n_kv_heads:
-        raise ValueError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
-    return torch.arange(n_heads) // (n_heads // n_kv_heads)
-
-
 def project(x: torch.Tensor, p: Projections, positions: torch.Tensor | None = None,
             exact: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (B,T,D) -> q (B,Hq,T,Dh), and k, v already mapped to the query heads (B,Hq,T,Dh); RoPE applied
@@ -149,7 +145,7 @@ def project(x: torch.Tensor, p: Projections, positions: torch.Tensor | None = No
     if p.rope is not None:
         pos = torch.arange(x.shape[1]) if positions is None else positions
         q, k = rotate(q, p.rope, pos, exact), rotate(k, p.rope, pos, exact)
-    heads = kv_head_of_query_head(p.n_heads, p.n_kv_heads).to(x.device)
+    heads = kv_head_index(p.n_heads, p.n_kv_heads, device=x.device)  # GQA: query head h reads kv head h // (Hq/Hkv)
     return q, k.index_select(1, heads), v.index_select(1, heads)
 
 
