@@ -35,3 +35,14 @@ def fake_experiment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("TFMOE_CONF", str(conf))
     monkeypatch.chdir(tmp_path)
     return exp
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: one intra-op thread avoids OpenMP hand-offs against other processes on 2 shared cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_attn_check import FAST, failed, one_thread  # noqa: F401  (one_thread: the module-wide fixture)
+from test_attn_check import FAST, failed
 
 from tfmoe.errors import BadInput
 from tfmoe.testing import run_cli, run_recorded
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TESTS = Path(__file__).resolve().parent
 # Tiny cases (D=16, 4 heads, T=6): each battery takes about a second; the chunked probe is the only big tensor.

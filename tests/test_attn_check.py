@@ -24,13 +24,7 @@ ALL_CHECKS = {"shapes", "row_sums", "causal_zero", "padding_zero", "sdpa_match",
               "dropout_scale", "dropout_seed"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These tensors are tiny: on 2 shared cores OpenMP's thread hand-offs cost more than the maths."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def battery(*overrides: str):

@@ -26,12 +26,7 @@ FAMILIES = {"kernel_scale", "kernel_gqa", "kernel_causal", "kernel_padding_bool"
             "kernel_fully_masked", "kernel_backward"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def battery(kernel: str, *overrides: str):

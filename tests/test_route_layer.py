@@ -24,12 +24,7 @@ COURSE_TOY_MOE = REPO.parent / "shared" / "course" / "toy_moe.py"
 HF_TYPES = ("mixtral", "qwen2_moe", "deepseek_v3")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def battery(*overrides: str):

@@ -29,13 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = ["steps=6", "train_tokens=64", "strategies=[none,aux_loss,z_loss,noisy_topk,aux_free]"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread avoids spinning against other processes on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
