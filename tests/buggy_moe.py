@@ -32,11 +32,15 @@ class Correct(nn.Module):
         weights, indices = self.combine_weights(probs)
         out = torch.zeros_like(flat)
         for expert_id, expert in enumerate(self.experts):
-            token_pos, slot = torch.where(indices == expert_id)
+            token_pos, slot = self.served(indices, expert_id)
             if token_pos.numel() == 0:
                 continue
             out[token_pos] += weights[token_pos, slot, None] * expert(flat[token_pos])
         return out.view(shape), probs
+
+    def served(self, indices: torch.Tensor, expert_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token positions, top-k slots) that ``expert_id`` serves."""
+        return torch.where(indices == expert_id)
 
 
 class SoftmaxOverTokens(Correct):
@@ -65,19 +69,9 @@ class FirstComeCapacity(Correct):
     """Each expert serves at most its first 3 assignments in token order; later tokens lose that expert:
     a token's output depends on where it sits in the batch."""
 
-    def forward(self, x):
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        probs = self.probs(flat)
-        weights, indices = self.combine_weights(probs)
-        out = torch.zeros_like(flat)
-        for expert_id, expert in enumerate(self.experts):
-            token_pos, slot = torch.where(indices == expert_id)
-            token_pos, slot = token_pos[:3], slot[:3]
-            if token_pos.numel() == 0:
-                continue
-            out[token_pos] += weights[token_pos, slot, None] * expert(flat[token_pos])
-        return out.view(shape), probs
+    def served(self, indices, expert_id):
+        token_pos, slot = torch.where(indices == expert_id)
+        return token_pos[:3], slot[:3]
 
 
 class ArgminRouting(Correct):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, dense_from_topk
+from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, dense_from_topk, forward_capturing
 from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
 
@@ -175,14 +175,7 @@ class HFBlock(LayerUnderTest):
 
     # -------------------------------------------------------------------- run
     def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
-        seen: list[tuple[torch.Tensor, ...]] = []
-        handle = module.gate.register_forward_hook(lambda _m, _i, out: seen.append(out))
-        try:
-            with torch.no_grad():
-                out = module(x)
-        finally:
-            handle.remove()
-        logits, weights, idx = seen[-1]
+        out, (logits, weights, idx) = forward_capturing(module, module.gate, x)
         selected, dense = dense_from_topk(idx, weights, self.sizes.n_experts)
         return out, Captured(selected, dense, None, logits.detach())
 

@@ -51,6 +51,18 @@ class Captured:
     logits: torch.Tensor | None = None  # (N,E) router logits, where the router exposes them
 
 
+def forward_capturing(module: nn.Module, hooked: nn.Module, x: torch.Tensor) -> tuple[Any, Any]:
+    """(module(x) without grad, the last output of ``hooked`` during it), read through a forward hook."""
+    seen: list[Any] = []
+    handle = hooked.register_forward_hook(lambda _m, _i, out: seen.append(out))
+    try:
+        with torch.no_grad():
+            out = module(x)
+    finally:
+        handle.remove()
+    return out, seen[-1]
+
+
 def dense_from_topk(idx: torch.Tensor, weight: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(N,k) indices and weights -> (N,E) bool selection and (N,E) weights."""
     n = idx.shape[0]
@@ -122,14 +134,7 @@ class OwnLayer(LayerUnderTest):
         return moe.MoELayer(s.d_model, s.d_hidden, s.n_experts, s.top_k, None, s.score_func).eval()
 
     def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
-        seen: list[moe.Routing] = []
-        handle = module.router.register_forward_hook(lambda _m, _i, out: seen.append(out))
-        try:
-            with torch.no_grad():
-                res = module(x)
-        finally:
-            handle.remove()
-        r = seen[-1]
+        res, r = forward_capturing(module, module.router, x)
         selected, weights = dense_from_topk(r.topk_idx, r.topk_weight, self.sizes.n_experts)
         return res.out, Captured(selected, weights, r.probs, r.logits)
 
