@@ -8,7 +8,6 @@ is in (``ok``..., ``lost``, ``running`` or ``not_started``).
 
 from __future__ import annotations
 
-import importlib
 import math
 from pathlib import Path
 from typing import Any
@@ -227,8 +226,7 @@ def write_sweep_outputs(sweep_dir: Path, experiment: str) -> None:
     if df.empty:
         return
     write_parquet(df, sweep_dir / "sweep.parquet")
-    module = importlib.import_module(f"tfmoe.experiments.{EXPERIMENTS[experiment].module}")
-    plots = getattr(module, "sweep_plots", None)
+    plots = EXPERIMENTS[experiment].sweep_plots()
     if plots is None:
         return
     try:

@@ -1,12 +1,35 @@
 """The experiments `tfmoe` knows: CLI name -> Hydra config name, module and one-line help.
 
 Kept free of heavy imports: `tfmoe --help` reads this without importing torch.
-Each module `tfmoe.experiments.<module>` defines ``run(cfg: DictConfig, rec: Recorder) -> None``.
+
+Every experiment module ``tfmoe.experiments.<module>`` keeps one contract, :class:`ExperimentModule`:
+
+- ``Settings``: a frozen dataclass holding every value the run reads, typed and already validated;
+- ``settings(cfg) -> Settings``: builds it once from the composed Hydra config, raising ``BadInput`` (exit 2) with
+  one line naming the key and the fix. It imports no user code, touches no device and writes nothing, so a sweep can
+  validate every job's settings before any job starts;
+- ``run(settings, rec) -> None``: computes and hands every record to ``rec`` (the notebook layer writes them);
+- optionally ``sweep_plots(df) -> dict[str, Figure]``: figures drawn from a finished sweep's sweep.parquet.
+
+``Experiment.load()`` imports the module (torch comes with it) and returns it under that contract.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+
+class ExperimentModule(Protocol):
+    """What the harness needs of an experiment module (see the module docstring)."""
+
+    Settings: type
+
+    def settings(self, cfg: Any) -> Any: ...
+
+    def run(self, settings: Any, rec: Any) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -15,6 +38,14 @@ class Experiment:
     config: str  # conf/<config>.yaml
     module: str  # tfmoe.experiments.<module>
     help: str
+
+    def load(self) -> ExperimentModule:
+        """The experiment's module (imports torch)."""
+        return cast(ExperimentModule, importlib.import_module(f"tfmoe.experiments.{self.module}"))
+
+    def sweep_plots(self) -> Callable[[Any], dict[str, Any]] | None:
+        """The module's optional ``sweep_plots(df)``."""
+        return getattr(self.load(), "sweep_plots", None)
 
 
 EXPERIMENTS: dict[str, Experiment] = {

@@ -10,7 +10,6 @@ from typing import Any
 
 import pandas as pd
 from rich.console import Console
-from rich.table import Table
 
 from tfmoe.errors import BadInput
 from tfmoe.notebook import (
@@ -24,6 +23,7 @@ from tfmoe.notebook import (
     where_running,
     with_effective_status,
 )
+from tfmoe.tables import cell, from_frame
 
 console = Console(highlight=False)
 
@@ -86,13 +86,9 @@ def _expectations_cell(run_dir: Path) -> str:
 def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | None = None) -> None:
     df = _runs_frame(run_dirs)
     table_df = df.drop(columns=["path"])
-    table = Table(title=title or ("tfmoe run" if len(df) == 1 else f"tfmoe sweep: {len(df)} jobs"))
-    for col in table_df.columns:
-        table.add_column(col, no_wrap=True)
-    for row in table_df.itertuples(index=False):
-        style = {"ok": "green", "failed": "red", "error": "yellow"}.get(row.status, "magenta")
-        table.add_row(*[str(v) for v in row], style=style)
-    console.print(table)
+    table = from_frame(table_df, title or ("tfmoe run" if len(df) == 1 else f"tfmoe sweep: {len(df)} jobs"))
+    table.styles = [{"ok": "green", "failed": "red", "error": "yellow"}.get(s, "magenta") for s in table_df["status"]]
+    table.print_to(console)
     if len(df) == 1 and not sweep_dirs:
         console.print(f"run directory: {df.iloc[0]['path']}", soft_wrap=True)
     for s in sweep_dirs:
@@ -133,33 +129,9 @@ def _emit(df: pd.DataFrame, fmt: str, title: str = "") -> None:
     elif fmt == "md":
         if title:
             print(f"\n### {title}\n")
-        print(markdown_table(df) if not df.empty else "(none)")
+        print(from_frame(df).markdown() if not df.empty else "(none)")
     else:
-        table = Table(title=title or None)
-        for col in df.columns:
-            table.add_column(str(col), overflow="fold", no_wrap=col in ("run_id", "started_at", "key", "check"))
-        for row in df.itertuples(index=False):
-            table.add_row(*[_cell(v) for v in row])
-        console.print(table)
-
-
-def markdown_table(df: pd.DataFrame) -> str:
-    head = "| " + " | ".join(map(str, df.columns)) + " |"
-    rule = "|" + "---|" * len(df.columns)
-    body = ["| " + " | ".join(_cell(v).replace("|", "\\|") for v in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join([head, rule, *body])
-
-
-def _cell(v: Any) -> str:
-    if v is None or v is pd.NA or v is pd.NaT:
-        return ""
-    if hasattr(v, "tolist"):  # numpy scalars and arrays
-        v = v.tolist()
-    if isinstance(v, float):
-        return "" if math.isnan(v) else f"{v:.6g}"
-    if isinstance(v, (list, tuple)):
-        return " ".join(map(str, v))
-    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+        from_frame(df, title).print_to(console)
 
 
 # --------------------------------------------------------------------------------------------- runs
@@ -224,9 +196,9 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
     if run["status"] == "running":
         run["status"] = f"running {where_running(run)}"
     elif run["status"] == "lost":
-        run["status"] = (f"lost (recorded running, but its process {_cell(run.get('pid'))} is gone from "
-                         f"{_cell(run.get('hostname'))}; last heartbeat {_cell(run.get('heartbeat_at'))})")
-    head = pd.DataFrame([{"key": k, "value": _cell(run.get(k))} for k in
+        run["status"] = (f"lost (recorded running, but its process {cell(run.get('pid'))} is gone from "
+                         f"{cell(run.get('hostname'))}; last heartbeat {cell(run.get('heartbeat_at'))})")
+    head = pd.DataFrame([{"key": k, "value": cell(run.get(k))} for k in
                          ["run_id", "experiment", "status", "started_at", "wall_s", "seed", "overrides",
                           "error", "peak_rss_bytes", "peak_device_mem_bytes", "notes", *ENV_KEYS,
                           "pid", "process_started_at", "heartbeat_at"]])
@@ -345,11 +317,11 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
     sections: dict[str, pd.DataFrame] = {}
     ca, cb = _config_dict(a), _config_dict(b)
     sections["config"] = pd.DataFrame([
-        {"key": k, "A": _cell(ca.get(k, "(absent)")), "B": _cell(cb.get(k, "(absent)")),
+        {"key": k, "A": cell(ca.get(k, "(absent)")), "B": cell(cb.get(k, "(absent)")),
          "differs": not _same(ca.get(k, "(absent)"), cb.get(k, "(absent)"))}
         for k in sorted(set(ca) | set(cb))])
     sections["environment"] = pd.DataFrame([
-        {"key": k, "A": _cell(a.run.get(k)), "B": _cell(b.run.get(k)), "differs": _cell(a.run.get(k)) != _cell(b.run.get(k))}
+        {"key": k, "A": cell(a.run.get(k)), "B": cell(b.run.get(k)), "differs": cell(a.run.get(k)) != cell(b.run.get(k))}
         for k in ENV_KEYS])
     # metrics: join on name + step + tags
     ma, mb = a.metrics.copy(), b.metrics.copy()
@@ -497,9 +469,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
           + (f"; environment: {', '.join(summary['environment_keys'])}" if summary["environment_keys"] else ""))
     for m in summary["largest_metric_changes"]:
         where = f" ({m['where']})" if m["where"] else ""
-        print(f"  largest: {m['metric']}{where} {_cell(m['A'])} -> {_cell(m['B'])} ({_pct(m['rel_delta']) or 'new'})")
+        print(f"  largest: {m['metric']}{where} {cell(m['A'])} -> {cell(m['B'])} ({_pct(m['rel_delta']) or 'new'})")
     for t in summary["largest_tensor_changes"]:
-        print(f"  tensor: {t['tensor']} max_rel {_cell(t['max_rel'])}{' ' + t['note'] if t['note'] else ''}")
+        print(f"  tensor: {t['tensor']} max_rel {cell(t['max_rel'])}{' ' + t['note'] if t['note'] else ''}")
 
 
 def _focus(sections: dict[str, pd.DataFrame], metric: str | None, top: int | None, keep: bool = False) -> Any:

@@ -8,7 +8,6 @@ run.parquet, which the CLI turns into the process's exit code.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import random
@@ -272,6 +271,15 @@ def finish_expectations(parsed: list, rec: Any, writer: Any) -> list[str]:
     return [ex.describe_miss(e, j) for e, j in zip(parsed, judged, strict=True) if not j.held]
 
 
+def run_module(exp: Any, cfg: DictConfig, rec: Any) -> None:
+    """The experiment's contract (registry.ExperimentModule): settings built once from cfg, then run."""
+    module = exp.load()
+    if hasattr(module, "settings"):
+        module.run(module.settings(cfg), rec)
+    else:  # TRANSITIONAL (issue 12): a module not yet moved to the contract still takes the config
+        module.run(cfg, rec)
+
+
 def execute(cfg: DictConfig) -> int:
     """Hydra task function: run ``cfg.experiment`` and record everything. Returns the exit code."""
     from hydra.core.hydra_config import HydraConfig
@@ -327,13 +335,12 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
         threads = check_threads(cfg)
         rec = Recorder(cfg=cfg, device=device, dtype=dtype, seed=seed)
         heartbeat.rec = rec
-        module = importlib.import_module(f"tfmoe.experiments.{exp.module}")
         with torch_threads(threads):
             if device.type == "cpu":
                 import torch
 
                 rec.note(f"{torch.get_num_threads()} torch intra-op thread(s) (config threads={threads})")
-            module.run(cfg, rec)
+            run_module(exp, cfg, rec)
         if not rec.all_passed:
             status, code = "failed", EXIT_CHECK_FAILED
             failed = [c.check for c in rec.checks_rows if not c.passed]

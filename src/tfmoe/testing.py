@@ -84,15 +84,13 @@ def check_passed(rec, name: str) -> bool:
 
 def run_recorded(experiment: str, overrides: list[str] | None = None):
     """compose + make_recorder + the experiment's run(); returns the Recorder (no files written)."""
-    import importlib
-
     from tfmoe.registry import EXPERIMENTS
-    from tfmoe.runner import check_threads, torch_threads
+    from tfmoe.runner import check_threads, run_module, torch_threads
 
     cfg = compose(experiment, overrides)
     rec = make_recorder(cfg)
     with torch_threads(check_threads(cfg)):
-        importlib.import_module(f"tfmoe.experiments.{EXPERIMENTS[experiment].module}").run(cfg, rec)
+        run_module(EXPERIMENTS[experiment], cfg, rec)
     return rec
 
 
