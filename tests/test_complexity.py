@@ -388,11 +388,11 @@ def _cfg(**kw):
 ])
 def test_bad_input(kw, words):
     with pytest.raises(BadInput, match=words):
-        cx.settings_from(_cfg(**kw))
+        cx.settings(_cfg(**kw))
 
 
 def test_memory_refusal_names_the_estimate():
-    s = cx.settings_from(_cfg(T=4096, D=1024, B=8))
+    s = cx.settings(_cfg(T=4096, D=1024, B=8))
     need = cx.estimated_run_bytes(s.shape(4096, 1024), 4, s.peak_matmul_n)
     assert need > 8 * 4 * 4096 * 4096 * 4  # eight batches of fp32 score matrices at least
     with pytest.raises(BadInput, match=r"GiB \(estimate\)"):
@@ -400,10 +400,16 @@ def test_memory_refusal_names_the_estimate():
     cx.refuse_oversized(s, 4, available=int(2 * need))
 
 
+def test_settings_touch_no_device():
+    """settings() runs before any job of a sweep: a device this machine lacks is no error there."""
+    s = cx.settings(_cfg(T=64, D=64, device="cuda:7", dtype="bf16"))
+    assert s.dtype == "bf16" and s.dtype_bytes == 2 and s.groups == ((64, 64),)
+
+
 def test_settings_single_group_and_boundaries():
-    s = cx.settings_from(_cfg(T=1, D=4, n_heads=4))
-    assert s.groups == [(1, 4)] and s.d_ff is None
-    assert cx.settings_from(_cfg()).groups == [(256, 512), (1024, 256), (2048, 128)]
+    s = cx.settings(_cfg(T=1, D=4, n_heads=4))
+    assert s.groups == ((1, 4),) and s.d_ff is None
+    assert cx.settings(_cfg()).groups == ((256, 512), (1024, 256), (2048, 128))
 
 
 # --------------------------------------------------------------------------------- whole run, CLI

@@ -44,7 +44,11 @@ PLAUSIBLE_PEAK_FRACTION = 1.15
 
 @dataclass(frozen=True)
 class Settings:
-    groups: list[tuple[int, int]]
+    """Every value a complexity run reads, validated by :func:`settings`."""
+
+    dtype: str  # the run's dtype name (a key of DTYPE_BYTES)
+    dtype_bytes: int
+    groups: tuple[tuple[int, int], ...]  # (T, D) pairs, measured in order
     H: int
     d_ff: int | None
     B: int
@@ -75,8 +79,11 @@ class Outcome:
 # ------------------------------------------------------------------------------------------ input
 
 
-def settings_from(cfg: DictConfig) -> Settings:
-    """Validate the config (BadInput names the problem and the fix)."""
+def settings(cfg: DictConfig) -> Settings:
+    """The run's settings from the composed config; BadInput names the problem and the fix.
+
+    Touches no device and allocates nothing (the memory refusal, which needs the device, is in :func:`run`).
+    """
     if str(cfg.get("dtype")) not in cm.DTYPE_BYTES:
         raise BadInput(f"dtype={cfg.get('dtype')!r} is unknown: use one of {', '.join(cm.DTYPE_BYTES)}")
     T, D = cfg.get("T"), cfg.get("D")
@@ -109,7 +116,8 @@ def settings_from(cfg: DictConfig) -> Settings:
     if not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise BadInput(f"memory_fraction={fraction!r} must be in (0, 1]: pass e.g. memory_fraction=0.8")
     threads = check_threads(cfg)  # the same rule the runner applies
-    return Settings(threads=threads, groups=groups, H=H, d_ff=d_ff, B=require_int(cfg, "B"), n_layers=require_int(cfg, "n_layers"),
+    dtype = str(cfg.get("dtype"))
+    return Settings(dtype=dtype, dtype_bytes=cm.DTYPE_BYTES[dtype], threads=threads, groups=tuple(groups), H=H, d_ff=d_ff, B=require_int(cfg, "B"), n_layers=require_int(cfg, "n_layers"),
                     vocab=require_int(cfg, "vocab"), n_experts=n_experts, top_k=top_k,
                     min_run_time=require_number(cfg, "min_run_time", positive=True), warmup=require_int(cfg, "warmup", 0),
                     peak_matmul_n=require_int(cfg, "peak_matmul_n"), memory_fraction=float(fraction))
@@ -455,15 +463,14 @@ def component_flops(shape: cm.BlockShape) -> dict[str, int | None]:
 
 
 # ----------------------------------------------------------------------------------------- run
-def run(cfg: DictConfig, rec: Recorder) -> None:
+def run(s: Settings, rec: Recorder) -> None:
+    """Refuse sizes the device cannot hold, then measure every group."""
     import psutil
 
-    s = settings_from(cfg)
-    e = cm.DTYPE_BYTES[str(cfg.dtype)]
-    refuse_oversized(s, e, available_memory_bytes(rec.device))
-    dtype_name = DTYPE_NAMES.get(rec.dtype, str(cfg.dtype))
+    refuse_oversized(s, s.dtype_bytes, available_memory_bytes(rec.device))
+    dtype_name = DTYPE_NAMES.get(rec.dtype, s.dtype)
     load_before = psutil.getloadavg()[0]
-    _run_groups(rec, s, e, dtype_name, load_before)  # the runner applies `threads` (conf: 1) around run()
+    _run_groups(rec, s, s.dtype_bytes, dtype_name, load_before)  # the runner applies `threads` (conf: 1) around run()
 
 
 def _run_groups(rec: Recorder, s: Settings, e: int, dtype_name: str, load_before: float) -> None:
