@@ -13,8 +13,13 @@ from omegaconf import OmegaConf
 from tfmoe.components import positions as positions_mod
 from tfmoe.components.attention import MultiHeadCrossAttention, MultiHeadSelfAttention
 from tfmoe.components.encdec import DecoderOnly, EncoderDecoder, EncoderOnly, MeanPool
-from tfmoe.components.lm import sinusoidal_positions
-from tfmoe.components.positions import RoPESelfAttention, SinusoidalPositions, apply_rope, rope_angles
+from tfmoe.components.positions import (
+    RoPESelfAttention,
+    SinusoidalPositions,
+    apply_rope,
+    rope_angles,
+    sinusoidal_positions,
+)
 from tfmoe.errors import BadInput
 from tfmoe.experiments import arch
 from tfmoe.testing import check_passed, cpu_recorder

@@ -19,11 +19,10 @@ from tfmoe.components.block import (
     LayerNorm32,
     RMSNorm,
     TransformerBlock,
-    TransformerStack,
     make_norm,
     swiglu_hidden,
-    xavier_init_,
 )
+from tfmoe.components.lm import TransformerStack, xavier_init_
 from tfmoe.errors import BadInput
 from tfmoe.experiments import block_stats as bs
 

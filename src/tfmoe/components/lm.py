@@ -1,30 +1,19 @@
-"""A tiny causal language model built from the package's blocks (nanoGPT layout)."""
+"""Language-model stacks built from the package's blocks: ids (B,T) -> logits (B,T,V).
+
+- ``TinyCausalLM``: nanoGPT's layout (learned positions, KV caches for decoding), trained by `decode`.
+- ``TransformerStack``: sinusoidal positions and a stack built to look inside (per-block taps), for `block-stats`.
+
+Imports flow one way: masks -> attention -> block -> lm (positions sit beside attention).
+"""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn as nn
 
-from tfmoe.components.attention import KVCache
-from tfmoe.components.block import TransformerBlock, make_norm
-
-
-def sinusoidal_positions(T: int, d_model: int, offset: int = 0) -> torch.Tensor:
-    """(T, D) fixed sin/cos position encodings of "Attention Is All You Need"."""
-    pos = torch.arange(offset, offset + T, dtype=torch.float32).unsqueeze(1)  # (T,1)
-    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
-    pe = torch.zeros(T, d_model)
-    pe[:, 0::2] = torch.sin(pos * div)
-    pe[:, 1::2] = torch.cos(pos * div[: d_model // 2])
-    return pe
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B,T) 1=real/0=pad -> positions counted over real tokens only (left padding keeps positions 0..n-1)."""
-    m = attention_mask.long()
-    return (m.cumsum(dim=-1) - 1).clamp(min=0)  # (B,T)
+from tfmoe.components.attention import KVCache, MultiHeadSelfAttention
+from tfmoe.components.block import RMSNorm, TransformerBlock, make_norm
+from tfmoe.components.positions import sinusoidal_positions
 
 
 class TinyCausalLM(nn.Module):
@@ -66,3 +55,66 @@ class TinyCausalLM(nn.Module):
     def new_caches(self) -> list[KVCache]:
         """One empty KV cache per block, for incremental decoding."""
         return [KVCache() for _ in self.blocks]
+
+
+class TransformerStack(nn.Module):
+    """ids (B,T) -> logits (B,T,V): token embedding + sinusoidal positions + ``n_layers`` blocks
+    + final norm + LM head. Built to look inside: ``hidden(x, taps)`` fills one taps dict per block.
+
+    ``final_norm`` defaults to True for Pre-Norm and False for Post-Norm (a Post-Norm block already ends
+    in a norm; this is the layout of Xiong et al. 2020).
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int, n_layers: int,
+                 norm_position: str = "pre", norm: str = "layernorm", ffn: str = "gelu", eps: float = 1e-5,
+                 causal: bool = True, dropout: float = 0.0, final_norm: bool | None = None):
+        super().__init__()
+        self.d_model = d_model
+        self.tok_emb = nn.Embedding(vocab_size, d_model)  # V x D
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d_model, n_heads, norm_position=norm_position, norm=norm, ffn=ffn,
+                             causal=causal, dropout=dropout, eps=eps)
+            for _ in range(n_layers)
+        )
+        final_norm = (norm_position == "pre") if final_norm is None else final_norm
+        self.norm_f = make_norm(norm, d_model, eps) if final_norm else nn.Identity()
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B,T) -> token embedding + sinusoidal position (B,T,D)."""
+        x = self.tok_emb(idx)  # (B,T,D)
+        return x + sinusoidal_positions(idx.shape[1], self.d_model).to(x.device, x.dtype)
+
+    def hidden(self, x: torch.Tensor, taps: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
+        """x (B,T,D) -> final hidden states (B,T,D). ``taps`` receives one stage dict per block."""
+        for block in self.blocks:
+            t: dict[str, torch.Tensor] | None = None
+            if taps is not None:
+                t = {}
+                taps.append(t)
+            x = block(x, taps=t)
+        return self.norm_f(x)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(self.embed(idx)))  # (B,T,V)
+
+
+def xavier_init_(stack: nn.Module) -> None:
+    """Xiong et al. 2020's initialisation: Xavier-uniform weight matrices (W_Q, W_K, W_V each on its own
+    (D,D) slice of the fused qkv), zero biases, unit/zero norm affine, N(0,1) token embeddings."""
+    for module in stack.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm | RMSNorm):
+            nn.init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, 1.0)
+    for module in stack.modules():  # second pass: the fused qkv is three (D,D) matrices
+        if isinstance(module, MultiHeadSelfAttention):
+            with torch.no_grad():
+                for w in module.qkv.weight.split(module.d_model, dim=0):  # (D,D) each
+                    nn.init.xavier_uniform_(w)

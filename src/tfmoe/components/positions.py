@@ -1,19 +1,38 @@
 """Position information for attention, which by itself is permutation-equivariant (course §2.1).
 
-- ``SinusoidalPositions``: adds the fixed sin/cos table of "Attention Is All You Need" to the embeddings.
+- ``sinusoidal_positions`` / ``SinusoidalPositions``: the fixed sin/cos table of "Attention Is All You Need",
+  added to the embeddings.
 - RoPE (rotary position embedding, Su et al. 2021): rotates each query/key pair of features by an angle
   proportional to the token's position, so q·k depends on the *relative* position only. Half-split
   layout (GPT-NeoX / LLaMA): feature i is paired with feature i + Dh/2.
+- ``position_ids_from_mask``: positions counted over real tokens only (left padding).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
 
 from tfmoe.components.attention import KVCache, MultiHeadSelfAttention, attention_weights
-from tfmoe.components.lm import sinusoidal_positions
 from tfmoe.components.masks import combine_masks
+
+
+def sinusoidal_positions(T: int, d_model: int, offset: int = 0) -> torch.Tensor:
+    """(T, D) fixed sin/cos position encodings of "Attention Is All You Need"."""
+    pos = torch.arange(offset, offset + T, dtype=torch.float32).unsqueeze(1)  # (T,1)
+    div = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    pe = torch.zeros(T, d_model)
+    pe[:, 0::2] = torch.sin(pos * div)
+    pe[:, 1::2] = torch.cos(pos * div[: d_model // 2])
+    return pe
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,T) 1=real/0=pad -> positions counted over real tokens only (left padding keeps positions 0..n-1)."""
+    m = attention_mask.long()
+    return (m.cumsum(dim=-1) - 1).clamp(min=0)  # (B,T)
 
 
 class SinusoidalPositions(nn.Module):

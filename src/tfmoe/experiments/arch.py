@@ -29,8 +29,7 @@ from rich.table import Table
 
 from tfmoe.components.attention import MultiHeadCrossAttention, MultiHeadSelfAttention
 from tfmoe.components.encdec import DecoderOnly, EncoderDecoder, EncoderOnly
-from tfmoe.components.lm import sinusoidal_positions
-from tfmoe.components.positions import RoPESelfAttention
+from tfmoe.components.positions import RoPESelfAttention, sinusoidal_positions
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int, require_number

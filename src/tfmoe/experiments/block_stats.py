@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, ListConfig
 from rich.table import Table
 
-from tfmoe.components.block import TransformerBlock, TransformerStack, make_norm, xavier_init_
+from tfmoe.components.block import TransformerBlock, make_norm
+from tfmoe.components.lm import TransformerStack, xavier_init_
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder, within
 from tfmoe.validate import require_int

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
-from tfmoe.components.lm import TinyCausalLM, position_ids_from_mask
+from tfmoe.components.lm import TinyCausalLM
+from tfmoe.components.positions import position_ids_from_mask
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder
 

@@ -1,0 +1,93 @@
+"""Data flows one way through tfmoe.components (masks -> attention -> block -> lm): no import cycle.
+
+Read from the source with ``ast`` (every ``import``/``from ... import`` of a ``tfmoe.components`` module,
+at module level or inside a function), so a lazy import that closes a cycle is found too: Python only
+hides those until the function runs.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import tfmoe.components
+
+PACKAGE = "tfmoe.components"
+FOLDER = Path(tfmoe.components.__file__).parent
+
+
+def component_imports(source: str) -> set[str]:
+    """The ``tfmoe.components`` modules a source file imports anywhere in it (module names without the package)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == PACKAGE:  # from tfmoe.components import block
+                found.update(a.name for a in node.names)
+            elif node.module.startswith(PACKAGE + "."):
+                found.add(node.module.split(".")[2])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[2] for a in node.names if a.name.startswith(PACKAGE + "."))
+    return found
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    return {name: component_imports(src) - {name} for name, src in sources.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path ``[a, b, ..., a]``, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:  # back on the current path: that stretch of it is a cycle
+                full = path + [node]
+                return full[full.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start, [])):
+            return cycle
+    return None
+
+
+def package_sources() -> dict[str, str]:
+    return {p.stem: p.read_text() for p in FOLDER.glob("*.py") if p.stem != "__init__"}
+
+
+def test_components_have_no_import_cycle():
+    graph = import_graph(package_sources())
+    assert {"block", "lm", "positions", "attention", "masks"} <= set(graph)
+    assert find_cycle(graph) is None, f"import cycle among {PACKAGE}: {' -> '.join(find_cycle(graph) or [])}"
+
+
+def test_data_flows_masks_attention_block_lm():
+    graph = import_graph(package_sources())
+    assert "block" in graph["lm"] and "attention" in graph["block"] and "masks" in graph["attention"]
+    assert "lm" not in graph["block"] and "lm" not in graph["positions"]
+
+
+@pytest.mark.parametrize("planted", [
+    "def embed(idx):\n    from tfmoe.components.lm import sinusoidal_positions  # the old lazy import\n",
+    "from tfmoe.components import lm\n",
+    "import tfmoe.components.lm\n",
+])
+def test_cycle_check_fails_on_the_old_lazy_import(planted):
+    """Plant block.py's old lazy import of lm (lm imports block) back: the check finds the cycle."""
+    sources = package_sources()
+    sources["block"] += "\n\n" + planted
+    cycle = find_cycle(import_graph(sources))
+    assert cycle is not None and {"block", "lm"} <= set(cycle), cycle
+
+
+def test_find_cycle_boundaries():
+    assert find_cycle({}) is None
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert component_imports("import os\nfrom tfmoe.recorder import Recorder\n") == set()
