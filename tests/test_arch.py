@@ -284,7 +284,7 @@ def test_embedding_check_passes_and_fails_on_a_wrong_table():
 
 
 def test_flows_mermaid_and_pictures_carry_traced_shapes(base_cfg):
-    s = arch.validate(base_cfg)
+    s = arch.settings(base_cfg)
     enc, dec, ed = (m.eval() for m in arch.build_models(s, torch.device("cpu"), torch.float32))
     src = torch.randint(0, s.vocab_size, (s.batch_size, s.seq_len))
     tgt = torch.randint(0, s.vocab_size, (s.batch_size, s.tgt_len))
@@ -317,11 +317,11 @@ def test_flows_mermaid_and_pictures_carry_traced_shapes(base_cfg):
 ])
 def test_bad_input_is_refused(base_cfg, overrides, match):
     with pytest.raises(BadInput, match=match):
-        arch.validate(cfg_with(base_cfg, **overrides))
+        arch.settings(cfg_with(base_cfg, **overrides))
 
 
 def test_rope_off_accepts_odd_head_size(base_cfg):
-    s = arch.validate(cfg_with(base_cfg, d_model=36, n_heads=4, rope=False))
+    s = arch.settings(cfg_with(base_cfg, d_model=36, n_heads=4, rope=False))
     assert s.d_model == 36 and not s.rope
 
 

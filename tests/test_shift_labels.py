@@ -185,7 +185,7 @@ def test_summary_names_losses_and_logits() -> None:
     cfg = compose("shift-labels", ["model.n_layers=1"])
     rec = make_recorder(cfg)
     rec.console = Console(record=True, width=400)
-    sl.run(cfg, rec)
+    sl.run(sl.settings(cfg), rec)
     m = {r["name"]: r["value"] for r in rec.metrics_rows if "sequence" not in r}
     want = (f"alone vs in the padded batch: per-token losses max |Δ| = {m['padding_invariance_max_abs']:.3g}, "
             f"logits max |Δ| = {m['padding_invariance_logits_max_abs']:.3g}")

@@ -25,18 +25,20 @@ import torch
 import torch.nn as nn
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
-from rich.table import Table
 
 from tfmoe.components.attention import MultiHeadCrossAttention, MultiHeadSelfAttention
 from tfmoe.components.encdec import DecoderOnly, EncoderDecoder, EncoderOnly
 from tfmoe.components.positions import RoPESelfAttention, sinusoidal_positions
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder
+from tfmoe.tables import Rows
 from tfmoe.validate import require_int, require_number
 
 
 @dataclass(frozen=True)
-class ArchSettings:
+class Settings:
+    """Every value an arch run reads, validated by :func:`settings`."""
+
     vocab_size: int
     d_model: int
     n_heads: int
@@ -51,12 +53,9 @@ class ArchSettings:
     min_position_effect: float  # positions must move the permuted outputs by >= this (relative)
 
 
-
-
-
-
-def validate(cfg: DictConfig) -> ArchSettings:
-    s = ArchSettings(
+def settings(cfg: DictConfig) -> Settings:
+    """The run's settings from the composed config; BadInput names the problem and the fix (no device touched)."""
+    s = Settings(
         vocab_size=require_int(cfg, "vocab_size", 2), d_model=require_int(cfg, "d_model", 2), n_heads=require_int(cfg, "n_heads", 1),
         n_layers=require_int(cfg, "n_layers", 1), n_classes=require_int(cfg, "n_classes", 2),
         batch_size=require_int(cfg, "batch_size", 1), seq_len=require_int(cfg, "seq_len", 2), tgt_len=require_int(cfg, "tgt_len", 2),
@@ -298,7 +297,7 @@ def _chain(steps: list[tuple[str, str]], trace: dict[str, TraceRow], x: float, f
     return nodes, edges
 
 
-def flow_encoder(trace: dict[str, TraceRow], s: ArchSettings) -> Flow:
+def flow_encoder(trace: dict[str, TraceRow], s: Settings) -> Flow:
     steps = [("ids", "token ids"), ("tok_emb", f"Embedding table\n{s.vocab_size}×{s.d_model}"),
              ("pos", "+ sinusoidal positions")]
     steps += [(f"blocks.{i}", f"encoder block {i}\nbidirectional self-attn + FFN") for i in range(s.n_layers)]
@@ -308,7 +307,7 @@ def flow_encoder(trace: dict[str, TraceRow], s: ArchSettings) -> Flow:
     return Flow("encoder-only (classification)", nodes, edges)
 
 
-def flow_decoder(trace: dict[str, TraceRow], s: ArchSettings) -> Flow:
+def flow_decoder(trace: dict[str, TraceRow], s: Settings) -> Flow:
     steps = [("ids", "token ids"), ("tok_emb", f"Embedding table\n{s.vocab_size}×{s.d_model}"),
              ("pos", "+ sinusoidal positions")]
     steps += [(f"blocks.{i}", f"decoder block {i}\ncausal self-attn + FFN") for i in range(s.n_layers)]
@@ -317,7 +316,7 @@ def flow_decoder(trace: dict[str, TraceRow], s: ArchSettings) -> Flow:
     return Flow("decoder-only (generation)", nodes, edges)
 
 
-def flow_encdec(trace: dict[str, TraceRow], s: ArchSettings) -> Flow:
+def flow_encdec(trace: dict[str, TraceRow], s: Settings) -> Flow:
     enc = [("src_ids", "source ids"), ("src_emb", f"source embedding\n{s.vocab_size}×{s.d_model}"),
            ("src_pos", "+ sinusoidal positions")]
     enc += [(f"encoder.{i}", f"encoder block {i}\nbidirectional self-attn + FFN") for i in range(s.n_layers)]
@@ -406,15 +405,14 @@ def matrix_markdown(name: str, m: torch.Tensor, row: str, col: str) -> str:
 # ------------------------------------------------------------------------------------------- run
 
 
-def build_models(s: ArchSettings, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, nn.Module]:
+def build_models(s: Settings, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, nn.Module]:
     encoder = EncoderOnly(s.vocab_size, s.d_model, s.n_heads, s.n_layers, s.n_classes)
     decoder = DecoderOnly(s.vocab_size, s.d_model, s.n_heads, s.n_layers)
     encdec = EncoderDecoder(s.vocab_size, s.vocab_size, s.d_model, s.n_heads, s.n_layers)
     return tuple(m.to(device=device, dtype=dtype).eval() for m in (encoder, decoder, encdec))  # type: ignore[return-value]
 
 
-def run(cfg: DictConfig, rec: Recorder) -> None:
-    s = validate(cfg)
+def run(s: Settings, rec: Recorder) -> None:
     dev, dt = rec.device, rec.dtype
     g = torch.Generator().manual_seed(rec.seed)
     B, T, Tt, D, H = s.batch_size, s.seq_len, s.tgt_len, s.d_model, s.n_heads
@@ -466,20 +464,17 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
         rec.tensor(name, m)
     rec.plot("visibility", draw_visibility(mats))
 
-    table = Table(title="visibility: wrong entries vs the expected pattern")
-    for col in ("check", "passed", "wrong entries"):
-        table.add_column(col)
+    table = Rows("visibility: wrong entries vs the expected pattern", ("check", "passed", "wrong entries"))
     for c in rec.checks_rows:
         if c.check.startswith("visibility"):
-            table.add_row(c.check, str(c.passed), f"{c.observed:.0f}")
-    rec.print(table)
+            table.add(c.check, str(c.passed), f"{c.observed:.0f}")
+    table.print_to(rec.console)
 
     rec.note(f"visibility measured on {str(vis_dtype).removeprefix('torch.')} copies of the models")
     rec.note(f"dtype {str(dt).removeprefix('torch.')}, B={B}, T=T_src={T}, T_tgt={Tt}, D={D}, H={H}, "
              f"layers={s.n_layers}, V={s.vocab_size}; permutation {perm.tolist()}")
-    parts = ["## Permutation equivariance (relative max difference)", "",
-             "| positions | relative diff |", "|---|---|"]
-    parts += [f"| {k} | {v:.3g} |" for k, v in diffs.items()]
+    permutation = Rows("", ("positions", "relative diff"), [(k, f"{v:.3g}") for k, v in diffs.items()])
+    parts = ["## Permutation equivariance (relative max difference)", "", permutation.markdown()]
     parts += ["", "## Visibility matrices", "",
               matrix_markdown("visibility_encoder", mats["visibility_encoder"], "i", "j"), "",
               matrix_markdown("visibility_decoder", mats["visibility_decoder"], "i", "j"), "",

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
-from rich.table import Table
 
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.components.positions import position_ids_from_mask
 from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder
+from tfmoe.tables import Rows
 
 PAD_SIDES = ("right", "left")
 
@@ -230,12 +230,34 @@ def encode_texts(texts: Any, tokenizer: Any, pad_token: str) -> TextEncoding:
 
 
 # --------------------------------------------------------------------------------------------- run
-def validate(cfg: DictConfig) -> tuple[list[list[int]], list[str], int]:
-    if cfg.get("texts") is not None:
-        enc = encode_texts(OmegaConf.to_container(cfg.texts), cfg.get("tokenizer"), str(cfg.pad_token))
-        vocab = enc.vocab
-    else:
-        vocab = [str(v) for v in OmegaConf.to_container(cfg.vocab)]
+@dataclass(frozen=True)
+class Settings:
+    """Every value a shift-labels run reads, validated by :func:`settings`; the sequences already encoded."""
+
+    sequences: tuple[tuple[int, ...], ...]  # token ids, lengths may differ
+    vocab: tuple[str, ...]  # id = index
+    pad_token: str
+    pad_id: int
+    pad_side: str  # right | left
+    ignore_index: int  # negative: never a vocabulary id
+    d_model: int
+    n_heads: int
+    n_layers: int
+    texts: tuple[str, ...] | None  # the user's sentences (None: `sequences` came from the config)
+    tokenizer: str | None
+    tokenizer_source: str | None  # where the tokenizer's vocabulary comes from
+    tokenizer_ids: tuple[tuple[int, ...], ...]  # the tokenizer's own ids per text (empty without texts)
+
+
+def settings(cfg: DictConfig) -> Settings:
+    """The run's settings from the composed config; BadInput names the problem and the fix.
+
+    With ``texts`` the sentences are tokenized here (on the CPU, by a local tokenizer: pad_token and
+    ignore_index are judged against the vocabulary that produces); no device is touched.
+    """
+    texts = OmegaConf.to_container(cfg.texts) if cfg.get("texts") is not None else None
+    enc = encode_texts(texts, cfg.get("tokenizer"), str(cfg.pad_token)) if texts is not None else None
+    vocab = enc.vocab if enc is not None else [str(v) for v in OmegaConf.to_container(cfg.vocab)]
     if str(cfg.pad_token) not in vocab:
         raise BadInput(f"pad_token={cfg.pad_token!r} is not in vocab: add it to vocab")
     if cfg.pad_side not in PAD_SIDES:
@@ -247,44 +269,44 @@ def validate(cfg: DictConfig) -> tuple[list[list[int]], list[str], int]:
     if m.d_model % m.n_heads != 0:
         raise BadInput(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}: "
                        "choose d_model as a multiple of n_heads")
-    seqs = enc.sequences if cfg.get("texts") is not None else encode_sequences(
-        OmegaConf.to_container(cfg.sequences), vocab)
-    return seqs, vocab, vocab.index(str(cfg.pad_token))
+    seqs = enc.sequences if enc is not None else encode_sequences(OmegaConf.to_container(cfg.sequences), vocab)
+    return Settings(
+        sequences=tuple(tuple(q) for q in seqs), vocab=tuple(vocab), pad_token=str(cfg.pad_token),
+        pad_id=vocab.index(str(cfg.pad_token)), pad_side=str(cfg.pad_side), ignore_index=int(cfg.ignore_index),
+        d_model=int(m.d_model), n_heads=int(m.n_heads), n_layers=int(m.n_layers),
+        texts=None if texts is None else tuple(texts), tokenizer=None if enc is None else str(cfg.tokenizer),
+        tokenizer_source=None if enc is None else enc.source,
+        tokenizer_ids=() if enc is None else tuple(tuple(i) for i in enc.tokenizer_ids))
 
 
-def run(cfg: DictConfig, rec: Recorder) -> None:
-    seqs, vocab, pad_id = validate(cfg)
-    if cfg.get("texts") is not None:
-        enc = encode_texts(OmegaConf.to_container(cfg.texts), cfg.tokenizer, str(cfg.pad_token))
-        rec.note(f"texts tokenized by {cfg.tokenizer} ({enc.source}); compact vocabulary of {len(vocab)} entries "
-                 "(PAD, BOS, EOS + the pieces used); the tokenizer's own ids are in tensor tokenizer_ids")
-        for n, (text, ids) in enumerate(zip(OmegaConf.to_container(cfg.texts), enc.tokenizer_ids, strict=True)):
+def run(s: Settings, rec: Recorder) -> None:
+    seqs, vocab, pad_id = [list(q) for q in s.sequences], list(s.vocab), s.pad_id
+    if s.texts is not None:
+        rec.note(f"texts tokenized by {s.tokenizer} ({s.tokenizer_source}); compact vocabulary of {len(vocab)} "
+                 "entries (PAD, BOS, EOS + the pieces used); the tokenizer's own ids are in tensor tokenizer_ids")
+        for n, (text, ids) in enumerate(zip(s.texts, s.tokenizer_ids, strict=True)):
             rec.metric("tokens_per_text", len(ids), text=n)
-            rec.note(f"text {n} {text!r} -> {len(ids)} token(s) {ids}: "
-                     f"{' | '.join(vocab[j] for j in enc.sequences[n][1:-1])}")
-        rec.tensor("tokenizer_ids", torch.tensor([i for ids in enc.tokenizer_ids for i in ids]))
-    ignore = int(cfg.ignore_index)
-    batch = shift_and_pad(seqs, pad_id, cfg.pad_side, ignore)
-    model = TinyCausalLM(len(vocab), cfg.model.d_model, cfg.model.n_heads, cfg.model.n_layers,
-                         max_len=max(len(s) for s in seqs)).to(rec.device, rec.dtype).eval()
+            rec.note(f"text {n} {text!r} -> {len(ids)} token(s) {list(ids)}: "
+                     f"{' | '.join(vocab[j] for j in seqs[n][1:-1])}")
+        rec.tensor("tokenizer_ids", torch.tensor([i for ids in s.tokenizer_ids for i in ids]))
+    ignore = s.ignore_index
+    batch = shift_and_pad(seqs, pad_id, s.pad_side, ignore)
+    model = TinyCausalLM(len(vocab), s.d_model, s.n_heads, s.n_layers,
+                         max_len=max(len(q) for q in seqs)).to(rec.device, rec.dtype).eval()
 
     # the per-position table
-    table = Table(title=f"shift-labels ({cfg.pad_side} padding, ignore_index={ignore})")
-    for col in ("seq", "pos", "input", "label", "attn", "label_mask"):
-        table.add_column(col)
-    md = ["| seq | pos | input | label | attention_mask | label_mask |", "|---|---|---|---|---|---|"]
+    table = Rows(f"shift-labels ({s.pad_side} padding, ignore_index={ignore})",
+                 ("seq", "pos", "input", "label", "attention_mask", "label_mask"))
     for i in range(batch.inputs.shape[0]):
         for t in range(batch.inputs.shape[1]):
             lab = int(batch.labels[i, t])
-            cells = [str(i), str(t), vocab[int(batch.inputs[i, t])], "−100 (ignored)" if lab == ignore else vocab[lab],
-                     str(int(batch.attention_mask[i, t])), str(int(batch.label_mask[i, t]))]
-            table.add_row(*cells)
-            md.append("| " + " | ".join(cells) + " |")
-    rec.print(table)
-    rec.summary("## Per-position table\n\n" + "\n".join(md))
+            table.add(i, t, vocab[int(batch.inputs[i, t])], "−100 (ignored)" if lab == ignore else vocab[lab],
+                      int(batch.attention_mask[i, t]), int(batch.label_mask[i, t]))
+    table.print_to(rec.console)
+    rec.summary("## Per-position table\n\n" + table.markdown())
 
     # checks on the labels themselves
-    side = str(cfg.pad_side)
+    side = s.pad_side
     n_wrong = check_labels_are_next_tokens(batch, seqs, ignore, side)
     rec.check("labels_are_next_tokens", n_wrong == 0, n_wrong, 0,
               "every kept (input, label) pair equals (s[t], s[t+1]) of the original sequence at its position")
@@ -292,7 +314,7 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     rec.check("no_label_on_padding", n_bad == 0, n_bad, 0,
               "labels where input or target is padding (from the sequences' lengths and the padding side)")
     n_labels = label_count(batch, ignore)
-    expected = sum(len(s) - 1 for s in seqs)
+    expected = sum(len(q) - 1 for q in seqs)
     rec.check("label_count", n_labels == expected, n_labels, expected,
               "kept labels == Σ(len(s) − 1)" + ("" if n_labels >= expected else
                                                  f": {expected - n_labels} (token, next token) pairs lost a label"))
@@ -312,14 +334,14 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
 
         # padding invariance: alone vs in the batch, and left vs right
         tol = invariance_tolerance(rec.dtype)
-        d_loss, d_logits, d_side, scale = padding_invariance(model, seqs, pad_id, cfg.pad_side, ignore)
-        other = "left" if cfg.pad_side == "right" else "right"
+        d_loss, d_logits, d_side, scale = padding_invariance(model, seqs, pad_id, s.pad_side, ignore)
+        other = "left" if s.pad_side == "right" else "right"
         rec.check_le("padding_invariance_loss", d_loss, tol * scale,
                      "max |token loss alone − token loss in the padded batch|")
         rec.check_le("padding_invariance_logits", d_logits, tol * scale,
                      "max |logits alone − logits in the padded batch| at valid positions")
         rec.check_le("left_right_same_token_loss", d_side, tol * scale,
-                     f"max |token loss with {cfg.pad_side} padding − with {other} padding|")
+                     f"max |token loss with {s.pad_side} padding − with {other} padding|")
         rec.metric("padding_invariance_max_abs", d_loss)
         rec.metric("padding_invariance_logits_max_abs", d_logits)
         rec.metric("left_right_max_abs", d_side)
@@ -335,6 +357,6 @@ def run(cfg: DictConfig, rec: Recorder) -> None:
     rec.tensor("token_loss", tok_loss.cpu())
     line = (f"loss (mean over {n_labels} valid labels) = {torch_ce:.6f}; padding invariance, alone vs in the "
             f"padded batch: per-token losses max |Δ| = {d_loss:.3g}, logits max |Δ| = {d_logits:.3g} (tolerance "
-            f"{tol * scale:.3g}); {cfg.pad_side} vs {other} padding: per-token losses max |Δ| = {d_side:.3g}")
+            f"{tol * scale:.3g}); {s.pad_side} vs {other} padding: per-token losses max |Δ| = {d_side:.3g}")
     rec.print(line)
     rec.summary(line)
