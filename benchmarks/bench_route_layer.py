@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tfmoe.experiments import route_layer
+from tfmoe.experiments import route_layer, route_sim
 from tfmoe.runner import check_threads, torch_threads
 from tfmoe.testing import compose, make_recorder
 
@@ -26,7 +26,7 @@ def battery_seconds(impl: str) -> float:
     rec = make_recorder(cfg)
     with torch_threads(check_threads(cfg)):  # conf's threads: 1, as the runner applies it
         t0 = time.perf_counter()
-        route_layer.run_battery(route_layer.params_from_cfg(cfg), rec)
+        route_layer.run_battery(route_sim.settings(cfg).layer, rec)
         elapsed = time.perf_counter() - t0
     assert rec.all_passed, [c for c in rec.checks_rows if not c.passed]
     return elapsed

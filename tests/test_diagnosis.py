@@ -81,12 +81,12 @@ def test_catalogue_reads_check_names_the_batteries_record() -> None:
 @pytest.mark.parametrize("bug", ["SoftmaxOverTokens", *(pytest.param(b, marks=pytest.mark.slow) for b in (
     "NotRenormalised", "ArgminRouting", "FirstComeCapacity"))])
 def test_route_layer_planted_bug_is_named(bug: str) -> None:
-    from tfmoe.experiments import route_layer
+    from tfmoe.experiments import route_layer, route_sim
     from tfmoe.testing import compose, make_recorder
 
     cfg = compose("route-sim", ["steps=0", f"impl=buggy_moe:{bug}", "layer.seq=8"])
     rec = make_recorder(cfg)
-    route_layer.run_battery(route_layer.params_from_cfg(cfg), rec)
+    route_layer.run_battery(route_sim.settings(cfg).layer, rec)
     found = diagnose("route-sim", checks_mapping(rec.checks_rows), rec.metrics_rows, {})
     assert any(f"buggy_moe.{bug}" in i.planted for i in found), [i.line() for i in found]
 

@@ -16,7 +16,7 @@ from tfmoe.adapters import moe_layers
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
-from tfmoe.experiments import route_layer
+from tfmoe.experiments import route_layer, route_sim
 from tfmoe.testing import compose, make_recorder, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def battery(*overrides: str):
     cfg = compose("route-sim", ["steps=0", *overrides])
     rec = make_recorder(cfg)
-    route_layer.run_battery(route_layer.params_from_cfg(cfg), rec)
+    route_layer.run_battery(route_sim.settings(cfg).layer, rec)
     return rec
 
 

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from tfmoe.components import moe
+from tfmoe.components import moe_reference as moe_ref
 from tfmoe.errors import BadInput
+from tfmoe.experiments import route_checks, route_course, route_plots, route_training
 from tfmoe.experiments import route_sim as rs
 from tfmoe.testing import compose, make_recorder, run_cli
 
@@ -39,7 +41,7 @@ def small_cfg():
 
 def _params(cfg, **changes):
     merged = OmegaConf.merge(cfg, OmegaConf.create(changes))
-    return rs.params_from_cfg(merged), merged
+    return rs.settings(merged), merged
 
 
 def _check(rec, name):
@@ -51,7 +53,7 @@ def _check(rec, name):
 def _course(cfg, **changes):
     p, merged = _params(cfg, **changes)
     rec = make_recorder(merged)
-    rs.course_case(p, rec)
+    route_course.course_case(p, rec)
     return rec
 
 
@@ -214,7 +216,7 @@ def test_loop_and_sorted_dispatch_bit_identical_fp32(cf):
     x = torch.randn(100, 16)
     with torch.no_grad():
         a, b = layer(x, dispatch="loop"), layer(x, dispatch="sorted")
-        ref = rs.dense_mixture(x, a.routing.topk_idx, a.routing.topk_weight, a.keep, layer.experts,
+        ref = moe_ref.dense_mixture(x, a.routing.topk_idx, a.routing.topk_weight, a.keep, layer.experts,
                                torch.float64)
     assert torch.equal(a.out, b.out) and torch.equal(a.mixture, b.mixture)
     assert torch.equal(a.processed, b.processed)
@@ -239,7 +241,7 @@ def test_dropped_token_passes_through_residual_kept_token_gets_mixture(dispatch)
     with torch.no_grad():
         res = layer(x, dispatch=dispatch)
         r = res.routing
-        ref = rs.dense_mixture(x.reshape(20, 16), r.topk_idx, r.topk_weight, res.keep, layer.experts,
+        ref = moe_ref.dense_mixture(x.reshape(20, 16), r.topk_idx, r.topk_weight, res.keep, layer.experts,
                                torch.float64)
     assert res.out.shape == res.mixture.shape == (2, 10, 16) and res.capacity == 3
     out, mix, x2 = res.out.reshape(20, 16), res.mixture.reshape(20, 16), x.reshape(20, 16)
@@ -279,7 +281,7 @@ def test_unknown_dispatch_rejected():
 
 # ------------------------------------------------------------------------ balancing losses
 def test_switch_aux_loss_formula_balanced_and_hf_relation():
-    probs, idx = rs.uniform_routing(8, 2)
+    probs, idx = moe_ref.uniform_routing(8, 2)
     assert float(moe.switch_aux_loss(probs, idx, coef=0.01)) == pytest.approx(0.01, rel=1e-6)
     torch.manual_seed(0)
     probs = torch.randn(50, 8).softmax(-1)
@@ -426,8 +428,9 @@ def test_planted_bug_aux_loss_uses_topk_weights_not_probs(small_cfg, monkeypatch
 
 def test_check_aux_balanced_fails_without_expert_factor():
     rec = make_recorder(compose("route-sim", SMALL))
-    assert not rs.check_aux_balanced(rec, "b", 8, 2, lambda p, i, coef: moe.switch_aux_loss(p, i, coef) / 8)
-    assert rs.check_aux_balanced(rec, "ok", 8, 2)
+    assert not route_checks.check_aux_balanced(rec, "b", 8, 2,
+                                               lambda p, i, coef: moe.switch_aux_loss(p, i, coef) / 8)
+    assert route_checks.check_aux_balanced(rec, "ok", 8, 2)
 
 
 def test_planted_bug_sorted_dispatch_weights_unsorted(small_cfg, monkeypatch):
@@ -464,16 +467,16 @@ def test_planted_bug_both_dispatches_forget_weights(small_cfg, monkeypatch):
 def test_check_dispatch_agree_tolerance_off_cpu_is_relative():
     rec = make_recorder(compose("route-sim", SMALL))
     a = torch.ones(3, 2)
-    assert rs.check_dispatch_agree(rec, "same", a, a.clone())
-    assert not rs.check_dispatch_agree(rec, "ulp", a, a + torch.finfo(torch.float32).eps)
+    assert route_checks.check_dispatch_agree(rec, "same", a, a.clone())
+    assert not route_checks.check_dispatch_agree(rec, "ulp", a, a + torch.finfo(torch.float32).eps)
 
 
 # ---------------------------------------------------------------- training simulation
 def test_training_checks_pass_and_metrics_per_step(small_cfg):
     p, cfg = _params(small_cfg)
     rec = make_recorder(cfg)
-    traces = rs.train_strategies(p, rec)
-    rs.check_training(p, rec, traces)
+    traces = route_training.train_strategies(p, rec)
+    route_training.check_training(p, rec, traces)
     assert all(c.passed for c in rec.checks_rows), [c for c in rec.checks_rows if not c.passed]
     df = pd.DataFrame(rec.metrics_rows)
     for name in ("cv", "maxvio", "dropped_fraction", "tokens_dropped_fraction", "balance_loss", "router_entropy"):
@@ -482,7 +485,26 @@ def test_training_checks_pass_and_metrics_per_step(small_cfg):
         assert sub.groupby("strategy")["step"].apply(list).map(lambda s: s == list(range(6))).all()
     applied = df[df["name"] == "applied_loss"].groupby("strategy")["value"].max()
     assert applied["none"] == 0 and applied["aux_free"] == 0 and applied["aux_loss"] > 0 and applied["z_loss"] > 0
-    assert set(rs._training_plots(p, traces)) == {"cv_maxvio", "train_cost", "final_loads"}
+    plots = route_plots.training_plots(traces, p.n_experts, p.train_tokens, p.top_k)
+    assert set(plots) == {"cv_maxvio", "train_cost", "final_loads"}
+    _assert_strategy_names_whole(route_training.strategies_rows(p, traces), p.strategies)
+
+
+def _assert_strategy_names_whole(rows, strategies) -> None:
+    """Regression (issue 12 item 8): the terminal table cut strategy names to `aux_lo…`. On an 80-column
+    terminal, redirected, and in markdown, every name is printed whole and no line is wider than the terminal."""
+    import io
+
+    from rich.console import Console
+
+    for terminal in (True, False):
+        out = io.StringIO()
+        rows.print_to(Console(file=out, width=80, force_terminal=terminal, color_system=None))
+        text = out.getvalue()
+        assert "…" not in text and all(name in text for name in strategies), text
+        if terminal:
+            assert max(map(len, text.splitlines())) <= 80, text
+    assert all(f" {name} |" in rows.markdown() for name in strategies)
 
 
 def test_training_task_loss_is_on_the_residual_output(small_cfg):
@@ -490,11 +512,11 @@ def test_training_task_loss_is_on_the_residual_output(small_cfg):
     recorded task loss, recomputed independently from the same init and batch, is MSE(x + mixture, y)."""
     p, cfg = _params(small_cfg, steps=1, strategies=["none"], capacity_factor=0.5)
     rec = make_recorder(cfg)
-    rs.train_strategies(p, rec)
+    route_training.train_strategies(p, rec)
     recorded = [r["value"] for r in rec.metrics_rows if r["name"] == "task_loss"][0]
-    task = rs.ClusterTask.make(p.d_model, p.clusters, rec.seed + 3)
+    task = route_training.ClusterTask.make(p.d_model, p.clusters, rec.seed + 3)
     layer = moe.MoELayer(p.d_model, p.d_hidden, p.n_experts, p.top_k, p.capacity_factor, residual=False)
-    layer.load_state_dict(rs.initial_state(p, task, rec.seed + 4))
+    layer.load_state_dict(route_training.initial_state(p, task, rec.seed + 4))
     x, y = task.sample(p.train_tokens, torch.Generator().manual_seed(rec.seed + 1))
     with torch.no_grad():
         res = layer(x)
@@ -509,7 +531,7 @@ def test_identical_init_and_data_across_strategies(small_cfg):
     """Step 0 happens before any update: strategies without noise see the same routing."""
     p, cfg = _params(small_cfg, steps=1)
     rec = make_recorder(cfg)
-    traces = rs.train_strategies(p, rec)
+    traces = route_training.train_strategies(p, rec)
     first = {s: t.history["cv"][0] for s, t in traces.items()}
     assert first["none"] == first["aux_loss"] == first["z_loss"] == first["aux_free"]
 
@@ -519,7 +541,7 @@ def test_same_seed_bit_identical(small_cfg):
     rows = []
     for _ in range(2):
         rec = make_recorder(cfg)
-        rs.train_strategies(p, rec)
+        route_training.train_strategies(p, rec)
         rows.append(rec.metrics_rows)
     assert rows[0] == rows[1]
 
@@ -529,7 +551,7 @@ def test_training_planted_bugs(small_cfg, monkeypatch):
     monkeypatch.setattr(moe, "expert_load", lambda idx, n: torch.bincount(idx[:, 0], minlength=n))
     p, cfg = _params(small_cfg, steps=3, strategies=["none"], capacity_factor=0.5)
     rec = make_recorder(cfg)
-    rs.check_training(p, rec, rs.train_strategies(p, rec))
+    route_training.check_training(p, rec, route_training.train_strategies(p, rec))
     assert not _check(rec, "train.capacity_respected.none").passed
     assert not _check(rec, "train.dropped_plus_kept.none").passed
     assert not _check(rec, "train.loads_sum.none").passed
@@ -549,7 +571,7 @@ def test_training_planted_bug_cv_wrong_at_one_middle_step(small_cfg, monkeypatch
     monkeypatch.setattr(moe, "load_cv", wrong_once)
     p, cfg = _params(small_cfg, steps=3, strategies=["none"])
     rec = make_recorder(cfg)
-    rs.check_training(p, rec, rs.train_strategies(p, rec))
+    route_training.check_training(p, rec, route_training.train_strategies(p, rec))
     assert calls["n"] == 3
     assert _check(rec, "train.cv_maxvio_recomputed.none").passed
     assert not _check(rec, "train.cv_maxvio_every_step.none").passed
@@ -564,7 +586,7 @@ def test_interrupt_keeps_steps_done_so_far(small_cfg):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        rs.train_strategies(p, rec, on_step=stop_after_five)
+        route_training.train_strategies(p, rec, on_step=stop_after_five)
     cv = [r for r in rec.metrics_rows if r["name"] == "cv"]
     assert [r["step"] for r in cv] == [0, 1, 2, 3, 4] and {r["strategy"] for r in cv} == {"none"}
 
@@ -607,6 +629,7 @@ def test_cli_run_bad_input_and_interrupt(tmp_path, monkeypatch):
     course = m[(m["name"] == "cv") & m["step"].isna()]
     assert len(course) == 1 and course["strategy"].iloc[0] == "none"
     assert (res.run_dir / "cv_maxvio.png").exists() and (res.run_dir / "course_loads.png").exists()
+    assert "…" not in res.stdout and "aux_loss" in res.stdout and "noisy_topk" in res.stdout, res.stdout
 
     assert run_cli(["route-sim", "top_k=9"], tmp_path).exit_code == 2
     assert run_cli(["route-sim", "strategies=[none,magic]"], tmp_path).exit_code == 2

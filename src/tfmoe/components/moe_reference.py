@@ -14,14 +14,20 @@ computes, densely, for every token:
   out    = sum_e weight_e * expert_e(x)  (+ [sigmoid(x g)] * shared(x))  (+ x for a residual layer)
 
 Selection uses a descending sort, not topk, and every expert runs on every token (no dispatch).
+
+The course case's bookkeeping is recomputed here too, without the package's statistics: loads, CV and MaxVio and
+the Switch aux loss in numpy float64 from saved assignments (:func:`recompute_cv_maxvio`,
+:func:`aux_loss_reference`), and the dispatched mixture as a dense (N,E) gate matrix times every expert
+(:func:`dense_mixture`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -201,3 +207,43 @@ def forward(x: torch.Tensor, sem: RoutingSemantics, w: LayerWeights) -> tuple[to
     """x (N,D) float64 -> (out (N,D), routing)."""
     r = route(x, sem, w)
     return combine(x, r.weights, sem, w), r
+
+
+# ------------------------------------------------------------ the course case's bookkeeping
+def recompute_cv_maxvio(topk_idx: torch.Tensor, n_experts: int) -> tuple[float, float]:
+    """CV (population std / mean) and MaxVio from saved assignments (N,k), in numpy float64."""
+    load = np.bincount(topk_idx.cpu().numpy().reshape(-1), minlength=n_experts).astype(np.float64)
+    mean = load.mean()
+    return float(load.std() / mean), float((load.max() - mean) / mean)
+
+
+def aux_loss_reference(probs: torch.Tensor, topk_idx: torch.Tensor, coef: float) -> float:
+    """coef * E * sum_i f_i * P_i from saved probabilities (N,E) and assignments (N,k), in numpy float64."""
+    p = probs.cpu().double().numpy()
+    idx = topk_idx.cpu().numpy()
+    n, e = p.shape
+    f = np.bincount(idx.reshape(-1), minlength=e) / (n * idx.shape[1])
+    return float(coef * e * np.sum(f * p.mean(axis=0)))
+
+
+def uniform_routing(n_experts: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A perfectly uniform routing: probs all 1/E, token t -> experts t, t+1, ..., t+k-1 (mod E), so every
+    expert gets exactly k of the E*k assignments. Returns probs (E,E) and topk_idx (E,k)."""
+    probs = torch.full((n_experts, n_experts), 1.0 / n_experts)
+    topk_idx = (torch.arange(n_experts)[:, None] + torch.arange(top_k)[None, :]) % n_experts
+    return probs, topk_idx
+
+
+def dense_mixture(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, keep: torch.Tensor,
+                  experts: Sequence[torch.nn.Module], dtype: torch.dtype) -> torch.Tensor:
+    """The mixture without gather/scatter: every expert (a copy in ``dtype``) on every token, combined with the
+    (N,E) matrix of kept weights; float64 for the reference, the run's dtype for the plain baseline."""
+    n, e = x.shape[0], len(experts)
+    gate = torch.zeros(n, e, dtype=dtype, device=x.device)
+    gate.scatter_(1, topk_idx, topk_weight.to(dtype) * keep.to(dtype))  # (N,E)
+    xd = x.to(dtype)
+    out = torch.zeros(xd.shape, dtype=dtype, device=x.device)
+    for i, expert in enumerate(experts):
+        ex = copy.deepcopy(expert).to(dtype)
+        out += gate[:, i, None] * ex(xd)
+    return out

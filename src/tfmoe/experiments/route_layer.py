@@ -30,16 +30,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig, OmegaConf
-from rich.table import Table
 
 from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, OwnLayer, ToyInterfaceLayer
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
-from tfmoe.errors import BadInput
-from tfmoe.experiments.route_sim import check_cv_maxvio, check_loads_sum
+from tfmoe.experiments.route_checks import check_cv_maxvio, check_loads_sum
 from tfmoe.recorder import Recorder
-from tfmoe.validate import require_int, require_number
+from tfmoe.tables import Rows
 
 PREFIX = "layer."
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -47,41 +44,16 @@ LOGIT_TARGET = 16.0  # half-precision probe: scale tokens until the largest rout
 
 
 @dataclass(frozen=True)
-class BatteryParams:
-    impl: str | None
+class LayerSettings:
+    """The battery's part of route-sim's Settings (validated by ``route_sim.settings``)."""
+
+    impl: str | None  # null = the package's own layer, hf:<type>, or pkg.module:Class
     sizes: LayerSizes
     batch: int
     seq: int
 
 
-def params_from_cfg(cfg: DictConfig) -> BatteryParams:
-    impl = cfg.get("impl")
-    if impl is not None and (not isinstance(impl, str) or not impl.strip()):
-        raise BadInput(f"impl={impl!r} is not a string: pass impl=hf:mixtral, impl=pkg.module:Class, or "
-                       "impl=null for the package's own layer")
-    norm = OmegaConf.select(cfg, "layer.norm_topk_prob")
-    if not isinstance(norm, bool):
-        raise BadInput(f"layer.norm_topk_prob={norm!r} is not a boolean: pass true or false")
-    score = cfg.get("score_func")
-    if score not in moe.SCORE_FUNCS:
-        raise BadInput(f"score_func={score!r} is unknown: use one of {', '.join(moe.SCORE_FUNCS)}")
-    n_experts = require_int(cfg, "n_experts", 1)
-    top_k = cfg.get("top_k")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n_experts:
-        raise BadInput(f"top_k={top_k!r} is outside 1..n_experts={n_experts}: pass top_k between 1 and {n_experts}")
-    sizes = LayerSizes(
-        d_model=require_int(cfg, "d_model", 1), d_hidden=require_int(cfg, "d_hidden", 1), n_experts=n_experts,
-        top_k=top_k, score_func=str(score), n_group=require_int(cfg, "layer.n_group", 1),
-        topk_group=require_int(cfg, "layer.topk_group", 1),
-        routed_scaling_factor=require_number(cfg, "layer.routed_scaling_factor", positive=True),
-        norm_topk_prob=norm, shared_hidden=require_int(cfg, "layer.shared_hidden", 1),
-        bias_scale=require_number(cfg, "layer.bias_scale", minimum=0.0),
-    )
-    return BatteryParams(impl=None if impl is None else impl.strip(), sizes=sizes,
-                         batch=require_int(cfg, "layer.batch", 2), seq=require_int(cfg, "layer.seq", 1))
-
-
-def layer_under_test(p: BatteryParams) -> LayerUnderTest:
+def layer_under_test(p: LayerSettings) -> LayerUnderTest:
     """impl -> the layer: null = the package's own, hf:<type> = a transformers block, else pkg.module:Class."""
     if p.impl is None:
         return OwnLayer(p.sizes)
@@ -348,7 +320,7 @@ ALL_CHECKS = ("output_vs_reference", "routing_selection", "routing_weights", "pr
 
 
 @torch.no_grad()
-def run_battery(p: BatteryParams, rec: Recorder) -> LayerUnderTest:
+def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     """Every check on one layer. Checks that do not apply are named in the run's notes ("n/a: ...")."""
     t0 = time.perf_counter()
     lut = layer_under_test(p)
@@ -388,31 +360,21 @@ def run_battery(p: BatteryParams, rec: Recorder) -> LayerUnderTest:
 
 
 # ------------------------------------------------------------------------------ reporting
-def battery_rows(rec: Recorder, label: str) -> list[tuple[str, str, str]]:
-    """(check, pass/fail/n/a, detail) for every battery check, in ALL_CHECKS order."""
+def battery_rows(rec: Recorder, label: str) -> Rows:
+    """(check, pass/FAIL/n/a, detail) for every battery check, in ALL_CHECKS order."""
     got = {c.check.removeprefix(PREFIX): c for c in rec.checks_rows if c.check.startswith(PREFIX)}
     na = {n.removeprefix("n/a: " + PREFIX).split(" (")[0] for n in rec.notes if n.startswith("n/a: " + PREFIX)}
-    rows = []
+    rows = Rows(f"layer battery: {label}", ("check", "result", "detail"))
     for name in ALL_CHECKS:
         if name in got:
-            rows.append((name, "pass" if got[name].passed else "FAIL", got[name].detail))
+            rows.add(name, "pass" if got[name].passed else "FAIL", got[name].detail)
         elif name in na:
-            rows.append((name, "n/a", f"not defined for {label}"))
+            rows.add(name, "n/a", f"not defined for {label}")
     return rows
 
 
-def battery_table(rec: Recorder, lut: LayerUnderTest) -> Table:
-    table = Table(title=f"layer battery: {lut.label}")
-    for col in ("check", "result", "detail"):
-        table.add_column(col)
-    for name, result, detail in battery_rows(rec, lut.label):
-        table.add_row(name, result, detail[:110])
-    return table
-
-
 def battery_summary(rec: Recorder, lut: LayerUnderTest) -> str:
-    lines = [f"## Layer battery: {lut.label}", "", "| check | result | detail |", "|---|---|---|"]
-    lines += [f"| {n} | {r} | {d.replace('|', chr(92) + '|')} |" for n, r, d in battery_rows(rec, lut.label)]
+    lines = [f"## Layer battery: {lut.label}", "", battery_rows(rec, lut.label).markdown()]
     alts = [(r["name"].removeprefix(PREFIX + "alt."), r["value"]) for r in rec.metrics_rows
             if r["name"].startswith(PREFIX + "alt.")]
     if alts:
