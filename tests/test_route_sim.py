@@ -336,6 +336,14 @@ def test_good_config_boundaries(small_cfg):
     assert p.strategies == ("aux_free",)
 
 
+def test_settings_import_no_layer_and_touch_no_device():
+    """settings() runs before any job of a sweep: an impl that cannot be imported and a device this machine lacks
+    are run()'s business (the battery refuses them there)."""
+    s = rs.settings(compose("route-sim", ["impl=no_such_module:Layer", "device=cuda:7", "layer.seq=3"]))
+    assert s.layer.impl == "no_such_module:Layer" and s.layer.seq == 3 and s.layer.sizes.n_experts == s.n_experts
+    assert "no_such_module" not in sys.modules
+
+
 # --------------------------------------------------------------- the course case & checks
 def test_course_case_all_checks_pass_and_tensors_named(small_cfg):
     rec = _course(small_cfg)
