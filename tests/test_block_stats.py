@@ -23,8 +23,12 @@ from tfmoe.components.block import (
     swiglu_hidden,
 )
 from tfmoe.components.lm import TransformerStack, xavier_init_
+from tfmoe.components.norm_reference import plain_norm
 from tfmoe.errors import BadInput
 from tfmoe.experiments import block_stats as bs
+from tfmoe.experiments import block_stats_checks as bc
+from tfmoe.experiments import block_stats_plots as bp
+from tfmoe.experiments import block_stats_stacks as bst
 
 D, H = 32, 4
 CPU = torch.device("cpu")
@@ -46,7 +50,7 @@ def cfg_with(base, **overrides):
 
 def stack(variant: str = "pre", n_layers: int = 3, causal: bool = True, seed: int = 0,
           dtype: torch.dtype = torch.float32) -> TransformerStack:
-    v = bs.parse_variant(variant)
+    v = bst.parse_variant(variant)
     torch.manual_seed(seed)
     s = TransformerStack(64, D, H, n_layers, norm_position=v.norm_position, norm=v.norm, ffn=v.ffn, causal=causal)
     xavier_init_(s)
@@ -233,14 +237,14 @@ def test_xavier_init_inits_q_k_v_as_separate_matrices():
     ("POST_swiglu_ln", ("post", "layernorm", "swiglu")),  # boundary: case and order free
 ])
 def test_parse_variant(name, want):
-    v = bs.parse_variant(name)
+    v = bst.parse_variant(name)
     assert (v.norm_position, v.norm, v.ffn) == want
 
 
 @pytest.mark.parametrize("name", ["mid", "", "pre_rms_rms", "pre_relu", "pre_rms_ln", "post__rms"])
 def test_parse_variant_bad(name):
     with pytest.raises(BadInput, match="variant"):
-        bs.parse_variant(name)
+        bst.parse_variant(name)
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -257,20 +261,22 @@ def test_parse_variant_bad(name):
     ({"seq_len": 1}, "seq_len"),
     ({"lowp_stress_scale": 0}, "lowp_stress_scale"),
 ])
-def test_validate_bad_input(base_cfg, overrides, match):
+def test_settings_bad_input(base_cfg, overrides, match):
     with pytest.raises(BadInput, match=match) as info:
-        bs.validate(cfg_with(base_cfg, **overrides))
+        bs.settings(cfg_with(base_cfg, **overrides))
     assert ":" in str(info.value)  # names the problem and the fix
 
 
-def test_validate_boundary(base_cfg):
-    assert [v.name for v in bs.validate(cfg_with(base_cfg, n_layers=1, d_model=4, n_heads=4))] == ["pre", "post"]
-    assert bs.validate(cfg_with(base_cfg, variants="post_rms"))[0].norm == "rmsnorm"  # a bare string
+def test_settings_boundary(base_cfg):
+    s = bs.settings(cfg_with(base_cfg, n_layers=1, d_model=4, n_heads=4))
+    assert [v.name for v in s.variants] == ["pre", "post"]
+    assert bs.settings(cfg_with(base_cfg, variants="post_rms")).variants[0].norm == "rmsnorm"  # a bare string
 
 
 def test_build_variants_share_initial_weights(base_cfg):
     cfg = cfg_with(base_cfg, variants=["pre", "post", "pre_swiglu"])
-    stacks, shared = bs.build_variants(bs.validate(cfg), cfg, CPU, torch.float32)
+    s = bs.settings(cfg)
+    stacks, shared = bst.build_variants(s.variants, s, CPU, torch.float32, seed=int(cfg.seed))
     pre, post, swi = (dict(stacks[n].named_parameters()) for n in ("pre", "post", "pre_swiglu"))
     for name, p in post.items():
         assert torch.equal(p, pre[name]), name
@@ -282,8 +288,8 @@ def test_build_variants_share_initial_weights(base_cfg):
 def test_collect_stats_matches_independent_autograd():
     s = stack("pre")
     ids, targets = batch()
-    stats = bs.collect_stats(s, ids, targets)
-    assert len(stats.activations) == 3 * len(bs.STAGES)
+    stats = bst.collect_stats(s, ids, targets)
+    assert len(stats.activations) == 3 * len(bst.STAGES)
     # reference: autograd.grad of the same loss w.r.t. the same taps, computed separately
     taps = []
     x = s.embed(ids)
@@ -304,24 +310,24 @@ def test_collect_stats_matches_independent_autograd():
 
 def test_collect_stats_is_bit_identical_for_the_same_seed():
     ids, targets = batch()
-    a = bs.collect_stats(stack("post", seed=3), ids, targets)
-    b = bs.collect_stats(stack("post", seed=3), ids, targets)
+    a = bst.collect_stats(stack("post", seed=3), ids, targets)
+    b = bst.collect_stats(stack("post", seed=3), ids, targets)
     assert a.activations == b.activations and a.param_grads == b.param_grads
     assert torch.equal(a.hidden, b.hidden)
-    c = bs.collect_stats(stack("post", seed=4), ids, targets)
+    c = bst.collect_stats(stack("post", seed=4), ids, targets)
     assert c.activations != a.activations
 
 
 def test_residual_var_slope():
-    assert bs.residual_var_slope([1.0, math.sqrt(2), math.sqrt(3), 2.0]) == pytest.approx(1.0)
-    assert bs.residual_var_slope([1.0, 1.0, 1.0]) == pytest.approx(0.0)
-    assert bs.residual_var_slope([3.0]) == 0.0  # boundary: one layer
+    assert bst.residual_var_slope([1.0, math.sqrt(2), math.sqrt(3), 2.0]) == pytest.approx(1.0)
+    assert bst.residual_var_slope([1.0, 1.0, 1.0]) == pytest.approx(0.0)
+    assert bst.residual_var_slope([3.0]) == 0.0  # boundary: one layer
 
 
 # ---------------------------------------------------------------------------------- check: shapes
 def test_shape_preserved_passes_on_real_blocks():
     for variant in ("pre", "post_rms_swiglu"):
-        assert bs.check_shape_preserved(stack(variant), D).passed
+        assert bc.check_shape_preserved(stack(variant), D).passed
 
 
 def test_shape_preserved_fails_on_squeezing_block():
@@ -329,9 +335,9 @@ def test_shape_preserved_fails_on_squeezing_block():
     bad = SqueezeBlock(D, H)
     bad.load_state_dict(s.blocks[1].state_dict())
     s.blocks[1] = bad
-    out = bs.check_shape_preserved(s, D)
+    out = bc.check_shape_preserved(s, D)
     assert not out.passed and out.observed > 0 and "(1, 1, 32)" in out.detail
-    assert bs.check_shape_preserved(s, D, shapes=((2, 5),)).passed  # only B=1/T=1 exposes it
+    assert bc.check_shape_preserved(s, D, shapes=((2, 5),)).passed  # only B=1/T=1 exposes it
 
 
 # ---------------------------------------------------------------------------- check: position-wise
@@ -339,25 +345,25 @@ def test_shape_preserved_fails_on_squeezing_block():
 def test_ffn_position_wise_passes(kind):
     torch.manual_seed(0)
     ffn = FeedForward(D, kind=kind)
-    assert bs.check_ffn_position_wise(ffn, D).passed
-    assert bs.check_ffn_position_wise(ffn, D, seq_len=2).passed  # boundary: first == middle-1, last
+    assert bc.check_ffn_position_wise(ffn, D).passed
+    assert bc.check_ffn_position_wise(ffn, D, seq_len=2).passed  # boundary: first == middle-1, last
 
 
 def test_ffn_position_wise_fails_on_token_mixing_ffn():
     torch.manual_seed(0)
-    out = bs.check_ffn_position_wise(TokenMixingFFN(D), D)
+    out = bc.check_ffn_position_wise(TokenMixingFFN(D), D)
     assert not out.passed and out.observed > out.threshold and "x_changed" in out.evidence
 
 
 def test_ffn_position_wise_fails_on_ffn_that_ignores_its_input():
-    out = bs.check_ffn_position_wise(ConstantFFN(D), D)
+    out = bc.check_ffn_position_wise(ConstantFFN(D), D)
     assert not out.passed and math.isinf(out.observed)
 
 
 # ------------------------------------------------------------------------------ check: norm stats
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 def test_norm_statistics_pass_in_every_dtype(kind):
-    out = bs.check_norm_statistics(kind, make_norm(kind, D), 1e-5, D,
+    out = bc.check_norm_statistics(kind, make_norm(kind, D), 1e-5, D,
                                    [torch.float32, torch.float64, torch.float16, torch.bfloat16],
                                    [1e-2, 1.0, 512.0], CPU)
     assert out.passed, out.detail
@@ -365,13 +371,13 @@ def test_norm_statistics_pass_in_every_dtype(kind):
 
 def test_norm_statistics_boundary_large_eps_and_tiny_inputs():
     """eps dominates tiny inputs: std is sqrt(var/(var+eps)), far from 1, and must still pass."""
-    out = bs.check_norm_statistics("layernorm", make_norm("layernorm", D, eps=0.5), 0.5, D,
+    out = bc.check_norm_statistics("layernorm", make_norm("layernorm", D, eps=0.5), 0.5, D,
                                    [torch.float32], [1e-3], CPU)
     assert out.passed, out.detail
 
 
 def test_norm_statistics_fail_on_uncentred_layernorm():
-    out = bs.check_norm_statistics("layernorm", NoCenteringLayerNorm(D), 1e-5, D, [torch.float32], [1.0], CPU)
+    out = bc.check_norm_statistics("layernorm", NoCenteringLayerNorm(D), 1e-5, D, [torch.float32], [1.0], CPU)
     assert not out.passed and out.observed > 1 and "y" in out.evidence
 
 
@@ -384,87 +390,103 @@ def test_norm_statistics_reference_is_independent_of_f_layer_norm(monkeypatch):
         d = x.shape[-1]
         return real(x, shape, weight, bias, eps) * math.sqrt((d - 1) / d)  # var / (d-1) instead of / d
 
-    ok = bs.check_norm_statistics("layernorm", LayerNorm32(D), 1e-5, D, [torch.float32, torch.float16], [1.0], CPU)
+    ok = bc.check_norm_statistics("layernorm", LayerNorm32(D), 1e-5, D, [torch.float32, torch.float16], [1.0], CPU)
     assert ok.passed and ok.observed != 0.5, ok.detail
     monkeypatch.setattr(F, "layer_norm", bessel_layer_norm)
-    out = bs.check_norm_statistics("layernorm", LayerNorm32(D), 1e-5, D, [torch.float32], [1.0], CPU)
+    out = bc.check_norm_statistics("layernorm", LayerNorm32(D), 1e-5, D, [torch.float32], [1.0], CPU)
     assert not out.passed and out.observed > 10, out.detail
+
+
+def test_norm_reference_imports_nothing_it_judges():
+    """The reference norm is written from the definition: it imports torch only (no tfmoe module, so neither
+    LayerNorm32 / RMSNorm nor their upcast helper), and uses no torch norm op."""
+    import ast
+    import inspect
+
+    from tfmoe.components import norm_reference
+
+    source = inspect.getsource(norm_reference)
+    imported = {a.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= {"__future__", "torch"}, imported
+    for op in ("layer_norm", "rms_norm", ".mean(", ".var(", ".std(", "rsqrt"):
+        assert op not in source.split('"""', 2)[2], op
 
 
 def test_plain_norm_by_hand():
     x = torch.tensor([[1.0, 2.0, 3.0, 6.0]], dtype=torch.float64)  # mean 3, var 3.5
     want = (x - 3.0) / math.sqrt(3.5 + 1e-5)
-    torch.testing.assert_close(bs.plain_norm("layernorm", x, 1e-5), want)
-    torch.testing.assert_close(bs.plain_norm("rmsnorm", x, 1e-5), x / math.sqrt(50 / 4 + 1e-5))
-    assert bs.plain_norm("layernorm", x.half(), 1e-5).dtype == torch.float16
+    torch.testing.assert_close(plain_norm("layernorm", x, 1e-5), want)
+    torch.testing.assert_close(plain_norm("rmsnorm", x, 1e-5), x / math.sqrt(50 / 4 + 1e-5))
+    assert plain_norm("layernorm", x.half(), 1e-5).dtype == torch.float16
 
 
 def test_norm_statistics_fail_on_batch_axis_norm():
-    out = bs.check_norm_statistics("layernorm", BatchAxisNorm(D), 1e-5, D, [torch.float32], [1.0], CPU)
+    out = bc.check_norm_statistics("layernorm", BatchAxisNorm(D), 1e-5, D, [torch.float32], [1.0], CPU)
     assert not out.passed
 
 
 def test_norm_statistics_fail_on_fp32_norm_in_fp64():
     """Regression guard: the fp32-only RMSNorm loses precision in fp64 runs."""
-    out = bs.check_norm_statistics("rmsnorm", Fp32RMSNorm(D), 1e-5, D, [torch.float64], [1.0], CPU)
+    out = bc.check_norm_statistics("rmsnorm", Fp32RMSNorm(D), 1e-5, D, [torch.float64], [1.0], CPU)
     assert not out.passed and out.observed > 100
-    fixed = bs.check_norm_statistics("rmsnorm", RMSNorm(D), 1e-5, D, [torch.float64], [1.0], CPU)
+    fixed = bc.check_norm_statistics("rmsnorm", RMSNorm(D), 1e-5, D, [torch.float64], [1.0], CPU)
     assert fixed.passed
 
 
 def test_norm_statistics_fail_on_fp16_overflowing_rmsnorm():
-    out = bs.check_norm_statistics("rmsnorm", SameDtypeRMSNorm(D), 1e-5, D, [torch.float16], [1.0, 512.0], CPU)
+    out = bc.check_norm_statistics("rmsnorm", SameDtypeRMSNorm(D), 1e-5, D, [torch.float16], [1.0, 512.0], CPU)
     assert not out.passed and "fp16 scale 512" in out.detail
-    assert bs.check_norm_statistics("rmsnorm", SameDtypeRMSNorm(D), 1e-5, D, [torch.float16], [1.0], CPU).passed
+    assert bc.check_norm_statistics("rmsnorm", SameDtypeRMSNorm(D), 1e-5, D, [torch.float16], [1.0], CPU).passed
 
 
 # ----------------------------------------------------------------------------- check: per token
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_per_token_passes(kind, dtype):
-    assert bs.check_norm_per_token(make_norm(kind, D), D, CPU, dtype).passed
+    assert bc.check_norm_per_token(make_norm(kind, D), D, CPU, dtype).passed
 
 
 @pytest.mark.parametrize("bad", [BatchAxisNorm, SequenceNorm])
 def test_norm_per_token_fails_on_norm_over_the_wrong_axis(bad):
-    out = bs.check_norm_per_token(bad(D), D, CPU, torch.float32)
+    out = bc.check_norm_per_token(bad(D), D, CPU, torch.float32)
     assert not out.passed
 
 
 # ---------------------------------------------------------------------------- check: residual
 @pytest.mark.parametrize("variant", ["pre", "post", "pre_rms_swiglu", "post_rms"])
 def test_residual_identity_passes(variant):
-    assert bs.check_residual_identity(stack(variant).blocks[0], D).passed
+    assert bc.check_residual_identity(stack(variant).blocks[0], D).passed
 
 
 def test_residual_identity_fails_without_residual():
     block = NoResidualBlock(D, H)
-    out = bs.check_residual_identity(block, D)
+    out = bc.check_residual_identity(block, D)
     assert not out.passed and out.observed > 1
     assert set(out.evidence) == {"x", "got", "want"}
 
 
 def test_residual_identity_fails_on_post_norm_residual_from_the_wrong_source():
     torch.manual_seed(0)
-    out = bs.check_residual_identity(WrongSourcePostBlock(D, H, norm_position="post"), D)
+    out = bc.check_residual_identity(WrongSourcePostBlock(D, H, norm_position="post"), D)
     assert not out.passed
 
 
 def test_residual_identity_in_bf16_boundary():
-    assert bs.check_residual_identity(stack("post").blocks[0].to(torch.bfloat16), D).passed
+    assert bc.check_residual_identity(stack("post").blocks[0].to(torch.bfloat16), D).passed
 
 
 # ----------------------------------------------------------------------------- check: causality
 @pytest.mark.parametrize("variant", ["pre", "post_rms_swiglu"])
 def test_causal_stack_passes(variant):
     ids, _ = batch()
-    assert bs.check_causal_stack(stack(variant), ids).passed
-    assert bs.check_causal_stack(stack(variant, n_layers=1), ids[:1, :2]).passed  # boundary: T=2, L=1
+    assert bc.check_causal_stack(stack(variant), ids).passed
+    assert bc.check_causal_stack(stack(variant, n_layers=1), ids[:1, :2]).passed  # boundary: T=2, L=1
 
 
 def test_causal_stack_fails_on_non_causal_attention():
     ids, _ = batch()
-    out = bs.check_causal_stack(stack("pre", causal=False), ids)
+    out = bc.check_causal_stack(stack("pre", causal=False), ids)
     assert not out.passed and out.observed > 1e-3 and "ids_changed" in out.evidence
 
 
@@ -472,32 +494,32 @@ def test_causal_stack_fails_when_only_the_last_layer_leaks():
     ids, _ = batch()
     s = stack("post", n_layers=3)
     s.blocks[2].attn.causal = False
-    assert not bs.check_causal_stack(s, ids).passed
+    assert not bc.check_causal_stack(s, ids).passed
 
 
 # ---------------------------------------------------------------------------- check: finiteness
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_stats_finite_in_low_precision(dtype):
     ids, targets = batch(B=1, T=4)
-    stats = [bs.collect_stats(stack(v, n_layers=2, dtype=dtype), ids, targets, input_scale=scale)
+    stats = [bst.collect_stats(stack(v, n_layers=2, dtype=dtype), ids, targets, input_scale=scale)
              for v in ("pre", "post") for scale in (1.0, 512.0)]
-    assert bs.check_stats_finite(stats, "test").passed
+    assert bc.check_stats_finite(stats, "test").passed
 
 
 def test_stats_finite_fails_on_fp16_attention_scores(monkeypatch):
     monkeypatch.setattr(attention_mod, "attention_weights", low_precision_scores)
     ids, targets = batch(B=1, T=4)
     s = stack("post", n_layers=2, dtype=torch.float16)
-    assert bs.check_stats_finite([bs.collect_stats(s, ids, targets, 1.0)], "scale 1").passed
-    out = bs.check_stats_finite([bs.collect_stats(s, ids, targets, 512.0)], "scale 512")
+    assert bc.check_stats_finite([bst.collect_stats(s, ids, targets, 1.0)], "scale 1").passed
+    out = bc.check_stats_finite([bst.collect_stats(s, ids, targets, 512.0)], "scale 512")
     assert not out.passed and out.observed > 0
 
 
 def test_stats_finite_counts_nan():
     ids, targets = batch(B=1, T=4)
-    stats = bs.collect_stats(stack("pre", n_layers=1), ids, targets)
+    stats = bst.collect_stats(stack("pre", n_layers=1), ids, targets)
     stats.activations[3]["std"] = math.nan
-    out = bs.check_stats_finite([stats], "planted")
+    out = bc.check_stats_finite([stats], "planted")
     assert not out.passed and out.observed == 1.0
 
 
@@ -519,7 +541,7 @@ def synthetic_sweep() -> pd.DataFrame:
 
 def test_depth_slopes_and_sweep_plots():
     df = synthetic_sweep()
-    slopes = bs.depth_slopes(df)
+    slopes = bp.depth_slopes(df)
     assert slopes["pre"] == pytest.approx(-0.5) and slopes["post"] == pytest.approx(0.0, abs=1e-12)
     figs = bs.sweep_plots(df)
     assert set(figs) == {"sweep_grad_norm_per_layer", "sweep_last_layer_grad_vs_depth", "sweep_std_per_layer"}
@@ -529,7 +551,7 @@ def test_depth_slopes_and_sweep_plots():
 def test_sweep_plots_boundary_single_depth_and_foreign_frame():
     df = synthetic_sweep()
     one = df[df["job"] == "0"]
-    assert math.isnan(bs.depth_slopes(one)["pre"])  # one depth: no slope
+    assert math.isnan(bp.depth_slopes(one)["pre"])  # one depth: no slope
     assert len(bs.sweep_plots(one)) == 3
     assert bs.sweep_plots(pd.DataFrame({"job": ["0"], "name": ["x"], "value": [1.0]})) == {}
 
@@ -544,9 +566,9 @@ def test_cli_end_to_end(tmp_path):
     run = load_run(res.run_dir)
     m = run.metrics
     acts = m[m["name"].isin(["mean", "std", "rms", "max_abs", "grad_norm"])]
-    assert len(acts) == 2 * 2 * len(bs.STAGES) * 5  # variants x layers x stages x stats
+    assert len(acts) == 2 * 2 * len(bst.STAGES) * 5  # variants x layers x stages x stats
     assert set(acts["variant"]) == {"pre", "post"} and set(acts["layer"]) == {0, 1}
-    assert set(acts["stage"]) == set(bs.STAGES)
+    assert set(acts["stage"]) == set(bst.STAGES)
     params = m[m["name"] == "grad_norm_param"]
     assert "ffn.fc2.weight" in set(params["param"]) and params["value"].gt(0).all()
     assert run.checks["passed"].all() and len(run.checks) == 14  # 5 per variant + 2 norm + 2 finite
@@ -587,7 +609,7 @@ def test_cli_depth_sweep_writes_sweep_plots(tmp_path):
     sweep_dir = res.run_dir.parent
     df = pd.read_parquet(sweep_dir / "sweep.parquet")
     assert sorted(df["n_layers"].unique()) == [1, 3]
-    slopes = bs.depth_slopes(df)
+    slopes = bp.depth_slopes(df)
     assert set(slopes) == {"pre", "post"} and all(math.isfinite(v) for v in slopes.values())
     for name in ("sweep_grad_norm_per_layer", "sweep_last_layer_grad_vs_depth", "sweep_std_per_layer"):
         assert (sweep_dir / f"{name}.png").stat().st_size > 0
@@ -603,14 +625,14 @@ def test_terminal_table_and_summary_show_mean_std_grad_per_stage_under_parquet_n
     cfg = cfg_with(base_cfg, lowp_dtypes=[])
     rec = make_recorder(cfg)
     rec.console = Console(record=True, width=200)
-    bs.run(cfg, rec)
+    bs.run(bs.settings(cfg), rec)
     text = rec.console.export_text()
     assert "std output" not in text and "|g| output" not in text and "resid2" in text
     for column in ("mean", "std", "‖dL/dx‖"):
         assert column in text
     metrics = pd.DataFrame(rec.metrics_rows)
     stages = set(metrics["stage"].dropna())
-    assert stages == set(bs.STAGES)
+    assert stages == set(bst.STAGES)
     summary = "\n".join(rec.summary_parts)
     pre = metrics[(metrics["variant"] == "pre") & (metrics["layer"] == 2) & (metrics["stage"] == "resid2")]
     mean = pre[pre["name"] == "mean"]["value"].item()

@@ -15,7 +15,7 @@ import torch
 from claims_counterexamples import DenseMoE, SelfOnlyAttention
 
 from tfmoe import claims
-from tfmoe.experiments import block_stats as bs
+from tfmoe.experiments import block_stats_checks as bc
 from tfmoe.experiments import complexity as cx
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.testing import run_cli, run_recorded
@@ -84,9 +84,9 @@ def test_attention_that_does_not_mix_fails_attention_mixes_tokens() -> None:
     torch.manual_seed(0)
     from tfmoe.components.attention import MultiHeadSelfAttention
 
-    assert bs.check_attention_mixes_tokens(MultiHeadSelfAttention(16, 4, causal=True), 16).passed
-    assert bs.check_attention_mixes_tokens(MultiHeadSelfAttention(16, 4, causal=False), 16, seq_len=2).passed
-    out = bs.check_attention_mixes_tokens(SelfOnlyAttention(16), 16)
+    assert bc.check_attention_mixes_tokens(MultiHeadSelfAttention(16, 4, causal=True), 16).passed
+    assert bc.check_attention_mixes_tokens(MultiHeadSelfAttention(16, 4, causal=False), 16, seq_len=2).passed
+    out = bc.check_attention_mixes_tokens(SelfOnlyAttention(16), 16)
     assert not out.passed and out.observed == 0.0 and set(out.evidence) == {"x", "x_changed", "y", "y_changed"}
 
 
