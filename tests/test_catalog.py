@@ -17,6 +17,7 @@ import pytest
 
 from tfmoe import catalog, notebook
 from tfmoe.errors import BadInput
+from tfmoe.status import Status
 
 OLD = time.time() - 3600  # directories "written an hour ago": their mtimes are trusted (not racy)
 
@@ -34,7 +35,7 @@ def make_run(root: Path, rel: str, status: str = "ok", checks: tuple[bool, ...] 
                            "observed": 1.0, "threshold": 2.0, "detail": ""})
         notebook.write_parquet(df, run_dir / "checks.parquet", schema=notebook.CHECKS_SCHEMA)
     if status != "running":
-        writer.finish(None, status, notebook.STATUS_EXIT[status], None, None, None, 100)
+        writer.finish(None, status, Status(status).exit_code, None, None, None, 100)
     return run_dir
 
 

@@ -10,9 +10,10 @@ import pandas as pd
 import pytest
 
 from tfmoe import declared_metrics, expectations, failures, launch, notebook, runner
-from tfmoe.errors import EXIT_UNEXPECTED, BadInput
+from tfmoe.errors import BadInput
 from tfmoe.expectations import judge, parse, parse_one
 from tfmoe.registry import EXPERIMENTS
+from tfmoe.status import Status
 from tfmoe.testing import run_cli
 
 
@@ -147,7 +148,7 @@ def test_held_expectation_exits_0_and_parquet_records_prediction_before_result(f
 
 
 def test_missed_expectation_exits_4_names_it_and_by_how_much(fake, capsys) -> None:
-    assert launch.run_experiment(fake, ["expect={x: \"loss[variant=a] < 0\"}"], quiet=True) == EXIT_UNEXPECTED
+    assert launch.run_experiment(fake, ["expect={x: \"loss[variant=a] < 0\"}"], quiet=True) == Status.UNEXPECTED.exit_code
     run_dir = runner.LAST_RUN_DIRS[-1]
     data = notebook.load_run(run_dir)
     assert data.run["status"] == "unexpected" and data.run["exit_code"] == 4
@@ -161,7 +162,7 @@ def test_failed_check_outranks_a_missed_expectation(fake) -> None:
     assert launch.run_experiment(fake, ["mode=fail_check", "expect={loss: \"< 0\"}"], quiet=True) == 1
     data = notebook.load_run(runner.LAST_RUN_DIRS[-1])
     assert data.run["status"] == "failed" and not bool(data.expectations.iloc[0]["held"])  # judged all the same
-    from tfmoe.reports import worst_exit_code
+    from tfmoe.status import worst_exit_code
 
     assert worst_exit_code([0, 4]) == 4 and worst_exit_code([4, 1]) == 1 and worst_exit_code([4, 2]) == 2
 

@@ -145,7 +145,7 @@ def test_effective_status_running_lost_and_other_hosts(fake_experiment) -> None:
 
 
 def test_worst_exit_code_ranks_signals() -> None:
-    from tfmoe.reports import worst_exit_code
+    from tfmoe.status import worst_exit_code
 
     assert worst_exit_code([0, 143, 1]) == 143
     assert worst_exit_code([143, 130]) == 130

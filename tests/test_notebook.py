@@ -54,7 +54,7 @@ def test_atomic_write_keeps_old_file_when_writing_fails(tmp_path: Path) -> None:
         raise OSError("disk full (planted)")
 
     with pytest.raises(OSError):
-        notebook._atomic_replace(path, explode)
+        notebook.atomic_replace(path, explode)
     assert pd.read_parquet(path)["value"].tolist() == [1.0]
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.parquet"]  # no temp file left behind
 

@@ -31,11 +31,12 @@ from typing import Any
 import pandas as pd
 
 from tfmoe.notebook import RUN_FILE, RUN_SCHEMA, TABLE_FILES, read_parquet
+from tfmoe.status import Status
 
 CATALOG_FILE = ".tfmoe-catalog.sqlite3"
 SCHEMA_VERSION = "4"
-# Statuses a run never leaves; any other (running) is re-checked at every sync.
-FINAL_STATUSES = ("ok", "failed", "error", "interrupted", "crashed")
+# Statuses a run never leaves; any other (running, unreadable) is re-checked at every sync.
+FINAL_STATUSES = tuple(s.value for s in Status if s.final)
 RACY_S = 2.0
 SKIP_DIRS = {".hydra", "__pycache__"}
 SQL_TABLES = {"run": RUN_FILE, "metrics": TABLE_FILES["metrics"], "checks": TABLE_FILES["checks"],
@@ -175,7 +176,7 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
             error = f"{run_dir / RUN_FILE} has no row"
         except Exception as exc:
             error = str(exc)
-        row = {"run_id": run_dir.name, "status": "unreadable", "error": error}
+        row = {"run_id": run_dir.name, "status": Status.UNREADABLE.value, "error": error}
     checks_file = run_dir / TABLE_FILES["checks"]
     passed = total = 0
     if checks_file.exists():

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import typer
 
-from tfmoe.errors import EXIT_BAD_INPUT, BadInput, Terminated, raise_terminated
+from tfmoe.errors import BadInput, Terminated, raise_terminated
 from tfmoe.registry import EXPERIMENTS, Experiment
+from tfmoe.status import Status, worst_exit_code
 
 app = typer.Typer(
     name="tfmoe",
@@ -48,7 +49,7 @@ class Format(str, Enum):
 def fail(message: str) -> typer.Exit:
     """One clear line on stderr, exit 2."""
     typer.echo(f"error: {message}", err=True)
-    return typer.Exit(EXIT_BAD_INPUT)
+    return typer.Exit(Status.ERROR.exit_code)
 
 
 @contextlib.contextmanager
@@ -112,7 +113,7 @@ def run_all(
 ) -> None:
     """Run every registered experiment with its defaults, then print a table of the runs made."""
     from tfmoe.launch import run_experiment
-    from tfmoe.reports import print_runs_table, worst_exit_code
+    from tfmoe.reports import print_runs_table
 
     codes, made = [], []
     for exp in EXPERIMENTS.values():
@@ -122,7 +123,7 @@ def run_all(
             codes.append(run_experiment(exp, args, multirun=False, quiet=True, made=made))
         except BadInput as exc:
             typer.echo(f"error: {exc}", err=True)
-            codes.append(EXIT_BAD_INPUT)
+            codes.append(Status.ERROR.exit_code)
     print_runs_table(made)
     raise typer.Exit(worst_exit_code(codes))
 
@@ -143,6 +144,11 @@ def runs_cmd(
         raise fail(f"unknown experiment {experiment!r}: choose one of {', '.join(EXPERIMENTS)}")
     if last is not None and last < 1:
         raise fail(f"--last {last}: pass a positive number")
+    if status is not None:
+        try:
+            Status.parse(status)
+        except ValueError as exc:
+            raise fail(f"--status {exc}") from None
     with bad_input_exits_2():
         reports.runs(runs_root, experiment, status, last, fmt.value)
 
@@ -314,7 +320,7 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(Status.INTERRUPTED.exit_code)
     except Terminated as exc:
         typer.echo(str(exc), err=True)
         sys.exit(exc.exit_code)

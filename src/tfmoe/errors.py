@@ -1,6 +1,8 @@
-"""Exceptions that map onto the CLI's exit codes."""
+"""Exceptions that map onto the CLI's exit codes (the codes themselves: tfmoe.status)."""
 
 from __future__ import annotations
+
+from tfmoe.status import signal_exit_code
 
 
 class BadInput(Exception):
@@ -9,15 +11,6 @@ class BadInput(Exception):
     The message must name the problem and the fix, e.g.
     ``"top_k=9 is larger than n_experts=8: pass top_k between 1 and 8"``.
     """
-
-
-EXIT_OK = 0
-EXIT_CHECK_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_UNEXPECTED = 4  # every check passed, but an expectation (the user's prediction) did not hold
-EXIT_INTERRUPTED = 130
-EXIT_LOST = 137  # 128 + SIGKILL: what a shell reports for a killed process; readers derive `lost` (no one records it)
-EXIT_TERMINATED = 143  # 128 + SIGTERM: what SLURM sends at a job's time limit, and `kill`'s default
 
 
 class Terminated(BaseException):
@@ -34,7 +27,7 @@ class Terminated(BaseException):
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum
+        return signal_exit_code(self.signum)
 
 
 def raise_terminated(signum: int, frame: object = None) -> None:

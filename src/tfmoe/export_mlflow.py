@@ -20,11 +20,15 @@ from typing import Any
 import pandas as pd
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import RUN_FILE, _present, effective_status, load_run, read_parquet, resolve_run
+from tfmoe.notebook import RUN_FILE, effective_status, load_run, present, read_parquet, resolve_run
+from tfmoe.status import Status
 
 DEFAULT_URI = "sqlite:///mlflow.db"
-STATUS = {"ok": "FINISHED", "unexpected": "FINISHED", "failed": "FAILED", "error": "FAILED", "crashed": "FAILED",
-          "lost": "FAILED", "unreadable": "FAILED", "interrupted": "KILLED"}  # unexpected: checks passed, a prediction missed
+# MLflow's run status for each finished tfmoe status (unexpected: every check passed, a prediction missed);
+# a running run is not exported yet
+MLFLOW_STATUS = {Status.OK: "FINISHED", Status.UNEXPECTED: "FINISHED", Status.FAILED: "FAILED", Status.ERROR: "FAILED",
+                 Status.CRASHED: "FAILED", Status.LOST: "FAILED", Status.UNREADABLE: "FAILED",
+                 Status.INTERRUPTED: "KILLED"}
 ENV_TAGS = ["git_commit", "git_dirty", "python", "torch", "cuda", "cudnn", "numpy", "pandas", "pyarrow", "hydra",
             "device", "device_name", "dtype", "hostname", "platform"]
 NOT_A_TAG = {"name", "value", "step", "measured"}
@@ -65,7 +69,7 @@ def flatten(d: Any) -> dict[str, str]:
 
 
 def _ms(ts: Any) -> int | None:
-    return int(pd.Timestamp(ts).timestamp() * 1000) if _present(ts) and ts is not pd.NaT else None
+    return int(pd.Timestamp(ts).timestamp() * 1000) if present(ts) and ts is not pd.NaT else None
 
 
 def _tracking_store(tracking_uri: str) -> str | None:
@@ -130,7 +134,7 @@ class Exporter:
         data = load_run(run_dir)
         run = data.run
         rid, status = str(run["run_id"]), effective_status(run)  # a dead `running` run is `lost`
-        if status == "running":
+        if status == Status.RUNNING:
             done.still_running.append(rid)
             return None
         exp_id = self.experiment_id(str(run["experiment"]))
@@ -142,10 +146,10 @@ class Exporter:
                 "tfmoe.path": str(run_dir.resolve()), "tfmoe.seed": str(run["seed"]),
                 "tfmoe.overrides": " ".join(run["overrides"]) or "(none)", "mlflow.runName": rid,
                 "tfmoe.checks": f"{int(checks['passed'].sum()) if not checks.empty else 0}/{len(checks)}"}
-        tags.update({f"tfmoe.{k}": str(run[k]) for k in ENV_TAGS if _present(run.get(k))})
-        if _present(run.get("git_commit")):
+        tags.update({f"tfmoe.{k}": str(run[k]) for k in ENV_TAGS if present(run.get(k))})
+        if present(run.get("git_commit")):
             tags["mlflow.source.git.commit"] = str(run["git_commit"])
-        if _present(run.get("error")):
+        if present(run.get("error")):
             tags["tfmoe.error"] = str(run["error"])[:5000]
         if parent:
             tags["mlflow.parentRunId"] = parent
@@ -157,14 +161,14 @@ class Exporter:
         m = data.metrics
         tag_cols = [c for c in m.columns if c not in NOT_A_TAG]
         for row in m.to_dict("records"):
-            if not _present(row.get("value")):
+            if not present(row.get("value")):
                 continue
-            key = metric_key(row["name"], {c: row[c] for c in tag_cols if _present(row.get(c)) and row[c] != ""})
-            step = int(row["step"]) if _present(row.get("step")) else 0
+            key = metric_key(row["name"], {c: row[c] for c in tag_cols if present(row.get(c)) and row[c] != ""})
+            step = int(row["step"]) if present(row.get("step")) else 0
             metrics.append(Metric(key, float(row["value"]), stamp, step))
         self._log(mid, metrics=metrics, params=params)
         self.client.log_artifacts(mid, str(run_dir))
-        self.client.set_terminated(mid, STATUS.get(status, "FAILED"), end_time=_ms(run.get("finished_at")))
+        self.client.set_terminated(mid, MLFLOW_STATUS.get(status, "FAILED"), end_time=_ms(run.get("finished_at")))
         self.known[exp_id][rid] = mid
         done.exported.append(rid)
         return mid
@@ -182,7 +186,7 @@ class Exporter:
             starts = [t for t in (_ms(r["started_at"]) for r in runs) if t is not None]
             tags = {"tfmoe.run_id": sid, "tfmoe.sweep": "true", "tfmoe.experiment": experiment,
                     "tfmoe.path": str(sweep_dir.resolve()), "mlflow.runName": sweep_dir.name,
-                    "tfmoe.status": "ok" if statuses == {"ok"} else ",".join(sorted(statuses))}
+                    "tfmoe.status": Status.OK.value if statuses == {Status.OK} else ",".join(sorted(statuses))}
             created = self.client.create_run(exp_id, start_time=min(starts) if starts else None, tags=tags,
                                              run_name=sweep_dir.name)
             parent = created.info.run_id
@@ -196,8 +200,8 @@ class Exporter:
             self.export_run(job, parent, done)
         ends = [t for t in (_ms(r["finished_at"]) for r in runs) if t is not None]
         statuses = {effective_status(r) for r in runs}
-        if "running" not in statuses:
-            worst = "FINISHED" if statuses == {"ok"} else "FAILED"
+        if Status.RUNNING not in statuses:
+            worst = MLFLOW_STATUS[Status.OK] if statuses == {Status.OK} else MLFLOW_STATUS[Status.FAILED]
             self.client.set_terminated(parent, worst, end_time=max(ends) if ends else None)
 
 

@@ -10,6 +10,7 @@ from filelock import FileLock, Timeout
 
 from tfmoe.errors import BadInput
 from tfmoe.notebook import load_run, resolve_run
+from tfmoe.status import Status
 
 HEADER = ("# Failures log\n\nReal failures met while running experiments: phenomenon, hypothesis, evidence, fix and the "
           "regression test that now guards it. Append-only (`tfmoe failures add RUN`).\n")
@@ -27,7 +28,7 @@ def format_entry(number: int, run_ref: str, runs_root: Path, title: str | None, 
     failed = data.checks[~data.checks["passed"]] if not data.checks.empty else data.checks
     missed = data.expectations[data.expectations["held"] == False] if not data.expectations.empty \
         else data.expectations  # noqa: E712 (a nullable column)
-    if failed.empty and missed.empty and run["status"] == "ok":
+    if failed.empty and missed.empty and run["status"] == Status.OK:
         raise BadInput(f"run {run['run_id']} passed all its checks and met its expectations: there is no failure "
                        "to log (pass a failed or surprising run, e.g. from `tfmoe runs --status failed`)")
     lines = []

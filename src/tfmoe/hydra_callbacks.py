@@ -16,12 +16,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from tfmoe import runner
+from tfmoe.status import Status, worst_exit_code
 
 LAST_SWEEP_DIRS: list[Path] = []
 # Sweeps this process started (on_multirun_start) and the experiment of each: the ones that never reached
 # on_multirun_end are completed by launch.run_experiment.
 STARTED_SWEEPS: dict[Path, str] = {}
-NOT_STARTED = "not_started"
 # The progress bar lives at module level: launchers pickle the callback objects to send jobs to workers,
 # and a rich Progress (locks, threads) cannot be pickled.
 _PROGRESS: dict[str, Any] = {}
@@ -92,7 +92,7 @@ def collect_sweep(sweep_dir: Path) -> Any:
             _override_columns(job, expected[int(name)] if name.isdigit() and int(name) < len(expected) else [])
             job.insert(0, "job", name)
             job.insert(1, "run_id", None)
-            job.insert(2, "status", NOT_STARTED)
+            job.insert(2, "status", Status.NOT_STARTED.value)
             job.insert(3, "error", "the sweep stopped before this job started")
             frames.append(job)
             continue
@@ -106,7 +106,7 @@ def collect_sweep(sweep_dir: Path) -> Any:
         metrics.insert(0, "job", name)
         metrics.insert(1, "run_id", run["run_id"])
         metrics.insert(2, "status", run["status"])
-        metrics.insert(3, "error", run.get("error") if run["status"] != "lost" else
+        metrics.insert(3, "error", run.get("error") if run["status"] != Status.LOST else
                        f"lost: its process (pid {run.get('pid')} on {run.get('hostname')}) died without a word")
         frames.append(metrics)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
@@ -174,15 +174,15 @@ def has_unstarted_jobs(sweep_dir: Path) -> bool:
     import pandas as pd
 
     path = Path(sweep_dir) / "sweep.parquet"
-    return path.exists() and bool((pd.read_parquet(path, columns=["status"])["status"] == NOT_STARTED).any())
+    return path.exists() and bool((pd.read_parquet(path, columns=["status"])["status"] == Status.NOT_STARTED).any())
 
 
 def complete_sweep(sweep_dir: Path) -> int:
     """`tfmoe sweep-complete DIR`: write sweep.parquet (and sweep plots) for a sweep whose launching process died,
     print its jobs, and return the exit code the sweep would have had (a job not started counts as interrupted)."""
     from tfmoe.errors import BadInput
-    from tfmoe.notebook import RUN_FILE, STATUS_EXIT
-    from tfmoe.reports import exit_code_of, print_outcome, worst_exit_code
+    from tfmoe.notebook import RUN_FILE
+    from tfmoe.reports import exit_code_of, print_outcome
 
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
@@ -200,7 +200,7 @@ def complete_sweep(sweep_dir: Path) -> int:
             console.print(line, soft_wrap=True, markup=False, highlight=False)
     codes = [exit_code_of(dirs)] if dirs else []
     if has_unstarted_jobs(sweep_dir):
-        codes.append(STATUS_EXIT[NOT_STARTED])
+        codes.append(Status.NOT_STARTED.exit_code)
     return worst_exit_code(codes)
 
 
@@ -219,7 +219,7 @@ def sweep_experiment(sweep_dir: Path) -> str:
 
 def write_sweep_outputs(sweep_dir: Path, experiment: str) -> None:
     """sweep.parquet (+ the experiment's ``sweep_plots(df)`` PNGs) for a finished sweep directory."""
-    from tfmoe.notebook import _atomic_replace, write_parquet
+    from tfmoe.notebook import atomic_replace, write_parquet
     from tfmoe.registry import EXPERIMENTS
 
     df = collect_sweep(sweep_dir)
@@ -235,4 +235,4 @@ def write_sweep_outputs(sweep_dir: Path, experiment: str) -> None:
         runner.log.error("sweep_plots failed: %s", exc)
         return
     for name, fig in figures.items():
-        _atomic_replace(sweep_dir / f"{name}.png", lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=110))
+        atomic_replace(sweep_dir / f"{name}.png", lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=110))

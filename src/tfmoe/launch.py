@@ -9,8 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tfmoe.errors import EXIT_BAD_INPUT, BadInput
+from tfmoe.errors import BadInput
 from tfmoe.registry import EXPERIMENTS, Experiment
+from tfmoe.status import Status, worst_exit_code
+
+# Hydra's own error path (a bad config, a launcher that lost a job) is bad input: exit 2
+EXIT_FROM_HYDRA = Status.ERROR.exit_code
 
 HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
                           "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
@@ -219,8 +223,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     from hydra.core.global_hydra import GlobalHydra
 
     from tfmoe import hydra_callbacks, runner
-    from tfmoe.notebook import STATUS_EXIT
-    from tfmoe.reports import exit_code_of, print_outcome, worst_exit_code
+    from tfmoe.reports import exit_code_of, print_outcome
 
     overrides, flags = split_args(args)
     overrides = [force_expect(o) for o in overrides]
@@ -261,13 +264,10 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         print_outcome(dirs, hydra_callbacks.LAST_SWEEP_DIRS)
     codes = [exit_code_of(dirs)]
     if any(hydra_callbacks.has_unstarted_jobs(s) for s in hydra_callbacks.LAST_SWEEP_DIRS):
-        codes.append(STATUS_EXIT[hydra_callbacks.NOT_STARTED])
+        codes.append(Status.NOT_STARTED.exit_code)
     if hydra_failed:
         codes.append(EXIT_FROM_HYDRA)
     return worst_exit_code(codes)
-
-
-EXIT_FROM_HYDRA = 2
 
 
 def replay(ref: str, runs_root: Path) -> int:
@@ -296,7 +296,7 @@ def replay(ref: str, runs_root: Path) -> int:
     if len(new_dirs) != 1:
         raise BadInput("replay could not find the new run directory")
     new = load_run(new_dirs[0])
-    if code == EXIT_BAD_INPUT and str(new.run["status"]) == "error" and str(old.run["status"]) != "error":
+    if code == Status.ERROR.exit_code and new.run["status"] == Status.ERROR and old.run["status"] != Status.ERROR:
         raise BadInput(f"replay of {old.run['run_id']} could not start: {new.run['error']} "
                        f"(the attempt is recorded in {new_dirs[0]})")
     sys.stderr.write(said.getvalue())

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tfmoe.errors import BadInput
+from tfmoe.status import Status
 
 RUN_FILE = "run.parquet"
 TABLE_FILES = {
@@ -32,8 +33,6 @@ TABLE_FILES = {
     "timings": "timings.parquet",
     "tensors": "tensors.parquet",
 }
-STATUS_EXIT = {"ok": 0, "failed": 1, "error": 2, "interrupted": 130, "crashed": 3, "running": 3, "unexpected": 4,
-               "lost": 137, "not_started": 130}  # not_started: a sweep job that never began (the sweep was stopped)
 EXPECTATIONS_FILE = "expectations.parquet"
 EXPECTATIONS_SCHEMA = pa.schema([
     ("label", pa.string()), ("metric", pa.string()), ("selector", pa.string()), ("aggregate", pa.string()),
@@ -53,7 +52,7 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def _atomic_replace(path: Path, write: Any) -> None:
+def atomic_replace(path: Path, write: Any) -> None:
     """Write via ``write(tmp_path)`` into a temp file beside ``path``, then rename over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -69,11 +68,11 @@ def _atomic_replace(path: Path, write: Any) -> None:
 
 def write_parquet(df: pd.DataFrame, path: Path, schema: pa.Schema | None = None) -> None:
     table = pa.Table.from_pandas(_parquet_safe(df), schema=schema, preserve_index=False)
-    _atomic_replace(path, lambda tmp: pq.write_table(table, tmp))
+    atomic_replace(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def write_text(path: Path, text: str) -> None:
-    _atomic_replace(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    atomic_replace(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def _parquet_safe(df: pd.DataFrame) -> pd.DataFrame:
@@ -221,11 +220,11 @@ class RunWriter:
     process: dict[str, Any] = field(default_factory=lambda: process_identity())
     _checkpointed: tuple[int, int, int] = (0, 0, 0)  # metrics/checks/timings rows at the last checkpoint
 
-    def _row(self, status: str, **extra: Any) -> dict[str, Any]:
+    def _row(self, status: Status, **extra: Any) -> dict[str, Any]:
         row = {name: None for name in RUN_SCHEMA.names}
         row.update(self.env)
         row.update(self.process)
-        row.update(run_id=self.run_id, experiment=self.experiment, status=status, started_at=self.started_at,
+        row.update(run_id=self.run_id, experiment=self.experiment, status=Status(status).value, started_at=self.started_at,
                    seed=self.seed, argv=self.argv, overrides=self.overrides, device=self.device,
                    dtype=self.dtype, sweep_dir=self.sweep_dir, notes=[], heartbeat_at=utcnow())
         row.update(extra)
@@ -233,7 +232,7 @@ class RunWriter:
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.write_run(self._row("running"))
+        self.write_run(self._row(Status.RUNNING))
 
     def write_expectations(self, df: pd.DataFrame) -> None:
         """expectations.parquet: written before the experiment runs (observed/held empty), completed at the end."""
@@ -263,14 +262,14 @@ class RunWriter:
             if sizes[2] != written[2]:
                 write_parquet(timings_frame(list(rec.timings_rows)), self.run_dir / TABLE_FILES["timings"])
             self._checkpointed = sizes
-        self.write_run(self._row("running", notes=list(rec.notes) if rec is not None else []))
+        self.write_run(self._row(Status.RUNNING, notes=list(rec.notes) if rec is not None else []))
 
     def write_run(self, row: dict[str, Any]) -> None:
         # straight to arrow (one row, a fixed schema): no pandas frame per write, which a sweep pays per job
         table = pa.Table.from_pylist([row], schema=RUN_SCHEMA)
-        _atomic_replace(self.run_dir / RUN_FILE, lambda tmp: pq.write_table(table, tmp))
+        atomic_replace(self.run_dir / RUN_FILE, lambda tmp: pq.write_table(table, tmp))
 
-    def finish(self, rec: Any, status: str, exit_code: int, error: str | None,
+    def finish(self, rec: Any, status: Status, exit_code: int, error: str | None,
                peak_device_mem_bytes: int | None, peak_rss_bytes: int | None, tensor_max_numel: int) -> None:
         """Write every record the recorder holds (whatever state the run ended in), then run.parquet."""
         notes: list[str] = []
@@ -290,8 +289,8 @@ class RunWriter:
                     problems.append(f"could not write {what}: {type(exc).__name__}: {exc}")
         if problems:
             error = "; ".join(([error] if error else []) + problems)
-            if status == "ok":
-                status, exit_code = "crashed", 3
+            if status == Status.OK:
+                status, exit_code = Status.CRASHED, Status.CRASHED.exit_code
         finished = utcnow()
         self.write_run(self._row(
             status, finished_at=finished, wall_s=(finished - self.started_at).total_seconds(), error=error,
@@ -314,9 +313,9 @@ class RunWriter:
 
     def _write_plots(self, rec: Any) -> None:
         for name, fig in rec.figures.items():
-            _atomic_replace(self.run_dir / f"{name}.png", lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=110))
+            atomic_replace(self.run_dir / f"{name}.png", lambda tmp, fig=fig: fig.savefig(tmp, format="png", dpi=110))
 
-    def _summary(self, rec: Any, status: str, error: str | None, notes: list[str]) -> str:
+    def _summary(self, rec: Any, status: Status, error: str | None, notes: list[str]) -> str:
         lines = [f"# {self.experiment} — {self.run_id}", "",
                  f"status: **{status}**  ", f"device: {self.device}, dtype: {self.dtype}, seed: {self.seed}  ",
                  f"overrides: {' '.join(self.overrides) or '(none)'}", ""]
@@ -362,7 +361,7 @@ def process_identity() -> dict[str, Any]:
     return {"hostname": socket.gethostname(), "pid": os.getpid(), "process_started_at": started}
 
 
-def _present(v: Any) -> bool:
+def present(v: Any) -> bool:
     return v is not None and not (isinstance(v, float) and v != v) and v is not pd.NaT and v is not pd.NA
 
 
@@ -377,7 +376,7 @@ def process_alive(pid: int, started_at: Any) -> bool:
         created = proc.create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, OverflowError):
         return False
-    if not _present(started_at):
+    if not present(started_at):
         return True
     return abs(created - pd.Timestamp(started_at).timestamp()) < 1.0
 
@@ -388,25 +387,26 @@ def effective_status(run: Any) -> str:
     loss...). A run owned by another host stays ``running`` (it is running there; see :func:`where_running`).
     A ``running`` run recorded before pids were recorded cannot be checked and stays ``running``."""
     status = str(run.get("status"))
-    if status != "running":
+    if status != Status.RUNNING:
         return status
     host, pid = run.get("hostname"), run.get("pid")
-    if not _present(host) or not _present(pid) or str(host) != socket.gethostname():
-        return "running"
-    return "running" if process_alive(int(pid), run.get("process_started_at")) else "lost"
+    if not present(host) or not present(pid) or str(host) != socket.gethostname():
+        return Status.RUNNING.value
+    alive = process_alive(int(pid), run.get("process_started_at"))
+    return (Status.RUNNING if alive else Status.LOST).value
 
 
 def is_lost(run: Any) -> bool:
-    return effective_status(run) == "lost"
+    return effective_status(run) == Status.LOST
 
 
 def where_running(run: Any) -> str:
     """'' unless the run is running: then 'on HOST (pid N)', with '(this host)' or '(another host: not checked)'."""
-    if effective_status(run) != "running":
+    if effective_status(run) != Status.RUNNING:
         return ""
     host, pid = run.get("hostname"), run.get("pid")
-    here = _present(host) and str(host) == socket.gethostname()
-    where = f"on {host if _present(host) else 'an unknown host'}" + (f" (pid {int(pid)})" if _present(pid) else "")
+    here = present(host) and str(host) == socket.gethostname()
+    where = f"on {host if present(host) else 'an unknown host'}" + (f" (pid {int(pid)})" if present(pid) else "")
     return where + (" — this host" if here else " — another host: not checked from here")
 
 
@@ -426,7 +426,7 @@ def with_effective_status(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty or "status" not in df or "path" not in df:
         return df
     df = df.copy()
-    for i in df.index[df["status"] == "running"]:
+    for i in df.index[df["status"] == Status.RUNNING]:
         try:
             df.at[i, "status"] = read_run_row(Path(df.at[i, "path"]))["status"]
         except BadInput:

@@ -14,7 +14,6 @@ from rich.console import Console
 from tfmoe.errors import BadInput
 from tfmoe.notebook import (
     EXPECTATIONS_FILE,
-    STATUS_EXIT,
     RunData,
     load_run,
     read_parquet,
@@ -23,13 +22,12 @@ from tfmoe.notebook import (
     where_running,
     with_effective_status,
 )
+from tfmoe.status import Status, exit_code_for, worst_exit_code
 from tfmoe.tables import cell, from_frame
 
 console = Console(highlight=False)
+STATUS_STYLES = {Status.OK: "green", Status.FAILED: "red", Status.ERROR: "yellow"}  # any other: magenta
 
-# worst first: Ctrl-C, SIGTERM, another signal (128+N), lost (137), bad input, crashed, failed check,
-# an expectation missed, ok
-EXIT_PRIORITY = [130, 143, 137, 2, 3, 1, 4, 0]
 # Metric rows that are measurements of this machine (speed, memory) are reported by diff but do not make
 # two runs "differ": like timings, they move from run to run.
 MEASURED_NAME = re.compile(r"(^|_)(ms|s|wall|time|times|seconds|per_s|flops_per_s|gflops|tflops|peak_fraction|"
@@ -38,22 +36,14 @@ ENV_KEYS = ["device", "device_name", "dtype", "python", "torch", "cuda", "cudnn"
             "hydra", "hostname", "platform", "git_commit", "git_dirty"]
 
 
-def worst_exit_code(codes: list[int]) -> int:
-    def rank(c: int) -> float:
-        if c in EXIT_PRIORITY:
-            return EXIT_PRIORITY.index(c)
-        return 1.5 if c > 128 else -1  # another signal ranks after SIGTERM; an unknown code first
-
-    return min(codes, key=rank) if codes else 0
-
-
 def exit_code_of(run_dirs: list[Path]) -> int:
+    """The exit code of these runs together: the worst of each one's (its status's, while it records none)."""
     codes = []
     for d in run_dirs:
         run = read_run_row(d)
         code = run.get("exit_code")
-        if run["status"] in ("lost", "running") or code is None or pd.isna(code):  # no exit code recorded (yet)
-            codes.append(STATUS_EXIT.get(run["status"], 3))
+        if run["status"] in (Status.LOST, Status.RUNNING) or code is None or pd.isna(code):  # none recorded (yet)
+            codes.append(exit_code_for(run["status"]))
         else:
             codes.append(int(code))
     return worst_exit_code(codes)
@@ -87,7 +77,7 @@ def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | Non
     df = _runs_frame(run_dirs)
     table_df = df.drop(columns=["path"])
     table = from_frame(table_df, title or ("tfmoe run" if len(df) == 1 else f"tfmoe sweep: {len(df)} jobs"))
-    table.styles = [{"ok": "green", "failed": "red", "error": "yellow"}.get(s, "magenta") for s in table_df["status"]]
+    table.styles = [STATUS_STYLES.get(s, "magenta") for s in table_df["status"]]
     table.print_to(console)
     if len(df) == 1 and not sweep_dirs:
         console.print(f"run directory: {df.iloc[0]['path']}", soft_wrap=True)
@@ -108,7 +98,7 @@ def sweep_problem_lines(sweep_dir: Path) -> list[str]:
     jobs = sweep_jobs(Path(sweep_dir)) or []
     lines = []
     for row in df.to_dict("records"):
-        if row["status"] in ("ok",):
+        if row["status"] == Status.OK:
             continue
         job = str(row["job"])
         overrides = " ".join(jobs[int(job)]) if job.isdigit() and int(job) < len(jobs) else ""
@@ -150,10 +140,10 @@ def runs(runs_root: Path, experiment: str | None, status: str | None, last: int 
         if experiment:
             where.append("experiment = ?")
             params.append(experiment)
-        derived = status in ("running", "lost")  # the catalog holds the recorded status: derive, then filter
+        derived = status in (Status.RUNNING, Status.LOST)  # the catalog holds the recorded status: derive, filter
         if status:
             where.append("status = ?")
-            params.append("running" if derived else status)
+            params.append(Status.RUNNING.value if derived else status)
         clause = ("WHERE " + " AND ".join(where)) if where else ""
         if last and not derived:  # the newest N by start time (runs not started yet sort first, as before)
             clause += (" AND" if where else "WHERE") + (
@@ -169,8 +159,8 @@ def runs(runs_root: Path, experiment: str | None, status: str | None, last: int 
         index = index.tail(last) if last else index
     cols = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
     out = index.reindex(columns=cols).copy()
-    if (out["status"] == "running").any():  # where each running run runs (another host: shown as running there)
-        out.insert(3, "where", [where_running(read_run_row(Path(p))) if st == "running" else ""
+    if (out["status"] == Status.RUNNING).any():  # where each running run runs (another host: shown running there)
+        out.insert(3, "where", [where_running(read_run_row(Path(p))) if st == Status.RUNNING else ""
                                 for st, p in zip(index["status"], index["path"], strict=True)])
     out["overrides"] = out["overrides"].map(lambda o: " ".join(o) if o is not None and len(o) else "")
     out["wall_s"] = out["wall_s"].map(lambda w: "" if pd.isna(w) else f"{w:.2f}")
@@ -193,9 +183,9 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
         }, default=_jsonable))
         return
     run = dict(data.run)
-    if run["status"] == "running":
+    if run["status"] == Status.RUNNING:
         run["status"] = f"running {where_running(run)}"
-    elif run["status"] == "lost":
+    elif run["status"] == Status.LOST:
         run["status"] = (f"lost (recorded running, but its process {cell(run.get('pid'))} is gone from "
                          f"{cell(run.get('hostname'))}; last heartbeat {cell(run.get('heartbeat_at'))})")
     head = pd.DataFrame([{"key": k, "value": cell(run.get(k))} for k in

@@ -24,16 +24,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tfmoe.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_CHECK_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_UNEXPECTED,
-    BadInput,
-    Terminated,
-)
+from tfmoe.errors import BadInput, Terminated
 from tfmoe.registry import EXPERIMENTS
+from tfmoe.status import Status
 
 log = logging.getLogger("tfmoe")
 
@@ -310,7 +303,7 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
     from tfmoe.recorder import Recorder, device_peak, forget_device_peak
 
     rec = None
-    status, code, error = "ok", EXIT_OK, None
+    status, code, error = Status.OK, Status.OK.exit_code, None
     device = None
     expectations: list = []
     stop: BaseException | None = None
@@ -342,7 +335,7 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
                 rec.note(f"{torch.get_num_threads()} torch intra-op thread(s) (config threads={threads})")
             run_module(exp, cfg, rec)
         if not rec.all_passed:
-            status, code = "failed", EXIT_CHECK_FAILED
+            status, code = Status.FAILED, Status.FAILED.exit_code
             failed = [c.check for c in rec.checks_rows if not c.passed]
             err.print(f"[red]{exp.name}: {len(failed)} check(s) failed:[/] ", escape(", ".join(failed)), sep="")
             for inference in explain_failures(exp.name, rec, cfg, writer):
@@ -351,25 +344,25 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
         if missed:
             err.print(f"[yellow]{exp.name}: {len(missed)} expectation(s) did not hold:[/] ", escape("; ".join(missed)),
                       sep="")
-            if status == "ok":
-                status, code = "unexpected", EXIT_UNEXPECTED
+            if status == Status.OK:
+                status, code = Status.UNEXPECTED, Status.UNEXPECTED.exit_code
     except BadInput as exc:
-        status, code, error = "error", EXIT_BAD_INPUT, str(exc)
+        status, code, error = Status.ERROR, Status.ERROR.exit_code, str(exc)
         err.print(f"error: {exc}", markup=False, emoji=False)  # hf:llama: is not an emoji
     except KeyboardInterrupt as exc:
-        status, code, error, stop = "interrupted", EXIT_INTERRUPTED, "interrupted by the user (Ctrl-C)", exc
+        status, code, error, stop = Status.INTERRUPTED, Status.INTERRUPTED.exit_code, "interrupted by the user (Ctrl-C)", exc
         err.print(f"{exp.name}: interrupted; the records so far are in {run_dir}", markup=False)
     except Terminated as exc:
-        status, code, stop = "interrupted", exc.exit_code, exc
+        status, code, stop = Status.INTERRUPTED, exc.exit_code, exc
         error = f"{exc} ({SIGNAL_CAUSES.get(exc.signal_name, 'a signal that ends the process')})"
         err.print(f"{exp.name}: {exc}; the records so far are in {run_dir}", markup=False)
     except Exception as exc:  # a bug: keep the records, point at the log
-        status, code = "crashed", 3
+        status, code = Status.CRASHED, Status.CRASHED.exit_code
         error = f"{type(exc).__name__}: {exc}"
         log.error("run crashed:\n%s", traceback.format_exc())
         err.print(f"{exp.name} crashed ({error}); traceback in {run_dir}/{exp.name}.log", markup=False)
     except BaseException as exc:  # SystemExit from a library, GeneratorExit...: never recorded as ok
-        status, code, error = "crashed", 3, f"{type(exc).__name__}: {exc}"
+        status, code, error = Status.CRASHED, Status.CRASHED.exit_code, f"{type(exc).__name__}: {exc}"
         log.error("run stopped by %s:\n%s", type(exc).__name__, traceback.format_exc())
         raise
     finally:

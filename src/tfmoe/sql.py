@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from tfmoe.errors import BadInput
 from tfmoe.notebook import RUN_SCHEMA, TABLE_FILES
+from tfmoe.status import Status
 
 FILE_VIEWS = ("metrics", "checks", "timings")
 EMPTY_COLUMNS = {
@@ -99,9 +100,9 @@ def _runs_table(conn: Any, runs_root: Path) -> Any:
     table = table.append_column("checks_passed", pa.array([c[4] for c in cached], pa.int64()))
     table = table.append_column("checks_total", pa.array([c[5] for c in cached], pa.int64()))
     statuses = table.column("status").to_pylist()
-    if "running" in statuses:  # THE status readers show: a dead `running` run is `lost` (notebook.effective_status)
+    if Status.RUNNING in statuses:  # THE status readers show: a dead `running` run is `lost` (effective_status)
         for i, st in enumerate(statuses):
-            if st == "running":
+            if st == Status.RUNNING:
                 statuses[i] = read_run_row(Path(paths[i]))["status"]
         table = table.set_column(table.schema.get_field_index("status"), "status", pa.array(statuses, pa.string()))
     return table
