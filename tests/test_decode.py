@@ -10,11 +10,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tfmoe.components import sampling
+from tfmoe.components import sampling, sampling_reference
 from tfmoe.components.attention import KVCache
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
-from tfmoe.experiments import decode
+from tfmoe.experiments import decode, decode_lm
+from tfmoe.experiments import decode_cache_checks as cache_checks
+from tfmoe.experiments import decode_sampling_checks as sampling_checks
 from tfmoe.testing import check_passed, cpu_recorder
 
 SMALL = ["d_model=32", "n_heads=4", "n_layers=1", "train_steps=60", "batch_size=8", "block_size=32", "lr=1e-2",
@@ -43,13 +45,13 @@ def cfg_with(base, **overrides):
 @pytest.fixture(scope="module")
 def lab(base_cfg):
     """A lightly trained tiny LM (60 steps), its vocabulary, streams and the prompt."""
-    s = decode.validate(base_cfg)
-    lines = decode.load_corpus(None)
-    vocab = decode.CharVocab(sorted({c for line in lines for c in line}))
-    stream = decode.corpus_stream(lines, vocab)
+    s = decode.settings(base_cfg)
+    lines = decode_lm.load_corpus(None)
+    vocab = decode_lm.CharVocab(sorted({c for line in lines for c in line}))
+    stream = decode_lm.corpus_stream(lines, vocab)
     torch.manual_seed(0)
     rec = make_rec()
-    model = decode.train_lm(rec, s, stream[:-500], vocab.size)
+    model = decode_lm.train_lm(rec, s, stream[:-500], vocab.size)
     prompt = decode.prompt_tensor(s, vocab, torch.device("cpu"))
     return s, vocab, stream, model, prompt, rec
 
@@ -202,18 +204,18 @@ def test_chi2_fails_at_once_on_a_sample_of_a_zero_probability_token():
 
 def test_reference_truncated_distributions_by_hand():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    assert decode.reference_top_k_probs(logits, 2).tolist() == pytest.approx([0.625, 0.375, 0, 0])
-    assert decode.reference_top_p_probs(logits, 0.6).tolist() == pytest.approx([0.625, 0.375, 0, 0])  # crosses 0.6
-    assert decode.reference_top_p_probs(logits, 0.5).tolist() == pytest.approx([1, 0, 0, 0])
-    assert decode.reference_top_p_probs(logits, 1.0).tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05])
-    assert decode.reference_top_k_probs(torch.tensor([1.0, 1.0, 0.0]), 1).tolist() == pytest.approx([0.5, 0.5, 0])
+    assert sampling_reference.reference_top_k_probs(logits, 2).tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    assert sampling_reference.reference_top_p_probs(logits, 0.6).tolist() == pytest.approx([0.625, 0.375, 0, 0])  # crosses 0.6
+    assert sampling_reference.reference_top_p_probs(logits, 0.5).tolist() == pytest.approx([1, 0, 0, 0])
+    assert sampling_reference.reference_top_p_probs(logits, 1.0).tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05])
+    assert sampling_reference.reference_top_k_probs(torch.tensor([1.0, 1.0, 0.0]), 1).tolist() == pytest.approx([0.5, 0.5, 0])
 
 
 # ----------------------------------------------------------------------------- model-level facts
 def test_reference_greedy_matches_generate(lab):
     _, _, _, model, prompt, _ = lab
     out = sampling.generate(model, prompt, 12, temperature=0.0)
-    assert torch.equal(decode.reference_greedy(model, prompt, 12), out.tokens)
+    assert torch.equal(sampling_reference.reference_greedy(model, prompt, 12), out.tokens)
 
 
 def test_sequence_logprob_matches_generation_logits(lab):
@@ -227,34 +229,34 @@ def test_sequence_logprob_matches_generation_logits(lab):
 def test_training_beats_unigram_and_unshifted_labels_do_not(lab, monkeypatch):
     s, vocab, stream, model, _, _ = lab
     train, val = stream[:-500], stream[-500:]
-    unigram = decode.unigram_cross_entropy(train, val, vocab.size)
+    unigram = decode_lm.unigram_cross_entropy(train, val, vocab.size)
     rec = make_rec()
-    rec.check("trained_beats_unigram", decode.eval_loss(model, val, 32) < unigram)
+    rec.check("trained_beats_unigram", decode_lm.eval_loss(model, val, 32) < unigram)
     assert rec.all_passed
     # Planted bug: labels not shifted (the model learns to copy its input token).
-    real = decode.lm_loss
-    monkeypatch.setattr(decode, "lm_loss", lambda m, w: torch.nn.functional.cross_entropy(
+    real = decode_lm.lm_loss
+    monkeypatch.setattr(decode_lm, "lm_loss", lambda m, w: torch.nn.functional.cross_entropy(
         m(w[:, :-1]).reshape(-1, vocab.size), w[:, :-1].reshape(-1)))
     torch.manual_seed(0)
-    bad = decode.train_lm(make_rec(), s, train, vocab.size)
-    monkeypatch.setattr(decode, "lm_loss", real)
-    assert decode.eval_loss(bad, val, 32) > unigram
+    bad = decode_lm.train_lm(make_rec(), s, train, vocab.size)
+    monkeypatch.setattr(decode_lm, "lm_loss", real)
+    assert decode_lm.eval_loss(bad, val, 32) > unigram
 
 
 # ------------------------------------------------------------------------------- checks: passing
 def test_check_battery_passes_on_the_real_components(lab):
     s, vocab, stream, model, prompt, _ = lab
     rec = make_rec()
-    decode.check_greedy_limits(rec, model, prompt, s.check_tokens, s, 0)
-    decode.check_seed_reproducible(rec, model, prompt, s.check_tokens, 0)
-    decode.check_eos_stops(rec, model, prompt, s.check_tokens)
+    sampling_checks.check_greedy_limits(rec, model, prompt, s.check_tokens, s, 0)
+    sampling_checks.check_seed_reproducible(rec, model, prompt, s.check_tokens, 0)
+    sampling_checks.check_eos_stops(rec, model, prompt, s.check_tokens)
     seq = stream[-40:][None]
     probs = torch.softmax(model(seq)[0].detach(), -1)
-    decode.check_top_p_sets(rec, probs, s.top_p_grid)
-    decode.check_chi2(rec, model(seq)[0, 5].detach(), s.chi2_draws, s.chi2_alpha, 0)
-    decode.check_truncated_sampling(rec, model(seq)[0, 5].detach(), s.chi2_draws, s.chi2_alpha, 0, s.top_k, s.top_p)
-    decode.check_parallel_vs_serial(rec, model, seq, s, torch.float32)
-    decode.check_kv_cache(rec, model, prompt, s.check_tokens, s, torch.float32)
+    sampling_checks.check_top_p_sets(rec, probs, s.top_p_grid)
+    sampling_checks.check_chi2(rec, model(seq)[0, 5].detach(), s.chi2_draws, s.chi2_alpha, 0)
+    sampling_checks.check_truncated_sampling(rec, model(seq)[0, 5].detach(), s.chi2_draws, s.chi2_alpha, 0, s.top_k, s.top_p)
+    cache_checks.check_parallel_vs_serial(rec, model, seq, s, torch.float32)
+    cache_checks.check_kv_cache(rec, model, prompt, s.check_tokens, s, torch.float32)
     assert rec.all_passed, [c for c in rec.checks_rows if not c.passed]
     assert len(rec.checks_rows) == 15
 
@@ -263,7 +265,7 @@ def test_check_battery_passes_on_the_real_components(lab):
 def greedy_limit_failures(lab, **patches) -> set[str]:
     s, _, _, model, prompt, _ = lab
     rec = make_rec()
-    decode.check_greedy_limits(rec, model, prompt, s.check_tokens, s, 0)
+    sampling_checks.check_greedy_limits(rec, model, prompt, s.check_tokens, s, 0)
     return {c.check for c in rec.checks_rows if not c.passed}
 
 
@@ -309,7 +311,7 @@ def test_sampler_ignoring_the_generator_fails_seed_check(lab, monkeypatch):
     monkeypatch.setattr(sampling, "sample_next", lambda logits, temperature=1.0, top_k=None, top_p=None,
                         generator=None: real(logits, temperature, top_k, top_p, None))
     rec = make_rec()
-    decode.check_seed_reproducible(rec, model, prompt, s.check_tokens, 0)
+    sampling_checks.check_seed_reproducible(rec, model, prompt, s.check_tokens, 0)
     assert not passed(rec, "sampling_seed_reproducible")
 
 
@@ -318,7 +320,7 @@ def test_generate_ignoring_eos_fails_eos_check(lab, monkeypatch):
     real = sampling.generate
     monkeypatch.setattr(sampling, "generate", lambda *a, eos_id=None, **kw: real(*a, **kw))
     rec = make_rec()
-    decode.check_eos_stops(rec, model, prompt, s.check_tokens)
+    sampling_checks.check_eos_stops(rec, model, prompt, s.check_tokens)
     assert not passed(rec, "eos_stops_generation")
 
 
@@ -333,9 +335,9 @@ def test_top_p_dropping_the_crossing_token_fails_smallest_set(lab, monkeypatch):
 
     monkeypatch.setattr(sampling, "top_p_keep_mask", drops_crossing)
     rec = make_rec()
-    decode.check_top_p_sets(rec, torch.softmax(model(stream[-40:][None])[0].detach(), -1), s.top_p_grid)
+    sampling_checks.check_top_p_sets(rec, torch.softmax(model(stream[-40:][None])[0].detach(), -1), s.top_p_grid)
     assert not passed(rec, "top_p_smallest_set")
-    assert decode.top_p_violations(torch.tensor([[0.6, 0.4]]), 0.5, torch.tensor([[True, True]])) == 1  # too big
+    assert sampling_reference.top_p_violations(torch.tensor([[0.6, 0.4]]), 0.5, torch.tensor([[True, True]])) == 1  # too big
 
 
 @pytest.mark.parametrize("bug", ["colder", "uniform"])
@@ -352,7 +354,7 @@ def test_chi2_check_fails_for_a_wrong_sampler(lab, monkeypatch, bug):
     logits = model(stream[-40:][None])[0].detach()
     entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     rec = make_rec()
-    decode.check_chi2(rec, logits[int(entropy.argmax())], s.chi2_draws, s.chi2_alpha, 0)
+    sampling_checks.check_chi2(rec, logits[int(entropy.argmax())], s.chi2_draws, s.chi2_alpha, 0)
     assert not passed(rec, "temperature1_matches_softmax")
 
 
@@ -361,8 +363,8 @@ def _truncated_failures(lab) -> set[str]:
     logits = model(stream[-40:][None])[0].detach()
     entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
     rec = make_rec()
-    decode.check_chi2(rec, logits[int(entropy.argmax())], s.chi2_draws, s.chi2_alpha, 0)
-    decode.check_truncated_sampling(rec, logits[int(entropy.argmax())], s.chi2_draws, s.chi2_alpha, 0, 5, 0.7)
+    sampling_checks.check_chi2(rec, logits[int(entropy.argmax())], s.chi2_draws, s.chi2_alpha, 0)
+    sampling_checks.check_truncated_sampling(rec, logits[int(entropy.argmax())], s.chi2_draws, s.chi2_alpha, 0, 5, 0.7)
     return {c.check for c in rec.checks_rows if not c.passed}
 
 
@@ -421,23 +423,23 @@ def test_parallel_vs_serial_fails_for_non_causal_model_and_positionless_cache(la
     leaky.load_state_dict(model.state_dict())
     for bad in (leaky.eval(), with_cache(model, PositionlessCache)):
         rec = make_rec()
-        decode.check_parallel_vs_serial(rec, bad, seq, s, torch.float32)
+        cache_checks.check_parallel_vs_serial(rec, bad, seq, s, torch.float32)
         assert not passed(rec, "parallel_equals_incremental")
 
 
 def test_kv_cache_checks_fail_on_planted_cache_bugs(lab):
     s, _, _, model, prompt, _ = lab
     rec = make_rec()
-    decode.check_kv_cache(rec, with_cache(model, ForgetfulCache), prompt, s.check_tokens, s, torch.float32)
+    cache_checks.check_kv_cache(rec, with_cache(model, ForgetfulCache), prompt, s.check_tokens, s, torch.float32)
     assert not passed(rec, "kv_cache_tokens_identical") and not passed(rec, "kv_cache_logits_close")
     rec = make_rec()
-    decode.check_kv_cache(rec, with_cache(model, KeysOnlyBytesCache), prompt, s.check_tokens, s, torch.float32)
+    cache_checks.check_kv_cache(rec, with_cache(model, KeysOnlyBytesCache), prompt, s.check_tokens, s, torch.float32)
     assert passed(rec, "kv_cache_logits_close") and not passed(rec, "kv_cache_bytes_match_formula")
 
 
 def test_cache_bytes_formula():
-    assert decode.cache_bytes_formula(2, 1, 10, 64, torch.float32) == 2 * 2 * 10 * 64 * 4
-    assert decode.cache_bytes_formula(3, 2, 5, 8, torch.bfloat16) == 2 * 3 * 2 * 5 * 8 * 2
+    assert sampling_reference.cache_bytes_formula(2, 1, 10, 64, torch.float32) == 2 * 2 * 10 * 64 * 4
+    assert sampling_reference.cache_bytes_formula(3, 2, 5, 8, torch.bfloat16) == 2 * 3 * 2 * 5 * 8 * 2
 
 
 # --------------------------------------------------------------------------------------- bad input
@@ -450,7 +452,7 @@ def test_cache_bytes_formula():
 ])
 def test_bad_settings_are_refused(base_cfg, overrides, match):
     with pytest.raises(BadInput, match=match):
-        decode.validate(cfg_with(base_cfg, **overrides))
+        decode.settings(cfg_with(base_cfg, **overrides))
 
 
 @pytest.mark.parametrize("overrides, match", [
@@ -461,25 +463,25 @@ def test_bad_settings_are_refused(base_cfg, overrides, match):
 def test_bad_prompts_are_refused(base_cfg, lab, overrides, match):
     vocab = lab[1]
     with pytest.raises(BadInput, match=match):
-        decode.prompt_tensor(decode.validate(cfg_with(base_cfg, **overrides)), vocab, torch.device("cpu"))
+        decode.prompt_tensor(decode.settings(cfg_with(base_cfg, **overrides)), vocab, torch.device("cpu"))
 
 
 def test_boundary_settings_are_accepted(base_cfg, lab):
-    s = decode.validate(cfg_with(base_cfg, top_k=None, top_p=1.0, temperature=0.0, max_new_tokens=0,
+    s = decode.settings(cfg_with(base_cfg, top_k=None, top_p=1.0, temperature=0.0, max_new_tokens=0,
                                  beam_width=1, prompt_ids=[0], timing_lengths=[]))
     assert decode.prompt_tensor(s, lab[1], torch.device("cpu")).tolist() == [[0]]
 
 
 def test_missing_corpus_file_is_bad_input(tmp_path):
     with pytest.raises(BadInput, match="not a file"):
-        decode.load_corpus(str(tmp_path / "nope.txt"))
+        decode_lm.load_corpus(str(tmp_path / "nope.txt"))
     (tmp_path / "empty.txt").write_text("\n \n")
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("café au lait\n".encode("latin-1"))
     with pytest.raises(BadInput, match="not UTF-8"):
-        decode.load_corpus(str(latin1))
+        decode_lm.load_corpus(str(latin1))
     with pytest.raises(BadInput, match="no text"):
-        decode.load_corpus(str(tmp_path / "empty.txt"))
+        decode_lm.load_corpus(str(tmp_path / "empty.txt"))
 
 
 # --------------------------------------------------------------------------------------------- CLI
@@ -527,11 +529,11 @@ def test_low_precision_tolerance_is_twice_the_same_dtype_error(lab):
     s, _, stream, model, _, _ = lab
     seq = stream[-30:][None]
     lowp = copy.deepcopy(model).to(torch.bfloat16)
-    tol = decode.low_precision_tol(s, lowp, model, seq)
+    tol = cache_checks.low_precision_tol(s, lowp, model, seq)
     with torch.no_grad():
         err = float((lowp(seq).double() - model(seq).double()).abs().max())
-    assert tol == pytest.approx(max(2 * err, decode.logit_tol(s, torch.float32, model(seq))))
-    assert 0 < tol < decode.logit_tol(s, torch.bfloat16, model(seq))  # tighter than 64 bf16 ulps
+    assert tol == pytest.approx(max(2 * err, cache_checks.logit_tol(s, torch.float32, model(seq))))
+    assert 0 < tol < cache_checks.logit_tol(s, torch.bfloat16, model(seq))  # tighter than 64 bf16 ulps
     rec = make_rec()
-    decode.check_parallel_vs_serial(rec, lowp, seq, s, torch.bfloat16, tol)
+    cache_checks.check_parallel_vs_serial(rec, lowp, seq, s, torch.bfloat16, tol)
     assert rec.all_passed
