@@ -472,6 +472,23 @@ def test_boundary_settings_are_accepted(base_cfg, lab):
     assert decode.prompt_tensor(s, lab[1], torch.device("cpu")).tolist() == [[0]]
 
 
+def test_settings_touch_no_device_and_read_no_corpus(base_cfg):
+    """settings() runs before any job of a sweep: the corpus and the device are run()'s business."""
+    s = decode.settings(cfg_with(base_cfg, device="cuda:7", corpus_path="/no/such/corpus.txt", prompt_ids=[3, 5]))
+    assert s.corpus_path == "/no/such/corpus.txt" and s.prompt_ids == (3, 5) and s.timing_lengths == (8, 24)
+
+
+def test_sampling_references_import_nothing_they_judge():
+    """components/sampling_reference.py is written from first principles: no tfmoe module, no sampling helper."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(sampling_reference))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert imported <= {"__future__", "math", "torch"}, imported
+
+
 def test_missing_corpus_file_is_bad_input(tmp_path):
     with pytest.raises(BadInput, match="not a file"):
         decode_lm.load_corpus(str(tmp_path / "nope.txt"))

@@ -336,6 +336,19 @@ def test_good_config_boundaries(small_cfg):
     assert p.strategies == ("aux_free",)
 
 
+def test_moe_reference_imports_nothing_it_judges():
+    """components/moe_reference.py recomputes from first principles: no tfmoe module (moe.py's statistics and
+    dispatch are what it judges), no transformers."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(moe_ref))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert imported <= {"__future__", "copy", "collections.abc", "dataclasses", "numpy", "torch",
+                        "torch.nn.functional"}, imported
+
+
 def test_settings_import_no_layer_and_touch_no_device():
     """settings() runs before any job of a sweep: an impl that cannot be imported and a device this machine lacks
     are run()'s business (the battery refuses them there)."""
