@@ -17,7 +17,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from tfmoe import complexity_model as cm
+from tfmoe.components import complexity_model as cm
 from tfmoe.components.attention import KVCache, attention_weights
 from tfmoe.components.block import TransformerBlock
 from tfmoe.components.masks import causal_mask

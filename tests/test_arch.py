@@ -21,7 +21,7 @@ from tfmoe.components.positions import (
     sinusoidal_positions,
 )
 from tfmoe.errors import BadInput
-from tfmoe.experiments import arch
+from tfmoe.experiments import arch, arch_checks, arch_trace
 from tfmoe.testing import check_passed, cpu_recorder
 
 V, D, H, L, T, TT = 40, 32, 4, 2, 8, 6
@@ -153,8 +153,8 @@ def equivariance_setup():
     emb = nn.Embedding(V, D)
     attn = MultiHeadSelfAttention(D, H, causal=False).eval()
     g = torch.Generator().manual_seed(0)
-    e = emb(arch.distinct_ids(2, T, V, g)).detach()
-    perm = arch.nontrivial_permutation(T, g)
+    e = emb(arch_checks.distinct_ids(2, T, V, g)).detach()
+    perm = arch_checks.nontrivial_permutation(T, g)
     return attn, e, perm
 
 
@@ -163,11 +163,11 @@ def test_equivariance_checks_pass_on_correct_modules():
     pe = sinusoidal_positions(T, D)
     rope = RoPESelfAttention(D, H).eval()
     rope.load_state_dict(attn.state_dict())
-    diffs = {"none": arch.relative_permutation_diff(lambda x: attn(x)[0], e, perm),
-             "sinusoidal": arch.relative_permutation_diff(lambda x: attn(x + pe)[0], e, perm),
-             "rope": arch.relative_permutation_diff(lambda x: rope(x)[0], e, perm)}
+    diffs = {"none": arch_checks.relative_permutation_diff(lambda x: attn(x)[0], e, perm),
+             "sinusoidal": arch_checks.relative_permutation_diff(lambda x: attn(x + pe)[0], e, perm),
+             "rope": arch_checks.relative_permutation_diff(lambda x: rope(x)[0], e, perm)}
     rec = make_rec()
-    arch.check_equivariance(rec, diffs, 64 * torch.finfo(torch.float32).eps, 0.01)
+    arch_checks.check_equivariance(rec, diffs, 64 * torch.finfo(torch.float32).eps, 0.01)
     assert rec.all_passed and len(rec.checks_rows) == 3
     assert diffs["none"] < 1e-6 and diffs["sinusoidal"] > 0.05 and diffs["rope"] > 0.05
 
@@ -178,8 +178,8 @@ def test_equivariance_check_fails_for_a_causal_layer():
     causal = MultiHeadSelfAttention(D, H, causal=True).eval()
     causal.load_state_dict(attn.state_dict())
     rec = make_rec()
-    diffs = {"none": arch.relative_permutation_diff(lambda x: causal(x)[0], e, perm), "sinusoidal": 1.0}
-    arch.check_equivariance(rec, diffs, 64 * torch.finfo(torch.float32).eps, 0.01)
+    diffs = {"none": arch_checks.relative_permutation_diff(lambda x: causal(x)[0], e, perm), "sinusoidal": 1.0}
+    arch_checks.check_equivariance(rec, diffs, 64 * torch.finfo(torch.float32).eps, 0.01)
     assert not passed(rec, "attention_permutation_equivariant_without_positions")
 
 
@@ -193,10 +193,10 @@ def test_position_checks_fail_when_positions_carry_no_position(monkeypatch):
                                                                             real_angles(1, d, base, 0, device)))
     rope = RoPESelfAttention(D, H).eval()
     rope.load_state_dict(attn.state_dict())
-    diffs = {"none": 0.0, "sinusoidal": arch.relative_permutation_diff(lambda x: attn(x + pe0)[0], e, perm),
-             "rope": arch.relative_permutation_diff(lambda x: rope(x)[0], e, perm)}
+    diffs = {"none": 0.0, "sinusoidal": arch_checks.relative_permutation_diff(lambda x: attn(x + pe0)[0], e, perm),
+             "rope": arch_checks.relative_permutation_diff(lambda x: rope(x)[0], e, perm)}
     rec = make_rec()
-    arch.check_equivariance(rec, diffs, 1e-5, 0.01)
+    arch_checks.check_equivariance(rec, diffs, 1e-5, 0.01)
     assert not passed(rec, "sinusoidal_positions_break_equivariance")
     assert not passed(rec, "rope_positions_break_equivariance")
 
@@ -204,8 +204,8 @@ def test_position_checks_fail_when_positions_carry_no_position(monkeypatch):
 def test_nontrivial_permutation_and_distinct_ids_boundaries():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
-        assert not torch.equal(arch.nontrivial_permutation(2, g), torch.arange(2))
-    x = arch.distinct_ids(3, V, V, g)  # T = V: every id exactly once per row
+        assert not torch.equal(arch_checks.nontrivial_permutation(2, g), torch.arange(2))
+    x = arch_checks.distinct_ids(3, V, V, g)  # T = V: every id exactly once per row
     assert all(sorted(r.tolist()) == list(range(V)) for r in x)
 
 
@@ -213,17 +213,17 @@ def test_nontrivial_permutation_and_distinct_ids_boundaries():
 def test_visibility_matrix_on_hand_made_functions():
     emb = torch.randn(V, 3, dtype=torch.float64)
     prefix_sum = lambda b: emb[b].cumsum(dim=1)  # noqa: E731 — output i depends on tokens <= i
-    m, diffs, tol = arch.visibility_matrix(prefix_sum, ids(5), V, 16)
+    m, diffs, tol = arch_checks.visibility_matrix(prefix_sum, ids(5), V, 16)
     assert torch.equal(m, torch.tril(torch.ones(5, 5, dtype=torch.int64)))
     total = lambda b: emb[b].sum(dim=1, keepdim=True).expand(-1, 5, -1)  # noqa: E731
-    assert arch.visibility_matrix(total, ids(5), V, 16)[0].all()
-    one = arch.visibility_matrix(prefix_sum, ids(1), V, 16)[0]  # boundary: a single token
+    assert arch_checks.visibility_matrix(total, ids(5), V, 16)[0].all()
+    one = arch_checks.visibility_matrix(prefix_sum, ids(1), V, 16)[0]  # boundary: a single token
     assert one.tolist() == [[1]]
 
 
 def test_visibility_battery_passes_on_correct_models():
     rec = make_rec()
-    mats = arch.run_visibility(rec, *models(), ids(T), ids(TT, seed=2), V, 16)
+    mats = arch_checks.run_visibility(rec, *models(), ids(T), ids(TT, seed=2), V, 16)
     assert rec.all_passed and len(rec.checks_rows) == 4
     assert mats["visibility_cross"].shape == (TT, T)
     assert torch.equal(mats["visibility_decoder"], torch.tril(torch.ones(T, T, dtype=torch.int64)))
@@ -237,7 +237,7 @@ def test_visibility_battery_passes_on_correct_models():
 ])
 def test_visibility_checks_fail_on_planted_bugs(bug, check):
     rec = make_rec()
-    arch.run_visibility(rec, *models(**bug), ids(T), ids(TT, seed=2), V, 16)
+    arch_checks.run_visibility(rec, *models(**bug), ids(T), ids(TT, seed=2), V, 16)
     assert not passed(rec, check)
     others = [c for c in rec.checks_rows if c.check != check]
     assert all(c.passed for c in others), [c.check for c in others if not c.passed]
@@ -248,7 +248,7 @@ def test_visibility_checks_fail_on_planted_bugs(bug, check):
 def test_trace_records_every_module_with_shapes():
     _, _, ed = models()
     src, tgt = torch.randint(0, V, (2, T)), torch.randint(0, V, (2, TT))
-    rows = arch.trace_shapes(ed, lambda: ed(src, tgt))
+    rows = arch_trace.trace_shapes(ed, lambda: ed(src, tgt))
     names = {r.module for r in rows}
     assert names == {n for n, m in ed.named_modules() if not isinstance(m, nn.ModuleList)}  # containers never run
     by = {r.module: r for r in rows}
@@ -263,24 +263,24 @@ def test_cross_weight_shape_check_passes_and_fails_on_planted_bugs():
     src, tgt = torch.randint(0, V, (2, T)), torch.randint(0, V, (2, TT))
     _, dec, ed = models()
     rec = make_rec()
-    assert arch.check_cross_weights(rec, arch.trace_shapes(ed, lambda: ed(src, tgt)), 2, H, TT, T)
+    assert arch_checks.check_cross_weights(rec, arch_trace.trace_shapes(ed, lambda: ed(src, tgt)), 2, H, TT, T)
     bad = encdec_with_transposed_weights()
     rec = make_rec()
-    assert not arch.check_cross_weights(rec, arch.trace_shapes(bad, lambda: bad(src, tgt)), 2, H, TT, T)
+    assert not arch_checks.check_cross_weights(rec, arch_trace.trace_shapes(bad, lambda: bad(src, tgt)), 2, H, TT, T)
     rec = make_rec()  # a model with no cross-attention at all
-    assert not arch.check_cross_weights(rec, arch.trace_shapes(dec, lambda: dec(src)), 2, H, TT, T)
+    assert not arch_checks.check_cross_weights(rec, arch_trace.trace_shapes(dec, lambda: dec(src)), 2, H, TT, T)
 
 
 def test_embedding_check_passes_and_fails_on_a_wrong_table():
     x = torch.randint(0, V, (2, T))
     rec = make_rec()
-    assert arch.check_embedding(rec, nn.Embedding(V, D), x, D, V)
-    assert not arch.check_embedding(rec, WideEmbedding(V + 1, D), x, D, V)
-    assert not arch.check_embedding(rec, nn.Embedding(V, D + 2), x, D, V)
+    assert arch_checks.check_embedding(rec, nn.Embedding(V, D), x, D, V)
+    assert not arch_checks.check_embedding(rec, WideEmbedding(V + 1, D), x, D, V)
+    assert not arch_checks.check_embedding(rec, nn.Embedding(V, D + 2), x, D, V)
     # the run checks every model's own tables: one wrong table among correct ones fails the check
     tables = {"encoder.tok_emb": nn.Embedding(V, D), "encdec.tgt_emb": WideEmbedding(V + 1, D)}
-    assert not arch.check_embedding(rec, tables, x, D, V)
-    assert arch.check_embedding(rec, {"a": nn.Embedding(V, D), "b": nn.Embedding(V, D)}, x, D, V)
+    assert not arch_checks.check_embedding(rec, tables, x, D, V)
+    assert arch_checks.check_embedding(rec, {"a": nn.Embedding(V, D), "b": nn.Embedding(V, D)}, x, D, V)
 
 
 def test_flows_mermaid_and_pictures_carry_traced_shapes(base_cfg):
@@ -288,19 +288,19 @@ def test_flows_mermaid_and_pictures_carry_traced_shapes(base_cfg):
     enc, dec, ed = (m.eval() for m in arch.build_models(s, torch.device("cpu"), torch.float32))
     src = torch.randint(0, s.vocab_size, (s.batch_size, s.seq_len))
     tgt = torch.randint(0, s.vocab_size, (s.batch_size, s.tgt_len))
-    trace = {r.module: r for r in arch.trace_shapes(ed, lambda: ed(src, tgt))}
-    flow = arch.flow_encdec(trace, s)
-    text = arch.mermaid(flow)
+    trace = {r.module: r for r in arch_trace.trace_shapes(ed, lambda: ed(src, tgt))}
+    flow = arch_trace.flow_encdec(trace, s)
+    text = arch_trace.mermaid(flow)
     B, T_, TT_, D_ = s.batch_size, s.seq_len, s.tgt_len, s.d_model
     assert text.startswith("flowchart TD")
     assert f'n_enc_norm -->|"memory ({B}, {T_}, {D_})"| n_decoder_0' in text
     assert f'n_tgt_ids -->|"({B}, {TT_})"| n_tgt_emb' in text
     assert f"cross weights ({B}, {s.n_heads}, {TT_}, {T_})" in text
     assert "?" not in text  # every edge found its traced shape
-    fig = arch.draw_flow(flow)
+    fig = arch_trace.draw_flow(flow)
     drawn = {t.get_text() for t in fig.axes[0].texts}
     assert {label for _, label, _, _ in flow.nodes} <= drawn and {label for _, _, label in flow.edges} <= drawn
-    enc_flow = arch.flow_encoder({r.module: r for r in arch.trace_shapes(enc, lambda: enc.classify(src))}, s)
+    enc_flow = arch_trace.flow_encoder({r.module: r for r in arch_trace.trace_shapes(enc, lambda: enc.classify(src))}, s)
     assert ("cls_head", "out", f"({B}, {s.n_classes})") in enc_flow.edges
 
 

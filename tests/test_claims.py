@@ -16,7 +16,7 @@ from claims_counterexamples import DenseMoE, SelfOnlyAttention
 
 from tfmoe import claims
 from tfmoe.experiments import block_stats_checks as bc
-from tfmoe.experiments import complexity as cx
+from tfmoe.experiments import complexity_checks as cxc
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.testing import run_cli, run_recorded
 
@@ -91,9 +91,9 @@ def test_attention_that_does_not_mix_fails_attention_mixes_tokens() -> None:
 
 
 def test_dense_moe_fails_moe_compute_flat_in_experts() -> None:
-    assert cx.moe_compute_outcome(4, 2).passed
-    assert cx.moe_compute_outcome(2, 2).passed  # boundary: k == E
-    dense = cx.moe_compute_outcome(4, 2, layer_fn=DenseMoE)
+    assert cxc.moe_compute_outcome(4, 2).passed
+    assert cxc.moe_compute_outcome(2, 2).passed  # boundary: k == E
+    dense = cxc.moe_compute_outcome(4, 2, layer_fn=DenseMoE)
     assert not dense.passed and dense.observed > 0, dense.detail
 
 

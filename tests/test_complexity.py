@@ -10,10 +10,12 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from tfmoe import complexity_model as cm
+from tfmoe.components import complexity_model as cm
 from tfmoe.components.block import TransformerBlock
 from tfmoe.errors import BadInput
 from tfmoe.experiments import complexity as cx
+from tfmoe.experiments import complexity_checks as cxc
+from tfmoe.experiments import complexity_measure as cxm
 from tfmoe.memory import peak_memory_bytes
 
 SMALL = cm.BlockShape(B=2, T=16, D=32, H=4)
@@ -46,22 +48,22 @@ def test_forward_flops_by_hand():
 def test_counted_flops_equal_analytic_forward_and_backward(shape):
     block, x = _block(shape), _x(shape, grad=True)
     f = cm.forward_flops(shape)
-    assert cx.counted_flops(block, x) == f["matmul"]
-    assert cx.counted_flops(block, x, backward=True) == 3 * f["matmul"] == f["matmul"] + cm.backward_matmul_flops(shape)
+    assert cxm.counted_flops(block, x) == f["matmul"]
+    assert cxm.counted_flops(block, x, backward=True) == 3 * f["matmul"] == f["matmul"] + cm.backward_matmul_flops(shape)
 
 
 def test_meta_device_count_equals_cpu_count():
     shape = cm.BlockShape(2, 12, 16, 2, d_ff=24)
     for backward in (False, True):
-        on_cpu = cx.counted_flops(_block(shape), _x(shape, grad=backward), backward=backward)
-        assert cx.counted_block_flops(shape, torch.float32, backward) == on_cpu
+        on_cpu = cxm.counted_flops(_block(shape), _x(shape, grad=backward), backward=backward)
+        assert cxm.counted_block_flops(shape, torch.float32, backward) == on_cpu
 
 
 def test_swiglu_variant_matches_block():
     shape = cm.BlockShape(1, 8, 24, 3, ffn="swiglu")
     block = TransformerBlock(24, 3, ffn="swiglu")
     assert cm.block_params(shape)["total"] == sum(p.numel() for p in block.parameters())
-    assert cx.counted_flops(block, torch.randn(1, 8, 24)) == cm.forward_flops(shape)["matmul"]
+    assert cxm.counted_flops(block, torch.randn(1, 8, 24)) == cm.forward_flops(shape)["matmul"]
     assert cm.forward_flops(shape)["bias"] == 0
 
 
@@ -76,7 +78,7 @@ def test_flops_check_fails_on_a_block_with_an_extra_matmul():
 
     block = _block(SMALL)
     block.ffn = LeakyFFN(block.ffn, SMALL.D)
-    o = cx.exact_outcome("fwd", cm.forward_flops(SMALL)["matmul"], cx.counted_flops(block, _x(SMALL)))
+    o = cxc.exact_outcome("fwd", cm.forward_flops(SMALL)["matmul"], cxm.counted_flops(block, _x(SMALL)))
     assert not o.passed and o.observed == 2 * SMALL.B * SMALL.T * SMALL.D ** 2
 
 
@@ -108,10 +110,10 @@ def test_fwd_bwd_check_fails_on_a_backward_with_an_extra_matmul():
     block = _block(SMALL)
     block.ffn.fc2 = WastefulFc2(block.ffn.fc2)
     f = cm.forward_flops(SMALL)
-    fwd = cx.counted_flops(block, _x(SMALL, grad=True))
-    fwd_bwd = cx.counted_flops(block, _x(SMALL, grad=True), backward=True)
-    assert cx.exact_outcome("fwd", f["matmul"], fwd).passed  # the forward count cannot see it
-    o = cx.exact_outcome("fwd+bwd", 3 * f["matmul"], fwd_bwd)
+    fwd = cxm.counted_flops(block, _x(SMALL, grad=True))
+    fwd_bwd = cxm.counted_flops(block, _x(SMALL, grad=True), backward=True)
+    assert cxc.exact_outcome("fwd", f["matmul"], fwd).passed  # the forward count cannot see it
+    o = cxc.exact_outcome("fwd+bwd", 3 * f["matmul"], fwd_bwd)
     assert not o.passed and o.observed == 2 * SMALL.B * SMALL.T * SMALL.hidden * SMALL.D
 
 
@@ -125,13 +127,13 @@ def test_params_by_hand_and_against_block():
     p = cm.block_params(SMALL)
     assert p["total"] == 4 * 32 * 32 + (2 * 32 * 128 + 128 + 32) + 4 * 32
     assert p["weights"] == 12 * 32 * 32  # Kaplan's 12·D² per layer with d_ff = 4D
-    assert cx.params_outcome(_block(SMALL), SMALL).passed
+    assert cxc.params_outcome(_block(SMALL), SMALL).passed
 
 
 def test_params_check_fails_when_the_block_grows_a_bias():
     block = _block(SMALL)
     block.attn.qkv = nn.Linear(SMALL.D, 3 * SMALL.D, bias=True)  # planted bug
-    o = cx.params_outcome(block, SMALL)
+    o = cxc.params_outcome(block, SMALL)
     assert not o.passed and o.observed == 3 * SMALL.D
 
 
@@ -151,10 +153,10 @@ def test_moe_params():
 @pytest.mark.parametrize("E,k", [(8, 2), (4, 4), (4, 1)])
 def test_moe_model_equals_a_built_moe_block(E, k):
     """Regression (issue 11): the check compared the formula with itself; now it counts a built MoELayer block."""
-    built = cx.moe_params_built(SMALL, E, k)
+    built = cxm.moe_params_built(SMALL, E, k)
     analytic = cm.moe_block_params(SMALL, E, k)
     assert built == {"total": analytic["total"], "active": analytic["active"]}
-    assert cx.moe_match_outcome(analytic, built).passed and cx.moe_outcome(built, E, k).passed
+    assert cxc.moe_match_outcome(analytic, built).passed and cxc.moe_outcome(built, E, k).passed
 
 
 def test_moe_checks_fail_on_planted_layer_bugs():
@@ -166,17 +168,17 @@ def test_moe_checks_fail_on_planted_layer_bugs():
         layer.experts = nn.ModuleList(FeedForward(d, h, "gelu", bias=True) for _ in range(E))
         return layer
 
-    built = cx.moe_params_built(SMALL, 8, 2, layer_fn=biased_experts)
-    o = cx.moe_match_outcome(cm.moe_block_params(SMALL, 8, 2), built)
+    built = cxm.moe_params_built(SMALL, 8, 2, layer_fn=biased_experts)
+    o = cxc.moe_match_outcome(cm.moe_block_params(SMALL, 8, 2), built)
     assert not o.passed and o.observed == 8 * (128 + 32) + 2 * (128 + 32)
-    assert cx.moe_outcome(built, 8, 2).passed  # still sparse: only the formula check is to blame
+    assert cxc.moe_outcome(built, 8, 2).passed  # still sparse: only the formula check is to blame
 
     def every_expert(d, h, E, k, residual):  # planted: the router ignores top_k and uses every expert
         return MoELayer(d, h, E, E, residual=residual)
 
-    built = cx.moe_params_built(SMALL, 8, 2, layer_fn=every_expert)
+    built = cxm.moe_params_built(SMALL, 8, 2, layer_fn=every_expert)
     assert built["active"] == built["total"]
-    assert not cx.moe_outcome(built, 8, 2).passed
+    assert not cxc.moe_outcome(built, 8, 2).passed
 
 
 # ----------------------------------------------------------------------------- crossover, Kaplan
@@ -226,15 +228,15 @@ def test_kv_bytes_per_token_do_not_depend_on_B():
     assert m["kv_cache_bytes_per_token"] == 2 * 2 * 16 * 4  # 2 (K, V) x n_layers=2 x D=16 x fp32
     assert [c.passed for c in rec.checks_rows if c.check.startswith("kv_cache_per_token_match")] == [True]
     block = _block(SMALL)
-    _, cache = cx.kv_cache_outcome(block, SMALL, _x(SMALL))
+    _, cache = cxc.kv_cache_outcome(block, SMALL, _x(SMALL))
     per_token = cm.kv_cache_bytes_per_token(SMALL, 4)
-    assert cx.kv_per_token_outcome(per_token, cache.nbytes(), SMALL, 1).passed
-    assert not cx.kv_per_token_outcome(per_token // SMALL.B, cache.nbytes(), SMALL, 1).passed  # the old bug
+    assert cxc.kv_per_token_outcome(per_token, cache.nbytes(), SMALL, 1).passed
+    assert not cxc.kv_per_token_outcome(per_token // SMALL.B, cache.nbytes(), SMALL, 1).passed  # the old bug
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_cache_check_against_built_cache(dtype):
-    o, cache = cx.kv_cache_outcome(_block(SMALL, dtype), SMALL, _x(SMALL, dtype))
+    o, cache = cxc.kv_cache_outcome(_block(SMALL, dtype), SMALL, _x(SMALL, dtype))
     assert o.passed and cache.nbytes() == 2 * SMALL.B * SMALL.T * SMALL.D * (4 if dtype == torch.float32 else 2)
 
 
@@ -242,7 +244,7 @@ def test_kv_cache_check_fails_on_a_formula_missing_v():
     def k_only(shape, n_tokens, dtype_bytes):  # planted bug
         return shape.B * n_tokens * shape.D * dtype_bytes
 
-    o, _ = cx.kv_cache_outcome(_block(SMALL), SMALL, _x(SMALL), formula=k_only)
+    o, _ = cxc.kv_cache_outcome(_block(SMALL), SMALL, _x(SMALL), formula=k_only)
     assert not o.passed
 
 
@@ -257,7 +259,7 @@ def test_kv_cache_check_fails_on_a_formula_missing_v():
 def test_activation_bytes_equal_saved_tensors(dtype, shape):
     """Exact in every dtype, at B = 1 (heads fold as a view) and B > 1 (the fold copies), H = 1 included."""
     e = torch.finfo(dtype).bits // 8
-    saved = cx.saved_activation_bytes(_block(shape, dtype), _x(shape, dtype))
+    saved = cxm.saved_activation_bytes(_block(shape, dtype), _x(shape, dtype))
     assert saved == cm.training_activation_bytes(shape, e)
 
 
@@ -287,15 +289,15 @@ def test_activation_check_fails_with_the_fp32_only_formula():
     """Planted: the old formula misses fp64 and B=1 bf16; the check sees it, the new formula passes."""
     for dtype, shape in ((torch.float64, cm.BlockShape(2, 8, 16, 2)), (torch.bfloat16, cm.BlockShape(1, 8, 16, 2))):
         e = torch.finfo(dtype).bits // 8
-        saved = cx.saved_activation_bytes(_block(shape, dtype), _x(shape, dtype))
-        assert not cx.exact_outcome("act", _fp32_only_formula(shape, e), saved).passed
-        assert cx.exact_outcome("act", cm.training_activation_bytes(shape, e), saved).passed
+        saved = cxm.saved_activation_bytes(_block(shape, dtype), _x(shape, dtype))
+        assert not cxc.exact_outcome("act", _fp32_only_formula(shape, e), saved).passed
+        assert cxc.exact_outcome("act", cm.training_activation_bytes(shape, e), saved).passed
 
 
 def test_activation_check_fails_when_dropout_saves_masks():
     block = _block(SMALL, dropout=0.1).train()  # planted: dropout keeps a mask per dropped tensor
-    saved = cx.saved_activation_bytes(block, _x(SMALL))
-    assert not cx.exact_outcome("act", cm.training_activation_bytes(SMALL, 4), saved).passed
+    saved = cxm.saved_activation_bytes(block, _x(SMALL))
+    assert not cxc.exact_outcome("act", cm.training_activation_bytes(SMALL, 4), saved).passed
 
 
 def test_step_peak_bytes_sees_two_live_buffers():
@@ -320,9 +322,9 @@ def test_step_peak_of_a_training_step_is_near_the_estimate():
 
 # ------------------------------------------------------------------------------------------- SDPA
 def test_sdpa_report_and_custom_mapping():
-    report = cx.sdpa_flop_report(torch.device("cpu"), torch.float32)
+    report = cxm.sdpa_flop_report(torch.device("cpu"), torch.float32)
     assert report["kernels"] and report["mapped_forward"] == report["analytic"] > 0
-    assert cx.sdpa_outcome(report).passed
+    assert cxc.sdpa_outcome(report).passed
     if torch.__version__.startswith("2.13"):  # the behaviour the issue describes: CPU flash kernel uncounted
         assert report["default_forward"] == 0
         assert "_scaled_dot_product_flash_attention_for_cpu" in report["registered"]
@@ -333,28 +335,28 @@ def test_sdpa_check_fails_with_a_formula_that_forgets_weights_v():
     def qk_only(q, k, v, *args, **kwargs):  # planted bug
         return 2 * q[0] * q[1] * q[2] * k[2] * q[3]
 
-    report = cx.sdpa_flop_report(torch.device("cpu"), torch.float32)
+    report = cxm.sdpa_flop_report(torch.device("cpu"), torch.float32)
     ops = [getattr(torch.ops.aten, name) for name in report["registered"]]
-    buggy = cx.sdpa_flop_report(torch.device("cpu"), torch.float32, mapping={op: qk_only for op in ops})
-    assert not cx.sdpa_outcome(buggy).passed
+    buggy = cxm.sdpa_flop_report(torch.device("cpu"), torch.float32, mapping={op: qk_only for op in ops})
+    assert not cxc.sdpa_outcome(buggy).passed
 
 
 # ---------------------------------------------------------------------------------------- timings
 def test_timings_check():
-    assert cx.timings_outcome({"a": 0.1, "b": 3.0}).passed
+    assert cxc.timings_outcome({"a": 0.1, "b": 3.0}).passed
     for bad in ({"a": 0.1, "b": float("nan")}, {"a": 0.0}, {"a": -1.0}, {"a": float("inf")}, {}):
-        assert not cx.timings_outcome(bad).passed
+        assert not cxc.timings_outcome(bad).passed
 
 
 def test_timings_plausibility():
-    ok = cx.timings_plausibility({"ffn.median": 0.93, "qkv.cpu": 1.07, "softmax.best": 0.02, "x.cpu": float("nan")})
+    ok = cxc.timings_plausibility({"ffn.median": 0.93, "qkv.cpu": 1.07, "softmax.best": 0.02, "x.cpu": float("nan")})
     assert ok.passed and ok.observed == 1.07
-    edge = cx.timings_plausibility({"ffn.median": cx.PLAUSIBLE_PEAK_FRACTION})
+    edge = cxc.timings_plausibility({"ffn.median": cxc.PLAUSIBLE_PEAK_FRACTION})
     assert edge.passed  # at the limit: still plausible
     # planted: the 2-thread run on the shared box (qkv at 181 % of the peak)
-    bad = cx.timings_plausibility({"ffn.median": 0.9, "qkv.median": 1.81, "out_proj.best": 1.61})
+    bad = cxc.timings_plausibility({"ffn.median": 0.9, "qkv.median": 1.81, "out_proj.best": 1.61})
     assert not bad.passed and bad.observed == 1.81 and "qkv.median" in bad.detail and "out_proj.best" in bad.detail
-    assert not cx.timings_plausibility({}).passed
+    assert not cxc.timings_plausibility({}).passed
 
 
 def test_time_fn_uses_benchmark_timer_on_both_clocks():
@@ -363,7 +365,7 @@ def test_time_fn_uses_benchmark_timer_on_both_clocks():
     rec = Recorder(OmegaConf.create({}), torch.device("cpu"), torch.float32, seed=0)
     a = torch.randn(128, 128)
     threads = torch.get_num_threads()
-    med, best, cpu = cx.time_fn(rec, "mm", lambda: a @ a, min_run_time=0.01, warmup=1)
+    med, best, cpu = cxm.time_fn(rec, "mm", lambda: a @ a, min_run_time=0.01, warmup=1)
     assert 0 < best <= med and math.isfinite(med) and 0 < cpu and math.isfinite(cpu)  # no timing bounds: loaded CI
     assert torch.get_num_threads() == threads  # Timer runs with the run's threads (its default would be 1)
     row = rec.timings_rows[-1]
@@ -448,11 +450,11 @@ def test_run_warns_on_implausible_timings_but_passes(monkeypatch):
     component run at an impossible fraction of it: recorded, noted, printed, and no check fails."""
     from tfmoe.testing import run_recorded
 
-    monkeypatch.setattr(cx, "peak_matmul_flops", lambda *a, **k: (1e6, 1e6, 1e6))
+    monkeypatch.setattr(cxm, "peak_matmul_flops", lambda *a, **k: (1e6, 1e6, 1e6))
     rec = run_recorded("complexity", QUICK)
     assert rec.all_passed
     m = pd.DataFrame(rec.metrics_rows).set_index("name")["value"]
-    assert m["timings_plausible"] == 0.0 and m["peak_fraction_max"] > cx.PLAUSIBLE_PEAK_FRACTION
+    assert m["timings_plausible"] == 0.0 and m["peak_fraction_max"] > cxc.PLAUSIBLE_PEAK_FRACTION
     assert any("NOT trustworthy" in n and "threads" in n and "load average" in n for n in rec.notes)
 
 

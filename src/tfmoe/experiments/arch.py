@@ -11,25 +11,46 @@ Questions:
 
 Visibility matrix: perturb input token j (replace its id), record which output positions i change by more
 than a dtype-relative tolerance: entry [i, j] = 1 when output i changes as token j changes.
+
+This module is the recipe (Settings, settings(cfg), run, the summary); the parts it orchestrates:
+:mod:`~tfmoe.experiments.arch_checks` (the checks) and :mod:`~tfmoe.experiments.arch_trace` (shape tracing,
+data-flow graphs).
 """
 
 from __future__ import annotations
 
 import copy
-import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
-from tfmoe.components.attention import MultiHeadCrossAttention, MultiHeadSelfAttention
+from tfmoe.components.attention import MultiHeadSelfAttention
 from tfmoe.components.encdec import DecoderOnly, EncoderDecoder, EncoderOnly
 from tfmoe.components.positions import RoPESelfAttention, sinusoidal_positions
 from tfmoe.errors import BadInput
+from tfmoe.experiments.arch_checks import (
+    check_cross_weights,
+    check_embedding,
+    check_equivariance,
+    distinct_ids,
+    dtype_eps,
+    nontrivial_permutation,
+    relative_permutation_diff,
+    run_visibility,
+)
+from tfmoe.experiments.arch_trace import (
+    draw_flow,
+    flow_decoder,
+    flow_encdec,
+    flow_encoder,
+    mermaid,
+    record_trace,
+    trace_markdown,
+    trace_shapes,
+)
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
 from tfmoe.validate import require_int, require_number
@@ -76,335 +97,7 @@ def settings(cfg: DictConfig) -> Settings:
     return s
 
 
-def dtype_eps(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).eps)
-
-
-# ------------------------------------------------------------------------ permutation equivariance
-
-
-def relative_permutation_diff(layer: Callable[[torch.Tensor], torch.Tensor], emb: torch.Tensor,
-                              perm: torch.Tensor) -> float:
-    """max |layer(emb[:, perm]) - layer(emb)[:, perm]| / max |layer(emb)|, emb (B,T,D) token embeddings.
-
-    0 (up to rounding) means the layer is permutation-equivariant; position information makes it > 0."""
-    with torch.no_grad():
-        ref = layer(emb)[:, perm]  # (B,T,D)
-        got = layer(emb[:, perm])
-    return float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30))
-
-
-def check_equivariance(rec: Recorder, diffs: dict[str, float], tol: float, min_effect: float) -> None:
-    """diffs: 'none' (attention alone), 'sinusoidal', optionally 'rope' -> relative permutation diff."""
-    rec.check_le("attention_permutation_equivariant_without_positions", diffs["none"], tol,
-                 "no positions: attention(x[perm]) == attention(x)[perm] up to rounding")
-    for kind in ("sinusoidal", "rope"):
-        if kind in diffs:
-            rec.check(f"{kind}_positions_break_equivariance", diffs[kind] >= min_effect, diffs[kind], min_effect,
-                      f"with {kind} positions, permuting the tokens must change more than reordering the outputs")
-
-
-def distinct_ids(B: int, T: int, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
-    """(B,T) ids with no repeated token inside a row (so a permutation really changes the input)."""
-    return torch.stack([torch.randperm(vocab_size, generator=generator)[:T] for _ in range(B)])
-
-
-def nontrivial_permutation(T: int, generator: torch.Generator) -> torch.Tensor:
-    perm = torch.randperm(T, generator=generator)
-    return perm.roll(1) if torch.equal(perm, torch.arange(T)) else perm
-
-
-# ------------------------------------------------------------------------------ visibility matrices
-
-
-def visibility_matrix(forward: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, vocab_size: int,
-                      tol_eps: float) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Perturb each input token j of ids (T,) and see which outputs change.
-
-    forward: ids (N,T) -> outputs (N,T_out,F). Row 0 of the batch is the original, row j+1 has token j
-    replaced by a different id. Returns (matrix (T_out,T) of 0/1, diffs (T_out,T) max |Δ| per output
-    position, tol) with tol = tol_eps · eps(dtype) · max(1, max|output|)."""
-    T = ids.shape[0]
-    batch = ids.repeat(T + 1, 1)  # (T+1,T)
-    j = torch.arange(T)
-    batch[j + 1, j] = (ids + 1 + j) % vocab_size  # a different token at position j
-    with torch.no_grad():
-        out = forward(batch)  # (T+1,T_out,F)
-    base = out[0].double()
-    diffs = (out[1:].double() - base).abs().amax(dim=-1).T  # (T_out,T): [i, j] = change of output i
-    tol = tol_eps * dtype_eps(out.dtype) * max(1.0, float(base.abs().max()))
-    return (diffs > tol).to(torch.int64), diffs, tol
-
-
-def check_visibility(rec: Recorder, name: str, matrix: torch.Tensor, expected: torch.Tensor, detail: str) -> bool:
-    wrong = int((matrix != expected).sum())
-    return rec.check(name, wrong == 0, wrong, 0, f"{detail}; observed = entries that differ from the expected "
-                     "pattern", evidence={"matrix": matrix, "expected": expected})
-
-
-def visibility_margins(rec: Recorder, arch: str, diffs: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
-    """How far the visible / invisible changes sit from the tolerance (the check's safety margin)."""
-    vis, invis = diffs[expected.bool()], diffs[~expected.bool()]
-    rec.metric("visibility_tol", tol, arch=arch)
-    if vis.numel():
-        rec.metric("visibility_min_visible_change", float(vis.min()), arch=arch)
-    if invis.numel():
-        rec.metric("visibility_max_invisible_change", float(invis.max()), arch=arch)
-
-
-def run_visibility(rec: Recorder, encoder: nn.Module, decoder: nn.Module, encdec: nn.Module, src: torch.Tensor,
-                   tgt: torch.Tensor, vocab_size: int, tol_eps: float) -> dict[str, torch.Tensor]:
-    """The four visibility matrices and their checks. src (T_src,), tgt (T_tgt,) ids."""
-    T, Tt = src.shape[0], tgt.shape[0]
-    ones = torch.ones(T, T, dtype=torch.int64)
-    tril = torch.tril(ones)
-    enc_m, enc_d, enc_tol = visibility_matrix(lambda b: encoder(b), src, vocab_size, tol_eps)
-    dec_m, dec_d, dec_tol = visibility_matrix(lambda b: decoder(b), src, vocab_size, tol_eps)
-    cross_m, cross_d, cross_tol = visibility_matrix(lambda b: encdec(b, tgt.expand(b.shape[0], -1)), src,
-                                                    vocab_size, tol_eps)
-    tgt_m, tgt_d, tgt_tol = visibility_matrix(lambda b: encdec(src.expand(b.shape[0], -1), b), tgt,
-                                              vocab_size, tol_eps)
-    check_visibility(rec, "visibility_encoder_all_ones", enc_m, ones,
-                     "encoder: every output position changes when any input token changes")
-    check_visibility(rec, "visibility_decoder_lower_triangular", dec_m, tril,
-                     "decoder-only: output i changes exactly for tokens j <= i")
-    check_visibility(rec, "visibility_cross_all_ones", cross_m, torch.ones(Tt, T, dtype=torch.int64),
-                     "encoder-decoder: every decoder position sees every source token")
-    check_visibility(rec, "visibility_encdec_target_lower_triangular", tgt_m, torch.tril(torch.ones(Tt, Tt,
-                     dtype=torch.int64)), "encoder-decoder: decoder position i sees target tokens j <= i only")
-    visibility_margins(rec, "encoder", enc_d, ones, enc_tol)
-    visibility_margins(rec, "decoder", dec_d, tril, dec_tol)
-    visibility_margins(rec, "cross", cross_d, torch.ones(Tt, T), cross_tol)
-    visibility_margins(rec, "encdec_target", tgt_d, torch.tril(torch.ones(Tt, Tt)), tgt_tol)
-    return {"visibility_encoder": enc_m, "visibility_decoder": dec_m, "visibility_cross": cross_m,
-            "visibility_encdec_target": tgt_m}
-
-
-# ------------------------------------------------------------------------------------ shape tracing
-
-
-@dataclass
-class TraceRow:
-    order: int  # call order (entry)
-    module: str  # qualified name ('' = the model itself)
-    kind: str  # class name
-    cls: type = nn.Module
-    in_shapes: list[tuple[int, ...]] = field(default_factory=list)
-    out_shapes: list[tuple[int, ...]] = field(default_factory=list)
-
-
-def _shapes(obj: Any) -> list[tuple[int, ...]]:
-    if isinstance(obj, torch.Tensor):
-        return [tuple(obj.shape)]
-    if isinstance(obj, (tuple, list)):
-        return [s for o in obj for s in _shapes(o)]
-    if isinstance(obj, dict):
-        return [s for o in obj.values() for s in _shapes(o)]
-    return []
-
-
-def fmt_shapes(shapes: list[tuple[int, ...]]) -> str:
-    return ", ".join("(" + ", ".join(str(d) for d in s) + ")" for s in shapes)
-
-
-def trace_shapes(model: nn.Module, call: Callable[[], Any]) -> list[TraceRow]:
-    """Run ``call()`` with a forward pre-hook and hook on every module of ``model``; one row per module call,
-    in the order the calls started, with the shapes of every tensor argument and every tensor output."""
-    rows: list[TraceRow] = []
-    open_rows: dict[int, list[TraceRow]] = {}
-    handles = []
-
-    def pre(name: str) -> Callable[..., None]:
-        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            row = TraceRow(len(rows), name, type(mod).__name__, type(mod), _shapes(args) + _shapes(kwargs))
-            rows.append(row)
-            open_rows.setdefault(id(mod), []).append(row)
-        return hook
-
-    def post(mod: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        open_rows[id(mod)].pop().out_shapes = _shapes(out)
-
-    for name, mod in model.named_modules():
-        handles.append(mod.register_forward_pre_hook(pre(name), with_kwargs=True))
-        handles.append(mod.register_forward_hook(post, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            call()
-    finally:
-        for h in handles:
-            h.remove()
-    return rows
-
-
-def check_cross_weights(rec: Recorder, rows: list[TraceRow], B: int, H: int, T_tgt: int, T_src: int) -> bool:
-    """Every cross-attention call returned weights of shape (B, H, T_tgt, T_src)."""
-    expected = (B, H, T_tgt, T_src)
-    calls = [r for r in rows if issubclass(r.cls, MultiHeadCrossAttention)]
-    wrong = [r for r in calls if len(r.out_shapes) < 2 or r.out_shapes[1] != expected]
-    got = "; ".join(f"{r.module}: {fmt_shapes(r.out_shapes[1:2])}" for r in calls) or "no cross-attention ran"
-    return rec.check("cross_attention_weights_shape", bool(calls) and not wrong, len(wrong) + (not calls), 0,
-                     f"expected (B,H,T_tgt,T_src) = {expected}; got {got}")
-
-
-def check_embedding(rec: Recorder, emb: nn.Module | dict[str, nn.Module], ids: torch.Tensor, D: int,
-                    V: int) -> bool:
-    """token ids (B,T) -> (B,T,D) through a V x D table, for every embedding table of the models under test
-    (``emb``: one table, or {name: table}). observed/threshold = total parameters vs V·D per table."""
-    tables = emb if isinstance(emb, dict) else {"embedding": emb}
-    ok, params, parts = True, 0, []
-    for name, table in tables.items():
-        with torch.no_grad():
-            out = table(ids)
-        good = tuple(out.shape) == (*ids.shape, D) and tuple(table.weight.shape) == (V, D)
-        ok &= good
-        params += table.weight.numel()
-        parts.append(f"{name}: ids {tuple(ids.shape)} -> {tuple(out.shape)}, table {tuple(table.weight.shape)}"
-                     + ("" if good else " ✗"))
-    return rec.check("embedding_shapes", ok, float(params), float(V * D * len(tables)),
-                     f"expected ids -> {(*ids.shape, D)} through a {(V, D)} table; " + "; ".join(parts))
-
-
-# ---------------------------------------------------------------------------------- data-flow graphs
-
-
-@dataclass
-class Flow:
-    title: str
-    nodes: list[tuple[str, str, float, float]]  # (key, label, x, y)
-    edges: list[tuple[str, str, str]]  # (src, dst, label)
-
-
-def _out(trace: dict[str, TraceRow], name: str, index: int = 0) -> str:
-    row = trace.get(name)
-    if row is None or len(row.out_shapes) <= index:
-        return "?"
-    return fmt_shapes([row.out_shapes[index]])
-
-
-def _in(trace: dict[str, TraceRow], name: str) -> str:
-    row = trace.get(name)
-    return "?" if row is None or not row.in_shapes else fmt_shapes(row.in_shapes[:1])
-
-
-def _chain(steps: list[tuple[str, str]], trace: dict[str, TraceRow], x: float, first_edge: str,
-           y0: float = 0.0) -> tuple[list[tuple[str, str, float, float]], list[tuple[str, str, str]]]:
-    """Nodes stacked top-down; the edge leaving node k carries node k's traced output shape."""
-    nodes = [(key, label, x, y0 - k) for k, (key, label) in enumerate(steps)]
-    edges = []
-    for k in range(len(steps) - 1):
-        label = first_edge if k == 0 else _out(trace, steps[k][0])
-        edges.append((steps[k][0], steps[k + 1][0], label))
-    return nodes, edges
-
-
-def flow_encoder(trace: dict[str, TraceRow], s: Settings) -> Flow:
-    steps = [("ids", "token ids"), ("tok_emb", f"Embedding table\n{s.vocab_size}×{s.d_model}"),
-             ("pos", "+ sinusoidal positions")]
-    steps += [(f"blocks.{i}", f"encoder block {i}\nbidirectional self-attn + FFN") for i in range(s.n_layers)]
-    steps += [("norm_f", "LayerNorm"), ("pool", "mean pool over T"), ("cls_head", "classifier head"),
-              ("out", "class logits")]
-    nodes, edges = _chain(steps, trace, 0.0, _in(trace, "tok_emb"))
-    return Flow("encoder-only (classification)", nodes, edges)
-
-
-def flow_decoder(trace: dict[str, TraceRow], s: Settings) -> Flow:
-    steps = [("ids", "token ids"), ("tok_emb", f"Embedding table\n{s.vocab_size}×{s.d_model}"),
-             ("pos", "+ sinusoidal positions")]
-    steps += [(f"blocks.{i}", f"decoder block {i}\ncausal self-attn + FFN") for i in range(s.n_layers)]
-    steps += [("norm_f", "LayerNorm"), ("lm_head", "LM head (D→V)"), ("out", "next-token logits")]
-    nodes, edges = _chain(steps, trace, 0.0, _in(trace, "tok_emb"))
-    return Flow("decoder-only (generation)", nodes, edges)
-
-
-def flow_encdec(trace: dict[str, TraceRow], s: Settings) -> Flow:
-    enc = [("src_ids", "source ids"), ("src_emb", f"source embedding\n{s.vocab_size}×{s.d_model}"),
-           ("src_pos", "+ sinusoidal positions")]
-    enc += [(f"encoder.{i}", f"encoder block {i}\nbidirectional self-attn + FFN") for i in range(s.n_layers)]
-    enc += [("enc_norm", "LayerNorm → memory")]
-    dec = [("tgt_ids", "target ids (shifted right)"), ("tgt_emb", f"target embedding\n{s.vocab_size}×{s.d_model}"),
-           ("tgt_pos", "+ sinusoidal positions")]
-    dec += [(f"decoder.{i}", f"decoder layer {i}\ncausal self-attn → cross-attn (Q: target,\nK/V: memory) → FFN\n"
-             f"cross weights {_out(trace, f'decoder.{i}.cross_attn', 1)}") for i in range(s.n_layers)]
-    dec += [("dec_norm", "LayerNorm"), ("lm_head", "LM head (D→V)"), ("out", "next-token logits")]
-    n1, e1 = _chain(enc, trace, 0.0, _in(trace, "src_emb"))
-    n2, e2 = _chain(dec, trace, 1.6, _in(trace, "tgt_emb"))
-    memory = [("enc_norm", f"decoder.{i}", "memory " + _out(trace, "enc_norm")) for i in range(s.n_layers)]
-    return Flow("encoder-decoder (translation)", n1 + n2, e1 + e2 + memory)
-
-
-def draw_flow(flow: Flow) -> Figure:
-    """Boxes and arrows; each arrow labelled with the tensor shape it carries."""
-    xs = sorted({x for _, _, x, _ in flow.nodes})
-    ys = [y for _, _, _, y in flow.nodes]
-    fig = Figure(figsize=(4.2 * len(xs) + 1.0, 1.05 * (max(ys) - min(ys) + 1) + 0.6))
-    ax = fig.subplots()
-    pos = {key: (x, y) for key, _, x, y in flow.nodes}
-    boxes = {}
-    for key, label, x, y in flow.nodes:
-        is_io = key in ("ids", "out", "src_ids", "tgt_ids")
-        boxes[key] = ax.text(x, y, label, ha="center", va="center", fontsize=8, zorder=3,
-                             bbox={"boxstyle": "round,pad=0.35", "fc": "#eeeeee" if is_io else "#dbe9f6",
-                                   "ec": "0.3"})
-    for src, dst, label in flow.edges:
-        (x1, y1), (x2, y2) = pos[src], pos[dst]
-        same_column = x1 == x2
-        # Anchor the arrow on the boxes themselves (coordinates relative to each text box).
-        ax.annotate("", xy=(0.5, 1.0) if same_column else (0.0, 0.5), xycoords=boxes[dst],
-                    xytext=(0.5, 0.0) if same_column else (1.0, 0.5), textcoords=boxes[src],
-                    arrowprops={"arrowstyle": "-|>", "color": "0.35", "lw": 1.2, "shrinkA": 4, "shrinkB": 4})
-        mx, my = (x1 + x2) / 2, (y1 + y2) / 2
-        ax.text(mx + (0.05 if same_column else 0.0), my, label, fontsize=7, color="tab:blue", zorder=4,
-                ha="left" if same_column else "center", va="center",
-                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85})
-    ax.set_xlim(min(xs) - 0.9, max(xs) + 0.9)
-    ax.set_ylim(min(ys) - 0.6, max(ys) + 0.6)
-    ax.set_axis_off()
-    ax.set_title(flow.title)
-    fig.tight_layout()
-    return fig
-
-
-def mermaid(flow: Flow) -> str:
-    """Mermaid ``flowchart TD`` text with the shapes on the edges."""
-    def node_id(key: str) -> str:
-        return "n_" + re.sub(r"\W", "_", key)
-
-    def text(label: str) -> str:
-        return label.replace('"', "'").replace("\n", "<br/>")
-
-    labels = {key: label for key, label, _, _ in flow.nodes}
-    lines = ["flowchart TD"]
-    lines += [f'  {node_id(k)}["{text(v)}"]' for k, v in labels.items()]
-    lines += [f'  {node_id(a)} -->|"{text(lab)}"| {node_id(b)}' for a, b, lab in flow.edges]
-    return "\n".join(lines)
-
-
-def trace_markdown(arch: str, rows: list[TraceRow]) -> str:
-    lines = [f"<details><summary>hook trace: {arch} ({len(rows)} module calls)</summary>", "",
-             "| # | module | class | input shapes | output shapes |", "|---|---|---|---|---|"]
-    lines += [f"| {r.order} | `{r.module or '(model)'}` | {r.kind} | {fmt_shapes(r.in_shapes)} | "
-              f"{fmt_shapes(r.out_shapes)} |" for r in rows]
-    return "\n".join(lines + ["", "</details>"])
-
-
-def record_trace(rec: Recorder, arch: str, rows: list[TraceRow]) -> None:
-    for r in rows:
-        numel = sum(int(torch.tensor(s).prod()) if s else 1 for s in r.out_shapes)
-        rec.metric("trace_out_numel", numel, step=r.order, arch=arch, module=r.module or "(model)", kind=r.kind,
-                   in_shapes=fmt_shapes(r.in_shapes), out_shapes=fmt_shapes(r.out_shapes))
-
-
-def matrix_markdown(name: str, m: torch.Tensor, row: str, col: str) -> str:
-    header = "| " + row + " \\ " + col + " | " + " | ".join(str(j) for j in range(m.shape[1])) + " |"
-    lines = [f"**{name}** (rows: output position i, columns: perturbed input token j)", "", header,
-             "|" + "---|" * (m.shape[1] + 1)]
-    lines += [f"| {i} | " + " | ".join(str(int(v)) for v in m[i]) + " |" for i in range(m.shape[0])]
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------------- run
-
-
 def build_models(s: Settings, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, nn.Module]:
     encoder = EncoderOnly(s.vocab_size, s.d_model, s.n_heads, s.n_layers, s.n_classes)
     decoder = DecoderOnly(s.vocab_size, s.d_model, s.n_heads, s.n_layers)
@@ -485,6 +178,14 @@ def run(s: Settings, rec: Recorder) -> None:
         parts += [f"### {flow.title}", "", "```mermaid", mermaid(flow), "```", ""]
     parts += ["## Hook traces", ""] + [trace_markdown(a, r) + "\n" for a, r in traces.items()]
     rec.summary("\n".join(parts))
+
+
+# ----------------------------------------------------------------------------------------- report
+def matrix_markdown(name: str, m: torch.Tensor, row: str, col: str) -> str:
+    """A 0/1 visibility matrix as a markdown table under its name."""
+    table = Rows(name, (f"{row} \\ {col}", *(str(j) for j in range(m.shape[1]))),
+                 [(i, *(int(v) for v in m[i])) for i in range(m.shape[0])])
+    return f"**{name}** (rows: output position i, columns: perturbed input token j)\n\n{table.markdown()}"
 
 
 def draw_visibility(mats: dict[str, torch.Tensor]) -> Figure:
