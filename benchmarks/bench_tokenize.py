@@ -15,13 +15,13 @@ import statistics
 import time
 
 from tfmoe import tokenizers_lab as lab
-from tfmoe.experiments import tokenize as tk
+from tfmoe.experiments import tokenize_input
 
 NAMES = ["cl100k_base", "o200k_base", "bpe", "wordpiece", "unigram", "bytes", "chars"]
 
 
 def one_mb_of_lines(mb: float) -> list[str]:
-    samples, _, _ = tk.read_samples(None)
+    samples, _, _ = tokenize_input.read_samples(None)
     base = [x.text for x in samples]
     lines: list[str] = []
     size = 0
@@ -40,7 +40,7 @@ def main() -> None:
 
     lines = one_mb_of_lines(args.mb)
     n_bytes = sum(len(t.encode("utf-8")) for t in lines)
-    train = [x.text for x in tk.read_samples(None)[0]]
+    train = [x.text for x in tokenize_input.read_samples(None)[0]]
     names = NAMES + (["bert_uncased"] if lab.bert_tokenizer_path() else [])
     print(f"text: {len(lines)} lines, {n_bytes / 1e6:.2f} MB (shipped corpus repeated); median of {args.repeats}")
     blob = "\n".join(lines)

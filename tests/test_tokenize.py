@@ -13,13 +13,16 @@ import pytest
 from tfmoe import tokenizers_lab as lab
 from tfmoe.errors import BadInput
 from tfmoe.experiments import tokenize as tk
+from tfmoe.experiments import tokenize_checks as tk_checks
+from tfmoe.experiments import tokenize_input
+from tfmoe.experiments import tokenize_measures as measures
 
-CORPUS = tk.shipped_corpus()
+CORPUS = tokenize_input.shipped_corpus()
 
 
 @pytest.fixture(scope="module")
 def corpus():
-    samples, _, _ = tk.read_samples(None)
+    samples, _, _ = tokenize_input.read_samples(None)
     return samples
 
 
@@ -70,12 +73,12 @@ def test_shipped_corpus_is_parallel_and_covers_code_and_numbers(corpus):
 def test_read_samples_tsv_plain_empty_lines_crlf_and_bom(tmp_path):
     f = tmp_path / "in.tsv"
     f.write_bytes("\ufeffzh\t我爱猫\r\n\r\nen\tI love cats\r\ncode\t\r\n".encode())
-    samples, desc, skipped = tk.read_samples(f)
+    samples, desc, skipped = tokenize_input.read_samples(f)
     assert [(x.line, x.category, x.text) for x in samples] == [(0, "zh", "我爱猫"), (2, "en", "I love cats")]
     assert skipped == 2 and desc == str(f)
     plain = tmp_path / "plain.txt"
     plain.write_text("zh\t我爱猫\nno tab here\n\tindented code\n", encoding="utf-8")
-    samples, _, _ = tk.read_samples(plain)  # not every line has a category -> all are plain text
+    samples, _, _ = tokenize_input.read_samples(plain)  # not every line has a category -> all are plain text
     assert [x.category for x in samples] == ["text"] * 3
     assert samples[0].text == "zh\t我爱猫" and samples[2].text == "\tindented code"
 
@@ -88,12 +91,12 @@ def test_read_samples_refuses_bad_files(tmp_path, content, message):
     if content is not None:
         f.write_bytes(content)
     with pytest.raises(BadInput, match=message):
-        tk.read_samples(f)
+        tokenize_input.read_samples(f)
 
 
 def test_read_samples_refuses_directories_and_unreadable_files(tmp_path, monkeypatch):
     with pytest.raises(BadInput, match="directory"):
-        tk.read_samples(tmp_path)
+        tokenize_input.read_samples(tmp_path)
     f = tmp_path / "secret.txt"
     f.write_text("x", encoding="utf-8")
 
@@ -102,7 +105,7 @@ def test_read_samples_refuses_directories_and_unreadable_files(tmp_path, monkeyp
 
     monkeypatch.setattr(Path, "read_bytes", denied)  # root ignores chmod 000, so deny it here
     with pytest.raises(BadInput, match="cannot be read"):
-        tk.read_samples(f)
+        tokenize_input.read_samples(f)
 
 
 # ------------------------------------------------------------------------------------- OpenAI vocabularies
@@ -134,7 +137,7 @@ def test_cl100k_groups_digits_by_three_even_for_very_long_runs(cl100k):
     for n in (1, 3, 4, 10_000):
         ids = cl100k.encode_batch(["7" * n])[0]
         assert len(ids) == math.ceil(n / 3)
-        assert max(tk.digit_count(b) for b in cl100k.token_bytes(ids)) == min(3, n)
+        assert max(measures.digit_count(b) for b in cl100k.token_bytes(ids)) == min(3, n)
 
 
 def test_chinese_pieces_show_partial_utf8_bytes(cl100k):
@@ -276,9 +279,9 @@ def test_bert_uncased_real_vocabulary_maps_most_chinese_to_unk():
 
 # ------------------------------------------------------------------------------------- measures & config
 def test_premium_is_a_ratio_of_totals_not_a_mean_of_ratios():
-    assert tk.premium_ratio({"zh": 30, "en": 20}, "zh", "en") == 1.5
+    assert measures.premium_ratio({"zh": 30, "en": 20}, "zh", "en") == 1.5
     pairs = [(10, 2), (20, 18)]  # mean of ratios = (5 + 1.11) / 2 = 3.06; ratio of totals = 30 / 20
-    assert tk.premium_ratio({"zh": sum(p[0] for p in pairs), "en": sum(p[1] for p in pairs)}, "zh", "en") == 1.5
+    assert measures.premium_ratio({"zh": sum(p[0] for p in pairs), "en": sum(p[1] for p in pairs)}, "zh", "en") == 1.5
 
 
 @pytest.mark.parametrize("override, message", [
@@ -287,16 +290,24 @@ def test_premium_is_a_ratio_of_totals_not_a_mean_of_ratios():
     ("digit_run_max=0", "digit_run_max"), ("show_per_category=-1", "show_per_category"),
     ("train.categories=[1]", "train.categories"),
 ])
-def test_validate_refuses_bad_config(override, message):
+def test_settings_refuse_bad_config(override, message):
     from tfmoe.testing import compose
 
     with pytest.raises(BadInput, match=message):
-        tk.validate(compose("tokenize", [override]))
+        tk.settings(compose("tokenize", [override]))
+
+
+def test_settings_read_no_input_and_touch_no_device():
+    """settings() runs before any job of a sweep: the input file and the device are run()'s business."""
+    from tfmoe.testing import compose
+
+    s = tk.settings(compose("tokenize", ["input=/no/such/file.txt", "device=cuda:7", "tokenizers=[bytes]"]))
+    assert s.input == "/no/such/file.txt" and s.tokenizers == ("bytes",) and s.show >= 0
 
 
 # ------------------------------------------------------------------------------------- planted bugs
 def _encoded(adapter, texts):
-    return tk.Encoded(adapter, adapter.encode_batch(texts))
+    return measures.Encoded(adapter, adapter.encode_batch(texts))
 
 
 def test_counts_check_fails_when_the_batch_path_drops_tokens(corpus, texts):
@@ -305,7 +316,7 @@ def test_counts_check_fails_when_the_batch_path_drops_tokens(corpus, texts):
             return [ids[:-1] if len(ids) > 5 else ids for ids in super().encode_batch(ts)]
 
     rec = recorder()
-    tk.check_counts(rec, corpus, [_encoded(lab.BytesAdapter(), texts), _encoded(Truncating(), texts)])
+    tk_checks.check_counts(rec, corpus, [_encoded(lab.BytesAdapter(), texts), _encoded(Truncating(), texts)])
     [good, bad] = rec.checks_rows
     assert good.passed and not bad.passed and bad.observed > 0
 
@@ -328,13 +339,13 @@ def test_counts_check_fails_when_a_baseline_adapter_is_wrong_in_both_paths(corpu
         def direct_count(self, text):
             return len(text.encode("utf-16-le")) // 2
 
-    samples = [*corpus, tk.Sample(len(corpus), "emoji", "😀 ok 👍🏽")]
+    samples = [*corpus, tokenize_input.Sample(len(corpus), "emoji", "😀 ok 👍🏽")]
     all_texts = [*texts, samples[-1].text]
     rec = recorder()
-    tk.check_counts(rec, samples, [_encoded(lab.BytesAdapter(), all_texts), _encoded(lab.CharsAdapter(), all_texts)])
+    tk_checks.check_counts(rec, samples, [_encoded(lab.BytesAdapter(), all_texts), _encoded(lab.CharsAdapter(), all_texts)])
     assert all(c.passed for c in rec.checks_rows)
     rec = recorder()
-    tk.check_counts(rec, samples, [_encoded(Utf16Bytes(), all_texts), _encoded(Utf16Chars(), all_texts)])
+    tk_checks.check_counts(rec, samples, [_encoded(Utf16Bytes(), all_texts), _encoded(Utf16Chars(), all_texts)])
     by_name = {c.check: c for c in rec.checks_rows}
     assert not by_name["counts_match_library[bytes]"].passed and by_name["counts_match_library[bytes]"].observed > 0
     assert not by_name["counts_match_library[chars]"].passed and by_name["counts_match_library[chars]"].observed >= 1
@@ -342,8 +353,8 @@ def test_counts_check_fails_when_a_baseline_adapter_is_wrong_in_both_paths(corpu
 
 def test_independent_counts_by_hand():
     for text in ["", "abc", "é", "世界", "😀👍🏽", "a\u0301"]:
-        assert tk.utf8_length(text) == len(text.encode("utf-8"))
-        assert tk.code_point_count(text) == len(text)
+        assert tk_checks.utf8_length(text) == len(text.encode("utf-8"))
+        assert tk_checks.code_point_count(text) == len(text)
 
 
 def test_round_trip_check_fails_for_a_lossy_decoder(corpus, texts):
@@ -352,7 +363,7 @@ def test_round_trip_check_fails_for_a_lossy_decoder(corpus, texts):
             return bytes(ids).decode("latin-1")
 
     rec = recorder()
-    tk.check_round_trips(rec, corpus, [_encoded(Latin1(), texts)])
+    tk_checks.check_round_trips(rec, corpus, [_encoded(Latin1(), texts)])
     [row] = rec.checks_rows
     assert not row.passed and row.observed == sum(not t.isascii() for t in texts)
     assert "failing.round_trip[bytes].ids" in rec.tensors_saved
@@ -365,7 +376,7 @@ def test_reference_check_fails_for_the_wrong_vocabulary(corpus, texts, o200k):
             self.name = "cl100k_base"
 
     rec = recorder()
-    tk.check_reference_bpe(rec, corpus, [_encoded(Impostor(), texts)])
+    tk_checks.check_reference_bpe(rec, corpus, [_encoded(Impostor(), texts)])
     [row] = rec.checks_rows
     assert row.check == "matches_reference_bpe[cl100k_base]" and not row.passed and row.observed > 0
 
@@ -377,18 +388,18 @@ def test_digit_grouping_check_fails_for_a_tokenizer_that_keeps_digit_runs_whole(
     bpe = trained["bpe"]
     fake = Impostor("cl100k_base", bpe.tokenizer, bpe.source, lossless=True)
     rec = recorder()
-    tk.record_digits(rec, [_encoded(fake, texts)], 30)
+    measures.record_digits(rec, [_encoded(fake, texts)], 30)
     [row] = rec.checks_rows
     assert row.check == "digits_grouped_by_3[cl100k_base]" and not row.passed and row.observed > 0
     rec = recorder()
-    tk.record_digits(rec, [_encoded(cl100k, texts)], 30)
+    measures.record_digits(rec, [_encoded(cl100k, texts)], 30)
     assert rec.checks_rows[0].passed
 
 
 def test_digit_grouping_check_sees_the_direction(texts, cl100k):
     """Regression (issue 11 item 2): right-to-left grouping (1|234|567) has the same token counts as left-to-right
     (123|456|7), so counting could not tell them apart; the pieces are compared now."""
-    assert tk.digit_groups("1234567", 3) == ["123", "456", "7"]
+    assert measures.digit_groups("1234567", 3) == ["123", "456", "7"]
 
     class RightToLeft(lab.Adapter):  # planted: groups digit runs from the right, with cl100k's own tokens
         name, source, lossless = "cl100k_base", "test", True
@@ -408,42 +419,42 @@ def test_digit_grouping_check_sees_the_direction(texts, cl100k):
             return cl100k.token_bytes(ids)
 
     fake = RightToLeft()
-    runs = [tk.PI_DIGITS[:n] for n in range(1, 31)]
+    runs = [measures.PI_DIGITS[:n] for n in range(1, 31)]
     assert [len(s) for s in fake.encode_batch(runs)] == [len(s) for s in cl100k.encode_batch(runs)]  # same counts
     rec = recorder()
-    tk.record_digits(rec, [_encoded(fake, texts)], 30)
+    measures.record_digits(rec, [_encoded(fake, texts)], 30)
     [row] = rec.checks_rows
     assert not row.passed and row.detail.startswith("4-digit run -> 3|141, expected 314|1"), row.detail
     assert row.observed == 18  # the runs of 4..30 digits whose length is not a multiple of 3
     rec = recorder()
-    tk.record_digits(rec, [_encoded(cl100k, texts)], 30)
+    measures.record_digits(rec, [_encoded(cl100k, texts)], 30)
     assert rec.checks_rows[0].passed, rec.checks_rows[0].detail
 
 
 def test_premium_check_fails_when_premium_is_a_mean_of_ratios(corpus, texts, cl100k, monkeypatch):
     enc = [_encoded(cl100k, texts)]
     rec = recorder()
-    totals = tk.record_aggregates(rec, corpus, enc, ["zh", "en"], [])
-    tk.record_samples(rec, corpus, enc)
-    tk.record_premium(rec, corpus, enc, totals, "zh", "en")
+    totals = measures.record_aggregates(rec, corpus, enc, ["zh", "en"], [])
+    measures.record_samples(rec, corpus, enc)
+    measures.record_premium(rec, corpus, enc, totals, "zh", "en")
     assert all(c.passed for c in rec.checks_rows)
 
     zh = [len(ids) for x, ids in zip(corpus, enc[0].ids, strict=True) if x.category == "zh"]
     en = [len(ids) for x, ids in zip(corpus, enc[0].ids, strict=True) if x.category == "en"]
-    monkeypatch.setattr(tk, "premium_ratio", lambda *a: sum(z / e for z, e in zip(zh, en, strict=True)) / len(zh))
+    monkeypatch.setattr(measures, "premium_ratio", lambda *a: sum(z / e for z, e in zip(zh, en, strict=True)) / len(zh))
     rec2 = recorder()
-    tk.record_samples(rec2, corpus, enc)
-    tk.record_premium(rec2, corpus, enc, totals, "zh", "en")
+    measures.record_samples(rec2, corpus, enc)
+    measures.record_premium(rec2, corpus, enc, totals, "zh", "en")
     [row] = rec2.checks_rows
     assert row.check == "premium_from_totals[cl100k_base]" and not row.passed and row.observed > 1e-3
 
 
 def test_premium_skipped_with_a_note_when_not_parallel(cl100k):
-    samples = [tk.Sample(0, "zh", "我爱猫"), tk.Sample(1, "en", "I love cats"), tk.Sample(2, "en", "extra")]
+    samples = [tokenize_input.Sample(0, "zh", "我爱猫"), tokenize_input.Sample(1, "en", "I love cats"), tokenize_input.Sample(2, "en", "extra")]
     enc = [_encoded(cl100k, [x.text for x in samples])]
     rec = recorder()
-    totals = tk.record_aggregates(rec, samples, enc, ["zh", "en"], [])
-    assert tk.record_premium(rec, samples, enc, totals, "zh", "en") == {}
+    totals = measures.record_aggregates(rec, samples, enc, ["zh", "en"], [])
+    assert measures.record_premium(rec, samples, enc, totals, "zh", "en") == {}
     assert any("not a parallel corpus" in n for n in rec.notes)
 
 
