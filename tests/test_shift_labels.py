@@ -8,6 +8,8 @@ import torch
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
 from tfmoe.experiments import shift_labels as sl
+from tfmoe.experiments import shift_labels_batch as slb
+from tfmoe.experiments import shift_labels_checks as slc
 from tfmoe.testing import run_recorded
 
 SEQS = [[1, 3, 4, 5, 2], [1, 5, 7, 2], [1, 6, 2]]  # BOS 我 爱 猫 EOS / BOS 猫 睡 EOS / BOS 狗 EOS
@@ -21,53 +23,53 @@ def model(seed: int = 0) -> TinyCausalLM:
 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_shift_and_pad_normal(side: str) -> None:
-    b = sl.shift_and_pad(SEQS, PAD, side, IGN)
+    b = slb.shift_and_pad(SEQS, PAD, side, IGN)
     assert b.sequences.shape == (3, 5) and b.inputs.shape == b.labels.shape == (3, 4)
-    assert sl.check_labels_are_next_tokens(b, SEQS, IGN, side) == 0
-    assert sl.check_no_label_on_padding(b, IGN) == 0 == sl.check_no_label_on_padding(b, IGN, SEQS, side)
-    assert sl.label_count(b, IGN) == sum(len(s) - 1 for s in SEQS)
+    assert slc.check_labels_are_next_tokens(b, SEQS, IGN, side) == 0
+    assert slc.check_no_label_on_padding(b, IGN) == 0 == slc.check_no_label_on_padding(b, IGN, SEQS, side)
+    assert slc.label_count(b, IGN) == sum(len(s) - 1 for s in SEQS)
     # the shortest sequence: right padding puts its pads last, left padding first
     assert b.attention_mask[2].tolist() == ([1, 1, 1, 0] if side == "right" else [0, 0, 1, 1])
 
 
 def test_boundary_equal_lengths_and_two_token_sequences() -> None:
-    b = sl.shift_and_pad([[1, 2], [3, 4]], PAD, "right", IGN)
+    b = slb.shift_and_pad([[1, 2], [3, 4]], PAD, "right", IGN)
     assert b.labels.tolist() == [[2], [4]] and b.label_mask.tolist() == [[1], [1]]
 
 
 def test_planted_unshifted_labels_fail_next_token_check() -> None:
-    b = sl.shift_and_pad(SEQS, PAD, "right", IGN)
+    b = slb.shift_and_pad(SEQS, PAD, "right", IGN)
     b.labels = torch.where(b.labels == IGN, b.labels, b.inputs)  # bug: labels = inputs, no shift
-    assert sl.check_labels_are_next_tokens(b, SEQS, IGN) > 0
+    assert slc.check_labels_are_next_tokens(b, SEQS, IGN) > 0
 
 
 def test_planted_unmasked_padding_fails_padding_check() -> None:
-    b = sl.shift_and_pad(SEQS, PAD, "right", IGN)
+    b = slb.shift_and_pad(SEQS, PAD, "right", IGN)
     b.labels = b.sequences[:, 1:].clone()  # bug: pads keep their PAD label
-    assert sl.check_no_label_on_padding(b, IGN) > 0
+    assert slc.check_no_label_on_padding(b, IGN) > 0
 
 
 def test_planted_pad_id_labels_fail_cross_entropy_check() -> None:
     m = model()
-    b = sl.shift_and_pad(SEQS, PAD, "right", IGN)
-    logits, _ = sl.token_losses(m, b, IGN)
-    ok, _, _ = sl.ce_mismatch(logits, b, IGN)
+    b = slb.shift_and_pad(SEQS, PAD, "right", IGN)
+    logits, _ = slb.token_losses(m, b, IGN)
+    ok, _, _ = slc.ce_mismatch(logits, b, IGN)
     assert ok < 1e-6
     b.labels = b.sequences[:, 1:].clone()  # bug: padding labelled with the PAD id instead of ignore_index
-    bad, _, _ = sl.ce_mismatch(logits, b, IGN)
+    bad, _, _ = slc.ce_mismatch(logits, b, IGN)
     assert bad > 1e-3
 
 
 def _failed(monkeypatch, batch_bug, side: str = "right") -> set[str]:
     """The checks a run fails when shift_and_pad's batch is changed by ``batch_bug`` (a planted bug)."""
-    real = sl.shift_and_pad
+    real = slb.shift_and_pad
 
     def buggy(seqs, pad_id, pad_side, ignore_index=-100):
         return batch_bug(real(seqs, pad_id, pad_side, ignore_index), ignore_index)
 
-    monkeypatch.setattr(sl, "shift_and_pad", buggy)
+    monkeypatch.setattr(slb, "shift_and_pad", buggy)
     rec = run_recorded("shift-labels", [f"pad_side={side}", "model.n_layers=1"])
-    monkeypatch.setattr(sl, "shift_and_pad", real)
+    monkeypatch.setattr(slb, "shift_and_pad", real)
     return {c.check for c in rec.checks_rows if not c.passed}
 
 
@@ -98,18 +100,18 @@ def test_planted_mask_bug_is_judged_against_the_sequences_not_the_batch_mask(mon
 
     failed = _failed(monkeypatch, one_pad_too_many)
     assert {"no_label_on_padding", "label_count"} <= failed and "labels_are_next_tokens" not in failed
-    b = one_pad_too_many(sl.shift_and_pad(SEQS, PAD, "right", IGN), IGN)
-    assert sl.check_no_label_on_padding(b, IGN) == 0  # the batch's own mask cannot see it
-    assert sl.check_no_label_on_padding(b, IGN, SEQS, "right") == 2
+    b = one_pad_too_many(slb.shift_and_pad(SEQS, PAD, "right", IGN), IGN)
+    assert slc.check_no_label_on_padding(b, IGN) == 0  # the batch's own mask cannot see it
+    assert slc.check_no_label_on_padding(b, IGN, SEQS, "right") == 2
 
 
 def test_expected_label_positions_by_hand() -> None:
-    assert sl.expected_label_positions(SEQS, 4, "right") == [[0, 1, 2, 3], [0, 1, 2], [0, 1]]
-    assert sl.expected_label_positions(SEQS, 4, "left") == [[0, 1, 2, 3], [1, 2, 3], [2, 3]]
+    assert slc.expected_label_positions(SEQS, 4, "right") == [[0, 1, 2, 3], [0, 1, 2], [0, 1]]
+    assert slc.expected_label_positions(SEQS, 4, "left") == [[0, 1, 2, 3], [1, 2, 3], [2, 3]]
     for side in ("right", "left"):
-        b = sl.shift_and_pad(SEQS, PAD, side, IGN)
-        assert sl.check_labels_are_next_tokens(b, SEQS, IGN, side) == 0
-        assert sl.check_no_label_on_padding(b, IGN, SEQS, side) == 0
+        b = slb.shift_and_pad(SEQS, PAD, side, IGN)
+        assert slc.check_labels_are_next_tokens(b, SEQS, IGN, side) == 0
+        assert slc.check_no_label_on_padding(b, IGN, SEQS, side) == 0
 
 
 class NoPaddingMaskLM(torch.nn.Module):
@@ -125,22 +127,22 @@ class NoPaddingMaskLM(torch.nn.Module):
 
 def test_padding_invariance_holds_for_the_real_model_both_sides() -> None:
     for side in ("right", "left"):
-        d_loss, d_logits, d_side, scale = sl.padding_invariance(model(), SEQS, PAD, side, IGN)
-        tol = sl.invariance_tolerance(torch.float32) * scale
+        d_loss, d_logits, d_side, scale = slc.padding_invariance(model(), SEQS, PAD, side, IGN)
+        tol = slc.invariance_tolerance(torch.float32) * scale
         assert d_loss <= tol and d_logits <= tol and d_side <= tol
 
 
 def test_planted_missing_padding_mask_fails_invariance_with_left_padding() -> None:
     buggy = NoPaddingMaskLM(model())
-    d_loss, d_logits, d_side, scale = sl.padding_invariance(buggy, SEQS, PAD, "left", IGN)
+    d_loss, d_logits, d_side, scale = slc.padding_invariance(buggy, SEQS, PAD, "left", IGN)
     assert d_loss > 1e-3 and d_logits > 1e-3 and d_side > 1e-3
     # with right padding the causal mask alone already hides the pads (a finding, not a bug)
-    d_loss_r, *_ = sl.padding_invariance(buggy, SEQS, PAD, "right", IGN)
-    assert d_loss_r <= sl.invariance_tolerance(torch.float32) * scale
+    d_loss_r, *_ = slc.padding_invariance(buggy, SEQS, PAD, "right", IGN)
+    assert d_loss_r <= slc.invariance_tolerance(torch.float32) * scale
 
 
 def test_planted_absolute_positions_fail_invariance_with_left_padding() -> None:
-    d_loss, d_logits, _, _ = sl.padding_invariance(model(), SEQS, PAD, "left", IGN, positions_from_mask=False)
+    d_loss, d_logits, _, _ = slc.padding_invariance(model(), SEQS, PAD, "left", IGN, positions_from_mask=False)
     assert d_loss > 1e-3 and d_logits > 1e-3
 
 
@@ -151,12 +153,12 @@ def test_planted_absolute_positions_fail_invariance_with_left_padding() -> None:
 ])
 def test_encode_sequences_bad_input(seqs, needle: str) -> None:
     with pytest.raises(BadInput, match=needle):
-        sl.encode_sequences(seqs, ["PAD", "BOS", "EOS"])
+        slb.encode_sequences(seqs, ["PAD", "BOS", "EOS"])
 
 
 def test_unknown_pad_side_is_bad_input() -> None:
     with pytest.raises(BadInput, match="pad_side"):
-        sl.shift_and_pad(SEQS, PAD, "middle", IGN)
+        slb.shift_and_pad(SEQS, PAD, "middle", IGN)
 
 
 def test_run_records_the_named_tensors_and_is_bit_identical() -> None:

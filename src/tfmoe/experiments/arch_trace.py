@@ -123,10 +123,19 @@ def _chain(steps: list[tuple[str, str]], trace: dict[str, TraceRow], x: float, f
     return nodes, edges
 
 
+def _embed_steps(s: ModelShape, ids: tuple[str, str] = ("ids", "token ids"), emb: str = "tok_emb",
+                 emb_label: str = "Embedding table", pos: str = "pos") -> list[tuple[str, str]]:
+    """ids -> embedding table -> + positions, the first three nodes of every architecture."""
+    return [ids, (emb, f"{emb_label}\n{s.vocab_size}×{s.d_model}"), (pos, "+ sinusoidal positions")]
+
+
+def _block_steps(s: ModelShape, prefix: str, label: str) -> list[tuple[str, str]]:
+    """One node per layer: ``prefix.i`` labelled ``label`` with ``{i}`` filled in."""
+    return [(f"{prefix}.{i}", label.format(i=i)) for i in range(s.n_layers)]
+
+
 def flow_encoder(trace: dict[str, TraceRow], s: ModelShape) -> Flow:
-    steps = [("ids", "token ids"), ("tok_emb", f"Embedding table\n{s.vocab_size}×{s.d_model}"),
-             ("pos", "+ sinusoidal positions")]
-    steps += [(f"blocks.{i}", f"encoder block {i}\nbidirectional self-attn + FFN") for i in range(s.n_layers)]
+    steps = _embed_steps(s) + _block_steps(s, "blocks", "encoder block {i}\nbidirectional self-attn + FFN")
     steps += [("norm_f", "LayerNorm"), ("pool", "mean pool over T"), ("cls_head", "classifier head"),
               ("out", "class logits")]
     nodes, edges = _chain(steps, trace, 0.0, _in(trace, "tok_emb"))
@@ -134,21 +143,17 @@ def flow_encoder(trace: dict[str, TraceRow], s: ModelShape) -> Flow:
 
 
 def flow_decoder(trace: dict[str, TraceRow], s: ModelShape) -> Flow:
-    steps = [("ids", "token ids"), ("tok_emb", f"Embedding table\n{s.vocab_size}×{s.d_model}"),
-             ("pos", "+ sinusoidal positions")]
-    steps += [(f"blocks.{i}", f"decoder block {i}\ncausal self-attn + FFN") for i in range(s.n_layers)]
+    steps = _embed_steps(s) + _block_steps(s, "blocks", "decoder block {i}\ncausal self-attn + FFN")
     steps += [("norm_f", "LayerNorm"), ("lm_head", "LM head (D→V)"), ("out", "next-token logits")]
     nodes, edges = _chain(steps, trace, 0.0, _in(trace, "tok_emb"))
     return Flow("decoder-only (generation)", nodes, edges)
 
 
 def flow_encdec(trace: dict[str, TraceRow], s: ModelShape) -> Flow:
-    enc = [("src_ids", "source ids"), ("src_emb", f"source embedding\n{s.vocab_size}×{s.d_model}"),
-           ("src_pos", "+ sinusoidal positions")]
-    enc += [(f"encoder.{i}", f"encoder block {i}\nbidirectional self-attn + FFN") for i in range(s.n_layers)]
+    enc = _embed_steps(s, ("src_ids", "source ids"), "src_emb", "source embedding", "src_pos")
+    enc += _block_steps(s, "encoder", "encoder block {i}\nbidirectional self-attn + FFN")
     enc += [("enc_norm", "LayerNorm → memory")]
-    dec = [("tgt_ids", "target ids (shifted right)"), ("tgt_emb", f"target embedding\n{s.vocab_size}×{s.d_model}"),
-           ("tgt_pos", "+ sinusoidal positions")]
+    dec = _embed_steps(s, ("tgt_ids", "target ids (shifted right)"), "tgt_emb", "target embedding", "tgt_pos")
     dec += [(f"decoder.{i}", f"decoder layer {i}\ncausal self-attn → cross-attn (Q: target,\nK/V: memory) → FFN\n"
              f"cross weights {_out(trace, f'decoder.{i}.cross_attn', 1)}") for i in range(s.n_layers)]
     dec += [("dec_norm", "LayerNorm"), ("lm_head", "LM head (D→V)"), ("out", "next-token logits")]

@@ -50,6 +50,16 @@ def _randn(shape: Sequence[int], seed: int, device: torch.device, dtype: torch.d
 
 
 # ----------------------------------------------------------------------------------- the block's data flow
+def _leak_outcome(leak: float, min_change: float, scale: float, dtype: torch.dtype, detail: str,
+                  evidence: dict[str, torch.Tensor]) -> Outcome:
+    """A perturbation check's verdict: what must not change moved by at most 8 ulps of the output ``scale``
+    (``leak``), and what must change moved by more (``min_change``; else observed is inf: no real perturbation)."""
+    threshold = 8 * dtype_eps(dtype) * max(scale, 1e-30)
+    changed = min_change > threshold
+    passed = within(leak, threshold) and changed
+    return Outcome(passed, leak if changed else math.inf, threshold, detail, {} if passed else evidence)
+
+
 def check_shape_preserved(stack: nn.Module, d_model: int, seed: int = 0,
                           shapes: Sequence[tuple[int, int]] = ((2, 5), (1, 1), (1, 7))) -> Outcome:
     """Every block maps (B,T,D) -> (B,T,D) (every tap too), also for B=1 and T=1."""
@@ -93,12 +103,9 @@ def check_ffn_position_wise(ffn: nn.Module, d_model: int, seq_len: int = 6, seed
             if this_leak > leak:
                 leak, evidence = this_leak, {"x": x, "x_changed": x2, "y": y, "y_changed": y2}
             min_change = min(min_change, diff[:, t].max().item())
-    threshold = 8 * dtype_eps(p.dtype) * max(scale, 1e-30)
-    changed = min_change > threshold
-    passed = within(leak, threshold) and changed
     detail = (f"max change at untouched positions {leak:.3g} (scale {scale:.3g}); smallest change at the "
               f"changed position {min_change:.3g} (must exceed the threshold)")
-    return Outcome(passed, leak if changed else math.inf, threshold, detail, {} if passed else evidence)
+    return _leak_outcome(leak, min_change, scale, p.dtype, detail, evidence)
 
 
 def check_attention_mixes_tokens(attn: nn.Module, d_model: int, seq_len: int = 6, seed: int = 0) -> Outcome:
@@ -189,13 +196,9 @@ def check_causal_stack(stack: TransformerStack, ids: torch.Tensor) -> Outcome:
             min_change = min(min_change, (logits2[:, t] - logits[:, t]).abs().max().item())
             if not this_leak <= leak:
                 leak, evidence = this_leak, {"ids": ids, "ids_changed": ids2}
-    p = next(stack.parameters())
-    threshold = 8 * dtype_eps(p.dtype) * max(scale, 1e-30)
-    changed = min_change > threshold
-    passed = within(leak, threshold) and changed
     detail = (f"max change of logits before the changed position: {leak:.3g} (logit scale {scale:.3g}); "
               f"smallest change at the changed position {min_change:.3g}")
-    return Outcome(passed, leak if changed else math.inf, threshold, detail, {} if passed else evidence)
+    return _leak_outcome(leak, min_change, scale, next(stack.parameters()).dtype, detail, evidence)
 
 
 # ------------------------------------------------------------------------------------------ normalisation

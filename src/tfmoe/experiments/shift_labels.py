@@ -2,234 +2,35 @@
 
 Question: after shifting and padding, does every label name the next token, does no padded position
 contribute to the loss, and is each sequence's loss the same alone as inside a padded batch?
+
+This module is the recipe (Settings, settings(cfg), run); the parts it orchestrates:
+:mod:`~tfmoe.experiments.shift_labels_batch` (sequences -> the shifted, padded batch; texts through a tokenizer)
+and :mod:`~tfmoe.experiments.shift_labels_checks` (the checks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from tfmoe.components.lm import TinyCausalLM
-from tfmoe.components.positions import position_ids_from_mask
 from tfmoe.errors import BadInput
+from tfmoe.experiments import shift_labels_batch as batching
+from tfmoe.experiments.shift_labels_batch import PAD_SIDES, ShiftedBatch, encode_sequences, encode_texts
+from tfmoe.experiments.shift_labels_checks import (
+    ce_mismatch,
+    check_labels_are_next_tokens,
+    check_no_label_on_padding,
+    invariance_tolerance,
+    label_count,
+    padding_invariance,
+)
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
 
-PAD_SIDES = ("right", "left")
 
-
-@dataclass
-class ShiftedBatch:
-    sequences: torch.Tensor  # (B, L) padded full sequences
-    mask: torch.Tensor  # (B, L) 1 = real token
-    inputs: torch.Tensor  # (B, L-1) = sequences[:, :-1]
-    labels: torch.Tensor  # (B, L-1) = sequences[:, 1:], ignore_index where no target
-    attention_mask: torch.Tensor  # (B, L-1) 1 = real input token
-    label_mask: torch.Tensor  # (B, L-1) 1 = this position has a label
-
-
-def encode_sequences(sequences: Any, vocab: list[str]) -> list[list[int]]:
-    """Token strings or ids -> ids, refusing what next-token training cannot use."""
-    if not isinstance(sequences, list) or not sequences:
-        raise BadInput("sequences is empty: give at least one sequence, e.g. sequences=[[BOS,我,EOS]]")
-    index = {tok: i for i, tok in enumerate(vocab)}
-    out = []
-    for n, seq in enumerate(sequences):
-        if not isinstance(seq, list) or len(seq) == 0:
-            raise BadInput(f"sequence {n} is empty: every sequence needs at least 2 tokens")
-        if len(seq) == 1:
-            raise BadInput(f"sequence {n} has 1 token: next-token training needs at least 2 (an input and its "
-                           "successor); add a token or drop the sequence")
-        ids = []
-        for tok in seq:
-            if isinstance(tok, bool):
-                raise BadInput(f"sequence {n}: token {tok!r} is not a token string or id")
-            if isinstance(tok, int):
-                if not 0 <= tok < len(vocab):
-                    raise BadInput(f"sequence {n}: id {tok} is outside the vocabulary (0..{len(vocab) - 1}): "
-                                   "use an id in range or add the token to vocab")
-                ids.append(tok)
-            elif str(tok) in index:
-                ids.append(index[str(tok)])
-            else:
-                raise BadInput(f"sequence {n}: token {tok!r} is not in the vocabulary: add it to vocab or fix it")
-        out.append(ids)
-    return out
-
-
-def shift_and_pad(seqs: list[list[int]], pad_id: int, pad_side: str, ignore_index: int = -100) -> ShiftedBatch:
-    """The padded batch, masks, inputs and labels (labels = next token, ignore_index where no target)."""
-    if pad_side not in PAD_SIDES:
-        raise BadInput(f"pad_side={pad_side!r} is unknown: use right or left")
-    B, L = len(seqs), max(len(s) for s in seqs)
-    sequences = torch.full((B, L), pad_id, dtype=torch.long)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        sl = slice(0, len(s)) if pad_side == "right" else slice(L - len(s), L)
-        sequences[i, sl] = torch.tensor(s)
-        mask[i, sl] = 1
-    inputs, labels = sequences[:, :-1], sequences[:, 1:].clone()  # (B, L-1)
-    label_mask = mask[:, :-1] * mask[:, 1:]  # a target exists only if input and next token are both real
-    labels[label_mask == 0] = ignore_index
-    return ShiftedBatch(sequences, mask, inputs.clone(), labels, mask[:, :-1].clone(), label_mask)
-
-
-def token_losses(model: TinyCausalLM, batch: ShiftedBatch, ignore_index: int = -100,
-                 positions_from_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits (B,L-1,V) fp32, per-token loss (B,L-1) fp32 with 0 where ignored)."""
-    pos = position_ids_from_mask(batch.attention_mask) if positions_from_mask else None
-    logits = model(batch.inputs, padding_mask=batch.attention_mask.bool(), position_ids=pos).float()
-    loss = F.cross_entropy(logits.transpose(1, 2), batch.labels, ignore_index=ignore_index, reduction="none")
-    return logits, loss  # cross_entropy puts 0 at ignored positions
-
-
-# ------------------------------------------------------------------------------------------- checks
-# The checks judge the batch against the original sequences and the padding side, never against the batch's own
-# masks (a bug in shift_and_pad that made its masks and labels wrong together would otherwise be invisible).
-def expected_label_positions(seqs: list[list[int]], width: int, pad_side: str) -> list[list[int]]:
-    """Per sequence, the input positions (0..width-1 of inputs = sequences[:, :-1]) that must carry a label:
-    its first len(s)-1 positions with right padding, its last len(s)-1 with left padding."""
-    L = width + 1
-    return [list(range(len(s) - 1)) if pad_side == "right" else list(range(L - len(s), L - 1)) for s in seqs]
-
-
-def check_labels_are_next_tokens(batch: ShiftedBatch, seqs: list[list[int]], ignore_index: int,
-                                 pad_side: str = "right") -> int:
-    """Kept labels whose (input, label) pair is not (s[t], s[t+1]) at that position of the original sequence.
-    Judges only the labels present where a label belongs; a missing label is ``label_count``'s, a label on
-    padding ``no_label_on_padding``'s."""
-    bad = 0
-    for i, (s, positions) in enumerate(zip(seqs, expected_label_positions(seqs, batch.inputs.shape[1], pad_side),
-                                           strict=True)):
-        for t, pos in enumerate(positions):
-            label = int(batch.labels[i, pos])
-            if label != ignore_index and (int(batch.inputs[i, pos]), label) != (s[t], s[t + 1]):
-                bad += 1
-    return bad
-
-
-def check_no_label_on_padding(batch: ShiftedBatch, ignore_index: int, seqs: list[list[int]] | None = None,
-                              pad_side: str = "right") -> int:
-    """Labels present at a position where no label belongs (its input or target is padding), from the original
-    sequences' lengths and the padding side (``seqs=None``: from the batch's own padding mask)."""
-    has_label = batch.labels != ignore_index
-    if seqs is None:
-        padded = (batch.mask[:, :-1] == 0) | (batch.mask[:, 1:] == 0)
-    else:
-        padded = torch.ones_like(has_label)
-        for i, positions in enumerate(expected_label_positions(seqs, batch.inputs.shape[1], pad_side)):
-            padded[i, positions] = False
-    return int((has_label & padded).sum())
-
-
-def label_count(batch: ShiftedBatch, ignore_index: int) -> int:
-    """Labels the batch keeps (must be Σ(len(s) − 1): one per (token, next token) pair)."""
-    return int((batch.labels != ignore_index).sum())
-
-
-def manual_mean_ce(logits: torch.Tensor, batch: ShiftedBatch, seqs: list[list[int]] | None = None,
-                   pad_side: str = "right") -> torch.Tensor:
-    """Mean of -log p(next token) over the positions that have a target, in fp64: those of the original
-    sequences and padding side (``seqs=None``: the batch's label_mask), targets from the sequences themselves."""
-    logp = torch.log_softmax(logits.double(), dim=-1)  # (B,L-1,V)
-    if seqs is None:
-        valid = batch.label_mask.bool()
-        targets = batch.sequences[:, 1:]  # the true next tokens, independent of the ignore_index labels
-    else:
-        valid = torch.zeros(batch.inputs.shape, dtype=torch.bool, device=logits.device)
-        targets = torch.zeros(batch.inputs.shape, dtype=torch.long, device=logits.device)
-        for i, (s, positions) in enumerate(zip(seqs, expected_label_positions(seqs, batch.inputs.shape[1], pad_side),
-                                               strict=True)):
-            valid[i, positions] = True
-            targets[i, positions] = torch.tensor(s[1:], device=logits.device)
-    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # (B,L-1)
-    return -(picked[valid]).mean()
-
-
-def per_sequence_losses(model: TinyCausalLM, seqs: list[list[int]], pad_id: int, pad_side: str,
-                        ignore_index: int, positions_from_mask: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each sequence's per-token losses and logits at the positions that have a target, from a padded batch."""
-    batch = shift_and_pad(seqs, pad_id, pad_side, ignore_index)
-    logits, loss = token_losses(model, batch, ignore_index, positions_from_mask)
-    positions = expected_label_positions(seqs, batch.inputs.shape[1], pad_side)  # from the sequences, not the batch
-    return [loss[i][p] for i, p in enumerate(positions)], [logits[i][p] for i, p in enumerate(positions)]
-
-
-def ce_mismatch(logits: torch.Tensor, batch: ShiftedBatch, ignore_index: int, seqs: list[list[int]] | None = None,
-                pad_side: str = "right") -> tuple[float, float, float]:
-    """(|torch CE with ignore_index − manual fp64 mean over the positions with a target|, torch CE, manual CE)."""
-    torch_ce = F.cross_entropy(logits.float().transpose(1, 2), batch.labels, ignore_index=ignore_index)
-    manual = manual_mean_ce(logits, batch, seqs, pad_side)
-    return abs(torch_ce.double().item() - manual.item()), torch_ce.item(), manual.item()
-
-
-def padding_invariance(model: Any, seqs: list[list[int]], pad_id: int, pad_side: str, ignore_index: int,
-                       positions_from_mask: bool = True) -> tuple[float, float, float, float]:
-    """(max |Δ token loss| alone vs batch, max |Δ logits| alone vs batch, max |Δ token loss| this side vs the
-    other padding side, logit scale) — all at valid positions only."""
-    alone_loss, alone_logits = [], []
-    for s in seqs:
-        lo, lg = per_sequence_losses(model, [s], pad_id, pad_side, ignore_index, positions_from_mask)
-        alone_loss += lo
-        alone_logits += lg
-    batch_loss, batch_logits = per_sequence_losses(model, seqs, pad_id, pad_side, ignore_index, positions_from_mask)
-    other = "left" if pad_side == "right" else "right"
-    other_loss, _ = per_sequence_losses(model, seqs, pad_id, other, ignore_index, positions_from_mask)
-    scale = max(1.0, max(x.abs().max().item() for x in alone_logits))
-    return (max_abs_diff(alone_loss, batch_loss), max_abs_diff(alone_logits, batch_logits),
-            max_abs_diff(batch_loss, other_loss), scale)
-
-
-def invariance_tolerance(dtype: torch.dtype) -> float:
-    """Batch-vs-alone differences come only from reduction order: 8 ulps of the compute dtype (times the logit scale)."""
-    return 8 * torch.finfo(dtype).eps
-
-
-def max_abs_diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
-    return max((x.double() - y.double()).abs().max().item() for x, y in zip(xs, ys, strict=True))
-
-
-# ----------------------------------------------------------------------------- your own sentences
-@dataclass
-class TextEncoding:
-    sequences: list[list[int]]  # [BOS] + tokens + [EOS] in the compact vocabulary
-    vocab: list[str]  # PAD, BOS, EOS, then each distinct token piece in order of appearance
-    tokenizer_ids: list[list[int]]  # the tokenizer's own ids per text
-    source: str  # where the tokenizer's vocabulary comes from
-
-
-def encode_texts(texts: Any, tokenizer: Any, pad_token: str) -> TextEncoding:
-    """Raw sentences through one of tokenize's real tokenizers, onto a compact vocabulary of the pieces they use
-    (the tiny LM needs no 100k-row embedding): each text becomes [BOS] + its tokens + [EOS]."""
-    from tfmoe.tokenizers_lab import BUILTIN_NAMES, load_tokenizer
-
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-        raise BadInput(f"texts={texts!r} must be a non-empty list of strings, e.g. texts=[\"我爱猫\",\"猫\"]")
-    for n, t in enumerate(texts):
-        if not t.strip():
-            raise BadInput(f"texts[{n}] is empty: give every text at least one character")
-    if not isinstance(tokenizer, str) or not tokenizer.strip():
-        raise BadInput(f"texts= needs tokenizer=NAME: one of {', '.join(BUILTIN_NAMES)} or file:PATH/tokenizer.json")
-    adapter = load_tokenizer(tokenizer, texts, 1000)
-    ids = adapter.encode_batch(texts)
-    vocab, index = [pad_token, "BOS", "EOS"], {}
-    for seq in ids:
-        for i in seq:
-            if i not in index:
-                label = adapter.pieces([i])[0]
-                if label in vocab or not label.strip():
-                    label = f"{label!r}#{i}"  # keep labels unique and visible (spaces, byte fragments)
-                index[i] = len(vocab)
-                vocab.append(label)
-    seqs = [[1, *(index[i] for i in seq), 2] for seq in ids]
-    return TextEncoding(seqs, vocab, ids, adapter.source)
-
-
-# --------------------------------------------------------------------------------------------- run
 @dataclass(frozen=True)
 class Settings:
     """Every value a shift-labels run reads, validated by :func:`settings`; the sequences already encoded."""
@@ -290,7 +91,7 @@ def run(s: Settings, rec: Recorder) -> None:
                      f"{' | '.join(vocab[j] for j in seqs[n][1:-1])}")
         rec.tensor("tokenizer_ids", torch.tensor([i for ids in s.tokenizer_ids for i in ids]))
     ignore = s.ignore_index
-    batch = shift_and_pad(seqs, pad_id, s.pad_side, ignore)
+    batch = batching.shift_and_pad(seqs, pad_id, s.pad_side, ignore)
     model = TinyCausalLM(len(vocab), s.d_model, s.n_heads, s.n_layers,
                          max_len=max(len(q) for q in seqs)).to(rec.device, rec.dtype).eval()
 
@@ -322,7 +123,7 @@ def run(s: Settings, rec: Recorder) -> None:
     # loss: torch's ignore_index vs a manual mean over valid positions
     with torch.no_grad():
         batch_dev = ShiftedBatch(*(t.to(rec.device) for t in vars(batch).values()))
-        logits, tok_loss = token_losses(model, batch_dev, ignore)
+        logits, tok_loss = batching.token_losses(model, batch_dev, ignore)
         ce_diff, torch_ce, manual = ce_mismatch(logits, batch_dev, ignore, seqs, side)
         ce_tol = 8 * torch.finfo(torch.float32).eps * max(1.0, abs(manual))  # CE itself runs in fp32
         rec.check_le("ce_ignore_index_matches_manual", ce_diff, ce_tol,
