@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tfmoe.components import comparison
 from tfmoe.components.attention import (
     KVCache,
     MultiHeadCrossAttention,
@@ -16,7 +17,8 @@ from tfmoe.components.attention import (
 )
 from tfmoe.components.chunked_attention import chunked_attention, naive_attention, naive_attention_bytes
 from tfmoe.components.masks import causal_mask, combine_masks, padding_mask_from_lengths, visible_queries
-from tfmoe.experiments import attn_check as ac
+from tfmoe.components.references import reference_dtype, sdpa_forward
+from tfmoe.experiments.attn.checks import dropout
 from tfmoe.memory import peak_memory_bytes
 
 
@@ -66,7 +68,7 @@ def test_mha_matches_sdpa_with_its_own_weights(causal):
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     pm = padding_mask_from_lengths([5, 3], 5)
     out, w = m(x, pm)
-    ref = ac.sdpa_forward(x, m.qkv.weight, m.out.weight, 2, combine_masks(5, 5, causal, pm))
+    ref = sdpa_forward(x, m.qkv.weight, m.out.weight, 2, combine_masks(5, 5, causal, pm))
     assert w.shape == (2, 2, 5, 5) and torch.allclose(out, ref, atol=1e-12)
 
 
@@ -175,43 +177,43 @@ def test_measure_peak_memory_sees_a_known_allocation():
 def test_compare_follows_flashattention_rule():
     ref = torch.linspace(-1, 1, 50, dtype=torch.float64).view(1, 5, 10)
     plain = ref + 1e-3
-    c = ac.compare(ref + 1.5e-3, ref, plain, torch.float16)
+    c = comparison.compare(ref + 1.5e-3, ref, plain, torch.float16)
     assert c.plain_err == pytest.approx(1e-3) and c.passed and c.threshold > 2e-3
-    assert not ac.compare(ref + 5e-3, ref, plain, torch.float16).passed
-    assert not ac.compare(ref * math.nan, ref, plain, torch.float16).passed  # NaN never passes
+    assert not comparison.compare(ref + 5e-3, ref, plain, torch.float16).passed
+    assert not comparison.compare(ref * math.nan, ref, plain, torch.float16).passed  # NaN never passes
     valid = torch.tensor([[True, True, True, True, False]])
     bad_last = ref.clone()
     bad_last[0, 4] = 100
-    assert ac.compare(bad_last, ref, ref, torch.float32, valid).err == 0  # excluded rows do not count
+    assert comparison.compare(bad_last, ref, ref, torch.float32, valid).err == 0  # excluded rows do not count
 
 
 def test_row_sum_and_hidden_weight_helpers():
     w = torch.full((1, 1, 2, 2), 0.5)
     valid = torch.ones(1, 2, dtype=torch.bool)
-    assert ac.row_sum_deviation(w, valid) == 0
-    assert ac.row_sum_deviation(w * 2, valid) == pytest.approx(1.0)
+    assert comparison.row_sum_deviation(w, valid) == 0
+    assert comparison.row_sum_deviation(w * 2, valid) == pytest.approx(1.0)
     future = ~torch.ones(2, 2, dtype=torch.bool).tril()
-    assert ac.hidden_weight_max(w, future[None, None], valid) == 0.5
-    assert ac.hidden_weight_max(w.tril(), future[None, None], valid) == 0
-    assert ac.row_sum_deviation(w * math.nan, valid) == math.inf
+    assert comparison.hidden_weight_max(w, future[None, None], valid) == 0.5
+    assert comparison.hidden_weight_max(w.tril(), future[None, None], valid) == 0
+    assert comparison.row_sum_deviation(w * math.nan, valid) == math.inf
 
 
 def test_classify_fully_masked_rows():
     mean_v = torch.ones(2, 4)
-    assert ac.classify_rows(torch.full((2, 4), math.nan), mean_v, torch.float32) == "nan"
-    assert ac.classify_rows(torch.zeros(2, 4), mean_v, torch.float32) == "zeros"
-    assert ac.classify_rows(torch.ones(2, 4), mean_v, torch.float32) == "mean_of_v"
-    assert ac.classify_rows(torch.full((2, 4), 3.0), mean_v, torch.float32) == "other"
-    assert ac.classify_rows(torch.zeros(0, 4), mean_v[:0], torch.float32) == "none"
+    assert comparison.classify_rows(torch.full((2, 4), math.nan), mean_v, torch.float32) == "nan"
+    assert comparison.classify_rows(torch.zeros(2, 4), mean_v, torch.float32) == "zeros"
+    assert comparison.classify_rows(torch.ones(2, 4), mean_v, torch.float32) == "mean_of_v"
+    assert comparison.classify_rows(torch.full((2, 4), 3.0), mean_v, torch.float32) == "other"
+    assert comparison.classify_rows(torch.zeros(0, 4), mean_v[:0], torch.float32) == "none"
 
 
 def test_dropout_readout_reveals_mask_and_scale():
     torch.manual_seed(0)
     m = MultiHeadSelfAttention(8, 2, causal=False, dropout=0.25)
     ref = MultiHeadSelfAttention(8, 2, causal=False, dropout=0.0)
-    r = ac.dropout_readout(m, ref, 0.25, False, 8, 20000, torch.device("cpu"), torch.float32)
+    r = dropout.dropout_readout(m, ref, 0.25, False, 8, 20000, torch.device("cpu"), torch.float32)
     assert r.values.numel() == r.n_expected == 313 * 64  # every visible (query, key) pair read once
-    assert ac._readout_prerequisite(r) == ""
+    assert dropout._readout_prerequisite(r) == ""
     dropped = r.values == 0
     assert abs(float(dropped.double().mean()) - 0.25) < 0.01
     assert torch.allclose(r.values[~dropped], r.expected_kept[~dropped], rtol=1e-6)
@@ -220,5 +222,5 @@ def test_dropout_readout_reveals_mask_and_scale():
 
 
 def test_reference_dtype_rule():
-    assert ac.reference_dtype(torch.float32) == torch.float64
-    assert ac.reference_dtype(torch.float16) == torch.float32 and ac.reference_dtype(torch.bfloat16) == torch.float32
+    assert reference_dtype(torch.float32) == torch.float64
+    assert reference_dtype(torch.float16) == torch.float32 and reference_dtype(torch.bfloat16) == torch.float32

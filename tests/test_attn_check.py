@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tfmoe.errors import BadInput
-from tfmoe.experiments import attn_check as ac
+from tfmoe.experiments.attn.checks import shapes
 from tfmoe.testing import run_cli, run_recorded
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -194,12 +194,12 @@ def test_kv_cache_compares_with_the_modules_own_forward():
 
 
 def test_shapes_judges_only_what_the_module_shows():
-    rows = [ac.ShapeRow("qkv", "(B, T, 3D)", (2, 4, 24), None, "module", True),
-            ac.ShapeRow("scores", "(B, H, T, T)", (2, 2, 4, 4), (9, 9), "derived", False),
-            ac.ShapeRow("output", "(B, T, D)", (2, 4, 8), (4, 2, 8), "module", True)]
-    wrong, unobserved = ac.judge_shapes(rows)
+    rows = [shapes.ShapeRow("qkv", "(B, T, 3D)", (2, 4, 24), None, "module", True),
+            shapes.ShapeRow("scores", "(B, H, T, T)", (2, 2, 4, 4), (9, 9), "derived", False),
+            shapes.ShapeRow("output", "(B, T, D)", (2, 4, 8), (4, 2, 8), "module", True)]
+    wrong, unobserved = shapes.judge_shapes(rows)
     assert wrong == ["output: (4, 2, 8) != (2, 4, 8)"] and unobserved == ["qkv"]  # derived rows never judged
-    assert ac.judge_shapes(rows[1:2]) == ([], [])
+    assert shapes.judge_shapes(rows[1:2]) == ([], [])
     # a module that never calls qkv/out as layers (weights handed to nn.MultiheadAttention): said, not hidden
     checks, rec = battery("impl=buggy_attention:MHAWrapper", "checks=[masks]")
     assert checks["shapes"].passed and "NOT observed" in checks["shapes"].detail
@@ -238,6 +238,27 @@ def test_bad_input_is_refused_with_the_fix(overrides, fragment):
     assert ":" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_settings_import_no_user_code_and_pick_the_battery():
+    """Issue 12: settings(cfg) only validates (a sweep validates every job before any starts): it must not import
+    impl= / kernel= / chunked.impl= (run() does, and gives the one-line exit 2 there); kernel=SPEC selects the
+    kernel battery's settings."""
+    import sys
+
+    from tfmoe.experiments import attn_check
+    from tfmoe.testing import compose
+
+    s = attn_check.settings(compose("attn-check", ["impl=i12_never_imported:Attn",
+                                                   "chunked.impl=i12_never_imported_either:f"]))
+    assert isinstance(s, attn_check.Settings) and isinstance(s.battery, attn_check.ModuleSettings)
+    assert s.battery.impl == "i12_never_imported:Attn" and s.battery.n_kv_heads == s.battery.n_heads == 2
+    assert "i12_never_imported" not in sys.modules and "i12_never_imported_either" not in sys.modules
+    k = attn_check.settings(compose("attn-check", ["kernel=i12_never_imported_kernel:attention"]))
+    assert isinstance(k.battery, attn_check.KernelSettings) and len(k.battery.cases) == 108
+    assert "i12_never_imported_kernel" not in sys.modules
+    with pytest.raises(BadInput, match="unknown groups"):
+        attn_check.settings(compose("attn-check", ["checks=[masks,speed]"]))
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 def test_cli_default_run_exit_0_and_run_directory(tmp_path):
     from tfmoe.notebook import load_run
@@ -253,6 +274,9 @@ def test_cli_default_run_exit_0_and_run_directory(tmp_path):
     assert tensors["padding_mask"].dtype == torch.bool and not bool(tensors["padding_mask"].all())
     assert (res.run_dir / "attention_heatmap.png").exists()
     assert {"naive", "chunked", "sdpa"} <= set(run.metrics.loc[run.metrics["name"] == "peak_mem_bytes", "variant"])
+    summary = (res.run_dir / "summary.md").read_text()
+    assert summary.count("| check | passed |") == 1, summary  # issue 12: the checks table was written twice
+    assert "| check | detail |" in summary and "| sdpa_match | module vs SDPA" in summary
 
 
 def test_cli_flags_a_bug_with_exit_1_and_names_the_check(tmp_path):

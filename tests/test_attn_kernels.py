@@ -101,8 +101,7 @@ def test_exact_zero_gradients_and_long_reductions_do_not_fail_a_correct_kernel()
 def test_low_precision_large_gradients_get_their_own_rounding():
     """|dv| ~ 30 in fp16 (MQA over 6 x 40 rows): FlashAttention's 2·|(r + 0.3 - 0.3) - r| is the rounding at 0.3,
     far below one fp16 ulp of dv; the cast term 2·max|fl(ref) - ref| is what any fp16 result carries."""
-    from tfmoe.experiments.attn_check import rounding_atol
-    from tfmoe.experiments.attn_kernels import cast_rounding
+    from tfmoe.components.comparison import cast_rounding, rounding_atol
 
     ref = torch.full((4,), 30.0 + 1 / 3, dtype=torch.float64)
     assert cast_rounding(ref, torch.float16) > 4 * rounding_atol(ref, torch.float16)

@@ -57,7 +57,7 @@ def test_every_claim_check_is_recorded_by_its_experiment(claim: claims.Claim) ->
     """A renamed check would leave a claim 'not judged' for ever: each name must still be written by the source."""
     import re
 
-    source = "".join(p.read_text() for p in (REPO / "src" / "tfmoe" / "experiments").glob("*.py"))
+    source = "".join(p.read_text() for p in (REPO / "src" / "tfmoe" / "experiments").rglob("*.py"))
     for check in claim.checks:
         base = re.split(r"[\[.]", check)[0]  # round_trip[cl100k_base] / moe_active_lt_total.T32_D16
         assert re.search(rf"[\"']{re.escape(base)}[\"'\[{{]", source), f"no experiment records {check}"

@@ -70,7 +70,7 @@ def test_fully_masked_rows_blames_nan_only_when_values_are_nonfinite() -> None:
 
 def test_catalogue_reads_check_names_the_batteries_record() -> None:
     """Every check a signature reads is written by the experiments (a renamed check would silently never match)."""
-    source = "".join(p.read_text() for p in (REPO / "src" / "tfmoe" / "experiments").glob("*.py"))
+    source = "".join(p.read_text() for p in (REPO / "src" / "tfmoe" / "experiments").rglob("*.py"))
     for sig in diagnosis.CATALOGUE:
         assert sig.experiment in EXPERIMENTS
         for name in sig.checks:

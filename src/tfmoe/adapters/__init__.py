@@ -9,20 +9,18 @@ MoE layers for route-sim's layer battery: ``moe_layers`` (the package's own, the
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from typing import Any
 
 import torch.nn as nn
 
 from tfmoe.adapters.base import AttentionAdapter, ContractError, copy_linear, seeded
 from tfmoe.components.references import Projections, Rope
 from tfmoe.errors import BadInput
+from tfmoe.user_code import load_object
 
 BUILTIN = ("torch:mha", "hf:<model_type>")
 
 
-def load_adapter(spec: str, load_object: Callable[[str, str], Any],
-                 attn_implementation: str = "eager") -> AttentionAdapter:
+def load_adapter(spec: str, attn_implementation: str = "eager") -> AttentionAdapter:
     """The adapter ``impl=spec`` names (BadInput, one line, for anything else)."""
     scheme, sep, rest = spec.partition(":")
     if sep and scheme == "torch":

@@ -11,10 +11,7 @@ any class in the course's ToyMoE interface (``impl=pkg.module:Class``); Hugging 
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
-import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +21,7 @@ import torch.nn as nn
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
+from tfmoe.user_code import load_object
 
 
 @dataclass(frozen=True)
@@ -163,23 +161,8 @@ INTERFACE = ("Class(d_model, hidden, n_experts, top_k) with `router` (nn.Linear 
 
 def load_class(spec: str) -> type:
     """'pkg.module:Class' -> the class. The current directory is importable, as with ``python -m``."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise BadInput(f"impl={spec!r} is not 'pkg.module:Class' nor 'hf:<model type>': write e.g. "
-                       "impl=my_moe:ToyMoE or impl=hf:mixtral")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time error of the user's module is bad input
-        raise BadInput(f"impl={spec!r}: cannot import {module_name!r} ({type(exc).__name__}: {exc}): check the "
-                       "module path (the current directory and PYTHONPATH are searched)") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise BadInput(f"impl={spec!r}: module {module_name!r} has no {attr!r}: check the name after ':'")
-        obj = getattr(obj, part)
+    obj = load_object(spec, "impl", bad_form=f"impl={spec!r} is not 'pkg.module:Class' nor 'hf:<model type>': "
+                      "write e.g. impl=my_moe:ToyMoE or impl=hf:mixtral")
     if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
         raise BadInput(f"impl={spec!r} is {type(obj).__name__}, not a torch.nn.Module subclass: point impl at a "
                        f"class in the course's ToyMoE interface: {INTERFACE}")

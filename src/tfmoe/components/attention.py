@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from tfmoe.components.masks import combine_masks
 
@@ -120,8 +119,3 @@ class MultiHeadCrossAttention(nn.Module):
         ctx = weights.to(v.dtype) @ v  # (B,H,T,Dh)
         return self.out(ctx.transpose(1, 2).reshape(B, T, D)), weights
 
-
-def sdpa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: torch.Tensor | None) -> torch.Tensor:
-    """PyTorch's own scaled_dot_product_attention on (B,H,T,Dh) tensors (True = visible)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -30,7 +30,11 @@ def causal_visibility(Tq: int, Tk: int, align: str, device: torch.device | str |
     j <= i + Tk - Tq; with Tq > Tk the first Tq - Tk queries see nothing."""
     if align not in CAUSAL_ALIGNS:
         raise ValueError(f"causal alignment {align!r} is not one of {CAUSAL_ALIGNS}")
-    offset = 0 if align == "top_left" else Tk - Tq
+    return lower_triangle(Tq, Tk, 0 if align == "top_left" else Tk - Tq, device)
+
+
+def lower_triangle(Tq: int, Tk: int, offset: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+    """(Tq, Tk) bool: query i (at absolute position offset + i) sees keys j <= i + offset."""
     i = torch.arange(Tq, device=device).view(Tq, 1)
     j = torch.arange(Tk, device=device).view(1, Tk)
     return j <= i + offset  # (Tq, Tk)
@@ -39,7 +43,7 @@ def causal_visibility(Tq: int, Tk: int, align: str, device: torch.device | str |
 def key_padding_visibility(lengths: list[int], Tk: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(B, 1, 1, Tk) bool: batch row b sees its first lengths[b] keys (right padding)."""
     j = torch.arange(Tk, device=device).view(1, Tk)
-    n = torch.tensor(lengths, device=device).view(-1, 1)
+    n = torch.tensor(lengths, dtype=torch.long, device=device).view(-1, 1)
     return (j < n)[:, None, None, :]  # (B,1,1,Tk)
 
 

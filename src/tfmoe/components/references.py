@@ -17,8 +17,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# the kernel battery's reference (also first principles) holds the GQA head mapping
-from tfmoe.components.reference_attention import kv_head_index
+# the kernel battery's reference (also first principles) holds the masks by index arithmetic and the GQA
+# head mapping; this module adds what a whole layer needs (projections, head split/merge, RoPE)
+from tfmoe.components.reference_attention import key_padding_visibility, kv_head_index, lower_triangle
+
+
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The independent reference's precision: fp64 for fp32/fp64 runs, fp32 (upcast) for fp16/bf16."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 # ============================================================================================== masks
@@ -27,11 +33,11 @@ def visibility(T_q: int, T_k: int, causal: bool, key_padding: torch.Tensor | Non
     """(B|1, 1, T_q, T_k) boolean mask, True = visible, or None when nothing is hidden.
 
     Causal: query i sits at absolute position offset + i and sees keys j <= offset + i: the lower-triangular
-    matrix ``ones(T_q, T_k).tril(offset)``. key_padding (B, T_k): True = real key; padded keys are hidden
-    from every query (queries are never masked)."""
+    matrix (:func:`lower_triangle`). key_padding (B, T_k): True = real key; padded keys are hidden from every
+    query (queries are never masked)."""
     mask = None
     if causal:
-        mask = torch.ones(T_q, T_k, dtype=torch.bool, device=device).tril(diagonal=offset)[None, None]
+        mask = lower_triangle(T_q, T_k, offset, device)[None, None]
     if key_padding is not None:
         if key_padding.shape[-1] != T_k:
             raise ValueError(f"key padding covers {key_padding.shape[-1]} keys, the attention has T_k={T_k}")
@@ -47,12 +53,9 @@ def rows_with_a_key(mask: torch.Tensor | None, B: int, T_q: int) -> torch.Tensor
     return mask.any(dim=-1).expand(B, 1, T_q)[:, 0].cpu()
 
 
-def lengths_to_key_padding(lengths: list[int], T: int, device: torch.device | str | None = None) -> torch.Tensor:
+def lengths_to_key_padding(lengths: list[int] | tuple[int, ...], T: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(B, T) True = real token for right-padded rows: row b has its first lengths[b] tokens real."""
-    pm = torch.zeros(len(lengths), T, dtype=torch.bool)
-    for b, n in enumerate(lengths):
-        pm[b, :n] = True
-    return pm.to(device)
+    return key_padding_visibility(list(lengths), T, device)[:, 0, 0, :]
 
 
 # ====================================================================================== projections
@@ -186,3 +189,9 @@ def attention_weights(x: torch.Tensor, p: Projections, mask: torch.Tensor | None
     """The reference's attention weights in x's dtype: (B,Hq,T,T)."""
     q, k, _ = project(x, p)
     return plain_weights(q, k, mask, scale_of(p))
+
+
+def sdpa_forward(x: torch.Tensor, w_qkv: torch.Tensor, w_out: torch.Tensor, n_heads: int,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    """The reference on the course layout's weights (qkv (3D, D), out (D, D)), in x's dtype."""
+    return sdpa_attention(x, fused_projections(w_qkv, w_out, n_heads), mask)
