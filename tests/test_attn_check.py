@@ -259,6 +259,17 @@ def test_settings_import_no_user_code_and_pick_the_battery():
         attn_check.settings(compose("attn-check", ["checks=[masks,speed]"]))
 
 
+def test_metrics_written_in_the_battery_modules_are_declared():
+    """Issue 12 (F-77): an expectation's metric is checked against the names the experiment's source writes; with
+    the checks moved to experiments/attn/, metrics written only there (fp64_forward_max_abs_err, and kernel
+    mode's err / case_passed) would be refused as unknown."""
+    from tfmoe import declared_metrics
+
+    declared = declared_metrics.declared_for("attn-check")
+    assert {"fp64_forward_max_abs_err", "err", "case_passed", "sdpa_match"} - set(declared) == {"sdpa_match"}
+    assert declared["max_abs_err"] is not None and "comparison" in declared["max_abs_err"]
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 def test_cli_default_run_exit_0_and_run_directory(tmp_path):
     from tfmoe.notebook import load_run

@@ -166,15 +166,29 @@ DECLARED: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+def _experiment_sources(module: str) -> list[Path]:
+    """``tfmoe/experiments/<module>.py`` and every module under ``tfmoe/experiments/`` it imports, transitively
+    (a recipe whose checks live in a sub-package, e.g. attn_check -> experiments/attn/checks/*.py)."""
+    root = Path(__file__).resolve().parent  # src/tfmoe
+    todo, seen = [root / "experiments" / f"{module}.py"], []
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.exists():
+            continue
+        seen.append(path)
+        for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("tfmoe.experiments."):
+                base = root.joinpath(*n.module.split(".")[1:])
+                todo += [base.with_suffix(".py"), base / "__init__.py", *(base / f"{a.name}.py" for a in n.names)]
+    return seen
+
+
 @functools.lru_cache(maxsize=16)
 def literal_metrics(module: str) -> dict[str, tuple[str, ...] | None]:
-    """Metric names written literally in ``tfmoe/experiments/<module>.py`` -> their literal tag keywords (None
-    when a call also passes ``**tags``)."""
-    path = Path(__file__).resolve().parent / "experiments" / f"{module}.py"
-    if not path.exists():
-        return {}
+    """Metric names written literally in ``tfmoe/experiments/<module>.py`` (and the experiment modules it
+    imports) -> their literal tag keywords (None when a call also passes ``**tags``)."""
     out: dict[str, tuple[str, ...] | None] = {}
-    for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for n in (n for path in _experiment_sources(module) for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))):
         if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "metric" and n.args
                 and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)):
             continue
