@@ -18,7 +18,7 @@ import torch
 from tfmoe import failures, notebook
 from tfmoe.errors import BadInput
 from tfmoe.registry import EXPERIMENTS
-from tfmoe.testing import run_cli
+from tfmoe.testing import launched, run_cli
 
 TFMOE = [sys.executable, "-m", "tfmoe.cli"]
 
@@ -246,10 +246,9 @@ def test_failures_add_refuses_a_passing_run(workdir: Path) -> None:
 
 
 def test_failures_add_from_a_failed_check_run_names_checks_and_evidence(fake_experiment) -> None:
-    from tfmoe import launch, runner
-
-    assert launch.run_experiment(fake_experiment, ["mode=fail_check"], quiet=True) == 1
-    run_dir = runner.LAST_RUN_DIRS[-1]
+    code, dirs = launched(fake_experiment, ["mode=fail_check"])
+    assert code == 1
+    run_dir = dirs[-1]
     title = failures.add(str(run_dir), Path("runs"), Path("failures.md"), None, "h", "f", "t")
     text = Path("failures.md").read_text()
     assert title == "F-1: fake: always_true_for_ok" and "\n\n## F-1:" in text  # a blank line after the header
@@ -298,12 +297,10 @@ def test_a_non_editable_wheel_runs_from_any_directory(tmp_path: Path) -> None:
 
 
 def test_diff_starts_with_a_summary_signs_changes_and_narrows(fake_experiment) -> None:
-    from tfmoe import launch, reports, runner
+    from tfmoe import reports
 
-    launch.run_experiment(fake_experiment, ["seed=1"], quiet=True)
-    a = runner.LAST_RUN_DIRS[-1]
-    launch.run_experiment(fake_experiment, ["seed=2"], quiet=True)
-    b = runner.LAST_RUN_DIRS[-1]
+    a = launched(fake_experiment, ["seed=1"])[1][-1]
+    b = launched(fake_experiment, ["seed=2"])[1][-1]
     r = run_cli(["diff", str(a), str(b)], Path.cwd())
     lines = r.stdout.splitlines()
     assert r.exit_code == 1 and lines[2] == "config: 1 key(s) differ (seed: 1 -> 2)"
@@ -327,15 +324,15 @@ def test_replay_that_cannot_start_is_bad_input_not_a_failed_reproduction(fake_ex
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
 
-    from tfmoe import launch, runner
 
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / "my_dep.py").write_text("VALUE = 1\n")
     (plugins / "my_plugin.py").write_text("from my_dep import VALUE\nTHING = VALUE\n")
     monkeypatch.syspath_prepend(str(plugins))
-    assert launch.run_experiment(fake_experiment, ["+plugin=my_plugin:THING"], quiet=True) == 0
-    old = runner.LAST_RUN_DIRS[-1]
+    code, dirs = launched(fake_experiment, ["+plugin=my_plugin:THING"])
+    assert code == 0
+    old = dirs[-1]
     (plugins / "my_dep.py").unlink()  # a library the user's module imports is gone (the module's copy is kept)
     for name in ("my_plugin", "my_dep"):
         monkeypatch.delitem(sys.modules, name, raising=False)
@@ -344,3 +341,22 @@ def test_replay_that_cannot_start_is_bad_input_not_a_failed_reproduction(fake_ex
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "could not start" in r.stderr and "No module named 'my_dep'" in r.stderr
     assert "reproduced" not in r.stdout and "differ" not in r.stdout
+
+
+def test_launch_chooses_its_directories_and_respects_a_users_own(fake_experiment) -> None:
+    """No module-level list hands directories back: launch passes hydra.run.dir / hydra.sweep.dir to Hydra
+    (conf/base.yaml's rule, or the user's own override of it) and so knows them."""
+    from tfmoe import hydra_callbacks, runner
+
+    assert not hasattr(runner, "LAST_RUN_DIRS") and not hasattr(hydra_callbacks, "LAST_SWEEP_DIRS")
+    code, dirs = launched(fake_experiment, [])
+    assert code == 0 and len(dirs) == 1 and dirs[0].parent == (Path.cwd() / "runs" / "fake").resolve()
+    assert notebook.load_run(dirs[0]).run["run_id"] == dirs[0].name
+    code, dirs = launched(fake_experiment, ["hydra.run.dir=mine/${experiment}-${seed}", "seed=4"])
+    assert code == 0 and dirs == [(Path.cwd() / "mine" / "fake-4").resolve()]
+    assert notebook.load_run(dirs[0]).run["seed"] == 4
+    code, dirs = launched(fake_experiment, ["seed=1,2", "hydra.sweep.dir=my sweep"], multirun=True)
+    sweep = (Path.cwd() / "my sweep").resolve()
+    assert code == 0 and dirs == [sweep / "0", sweep / "1"] and (sweep / "sweep.parquet").exists()
+    code, dirs = launched(fake_experiment, ["seed=1,2"], multirun=True)
+    assert code == 0 and [d.name for d in dirs] == ["0", "1"] and dirs[0].parent.name.startswith("multirun-")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe import code_capture, launch, runner
-from tfmoe.testing import run_cli
+from tfmoe import code_capture
+from tfmoe.testing import launched, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -66,8 +66,9 @@ def test_input_file_is_copied_and_a_changed_input_replays_from_the_copy(fake_exp
     data = tmp_path / "inputs" / "corpus.txt"
     data.parent.mkdir()
     data.write_text("我爱猫\n")
-    assert launch.run_experiment(fake_experiment, [f"+input={data}"], quiet=True) == 0
-    run_dir = runner.LAST_RUN_DIRS[-1]
+    code, dirs = launched(fake_experiment, [f"+input={data}"])
+    assert code == 0
+    run_dir = dirs[-1]
     row = code_capture.read(run_dir).iloc[0]
     assert (row["key"], row["kind"], row["copy"]) == ("input", "file", "code/files/input/corpus.txt")
     data.write_text("我爱狗\n")

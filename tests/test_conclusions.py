@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from tfmoe import conclusions, launch, runner
-from tfmoe.testing import run_cli
+from tfmoe import conclusions
+from tfmoe.testing import launched, run_cli
 
 
 def test_conclude_appends_never_rewrites_and_lists_three_headings(fake_experiment) -> None:
-    assert launch.run_experiment(fake_experiment, [], quiet=True) == 0
-    run_dir = runner.LAST_RUN_DIRS[-1]
+    code, dirs = launched(fake_experiment, [])
+    assert code == 0
+    run_dir = dirs[-1]
     summary_before = (run_dir / "summary.md").read_text()
     r = run_cli(["conclude", str(run_dir), "--proven", "loss falls every step", "--inferred", "it would keep falling"],
                 Path.cwd())
@@ -39,8 +40,7 @@ def test_conclude_appends_never_rewrites_and_lists_three_headings(fake_experimen
 
 
 def test_conclude_bad_input_exits_2_and_writes_nothing(fake_experiment) -> None:
-    launch.run_experiment(fake_experiment, [], quiet=True)
-    run_dir = runner.LAST_RUN_DIRS[-1]
+    run_dir = launched(fake_experiment, [])[1][-1]
     for args, needle in [([], "nothing to conclude"), (["--proven", "  "], "--proven is empty")]:
         r = run_cli(["conclude", str(run_dir), *args], Path.cwd())
         assert r.exit_code == 2 and needle in r.stderr, r.stderr

@@ -9,12 +9,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe import declared_metrics, expectations, failures, launch, notebook, runner
+from tfmoe import declared_metrics, expectations, failures, notebook
 from tfmoe.errors import BadInput
 from tfmoe.expectations import judge, parse, parse_one
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.status import Status
-from tfmoe.testing import run_cli
+from tfmoe.testing import launched, run_cli
 
 
 def rows(*values: float, step: bool = False, **tags):
@@ -137,8 +137,9 @@ def fake(fake_experiment, monkeypatch):
 
 
 def test_held_expectation_exits_0_and_parquet_records_prediction_before_result(fake) -> None:
-    assert launch.run_experiment(fake, ["expect={loss: \"> 0\"}"], quiet=True) == 0
-    run_dir = runner.LAST_RUN_DIRS[-1]
+    code, dirs = launched(fake, ["expect={loss: \"> 0\"}"])
+    assert code == 0
+    run_dir = dirs[-1]
     data = notebook.load_run(run_dir)
     e = data.expectations.iloc[0]
     assert bool(e["held"]) and e["expected"] == "> 0" and e["rows"] == 5 and "last step (4)" in e["detail"]
@@ -148,8 +149,9 @@ def test_held_expectation_exits_0_and_parquet_records_prediction_before_result(f
 
 
 def test_missed_expectation_exits_4_names_it_and_by_how_much(fake, capsys) -> None:
-    assert launch.run_experiment(fake, ["expect={x: \"loss[variant=a] < 0\"}"], quiet=True) == Status.UNEXPECTED.exit_code
-    run_dir = runner.LAST_RUN_DIRS[-1]
+    code, dirs = launched(fake, ["expect={x: \"loss[variant=a] < 0\"}"])
+    assert code == Status.UNEXPECTED.exit_code
+    run_dir = dirs[-1]
     data = notebook.load_run(run_dir)
     assert data.run["status"] == "unexpected" and data.run["exit_code"] == 4
     err = capsys.readouterr().err
@@ -159,8 +161,9 @@ def test_missed_expectation_exits_4_names_it_and_by_how_much(fake, capsys) -> No
 
 
 def test_failed_check_outranks_a_missed_expectation(fake) -> None:
-    assert launch.run_experiment(fake, ["mode=fail_check", "expect={loss: \"< 0\"}"], quiet=True) == 1
-    data = notebook.load_run(runner.LAST_RUN_DIRS[-1])
+    code, dirs = launched(fake, ["mode=fail_check", "expect={loss: \"< 0\"}"])
+    assert code == 1
+    data = notebook.load_run(dirs[-1])
     assert data.run["status"] == "failed" and not bool(data.expectations.iloc[0]["held"])  # judged all the same
     from tfmoe.status import worst_exit_code
 
@@ -168,14 +171,14 @@ def test_failed_check_outranks_a_missed_expectation(fake) -> None:
 
 
 def test_crash_keeps_the_prediction_and_judges_what_was_recorded(fake) -> None:
-    assert launch.run_experiment(fake, ["mode=crash", "expect={loss: \"> 0\"}"], quiet=True) == 3
-    e = notebook.load_run(runner.LAST_RUN_DIRS[-1]).expectations.iloc[0]
+    code, dirs = launched(fake, ["mode=crash", "expect={loss: \"> 0\"}"])
+    assert code == 3
+    e = notebook.load_run(dirs[-1]).expectations.iloc[0]
     assert e["rows"] == 3 and bool(e["held"])  # the steps before the crash
 
 
 def test_failures_add_from_a_surprise_prefills_expected_observed_and_rows(fake) -> None:
-    launch.run_experiment(fake, ["expect={loss: \"< 0\"}"], quiet=True)
-    run_dir = runner.LAST_RUN_DIRS[-1]
+    run_dir = launched(fake, ["expect={loss: \"< 0\"}"])[1][-1]
     title = failures.add(str(run_dir), Path("runs"), Path("failures.md"), None, "h", "f", "t")
     text = Path("failures.md").read_text()
     assert title == "F-1: fake: expected loss < 0"

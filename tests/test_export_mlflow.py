@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe import export_mlflow, launch, runner
+from tfmoe import export_mlflow, launch
 from tfmoe.errors import BadInput
-from tfmoe.testing import run_cli
+from tfmoe.testing import launched, run_cli
 
 
 def test_metric_names_fold_tags_into_allowed_characters() -> None:
@@ -31,11 +31,10 @@ def test_export_reads_back_with_mlflows_client_and_is_idempotent(fake_experiment
     made = {}
     for label, args, multirun in (("ok", ["seed=3"], False), ("failed", ["mode=fail_check"], False),
                                   ("sweep", ["seed=1,2"], True)):
-        launch.run_experiment(fake_experiment, args, multirun=multirun, quiet=True)
-        made[label] = list(runner.LAST_RUN_DIRS)
+        made[label] = launched(fake_experiment, args, multirun)[1]
+    made["interrupted"] = []
     with pytest.raises(KeyboardInterrupt):
-        launch.run_experiment(fake_experiment, ["mode=interrupt"], quiet=True)
-    made["interrupted"] = list(runner.LAST_RUN_DIRS)
+        launch.run_experiment(fake_experiment, ["mode=interrupt"], quiet=True, made=made["interrupted"])
     uri = f"sqlite:///{Path.cwd() / 'mlflow.db'}"
     r = run_cli(["export", "mlflow", "--tracking-uri", uri], Path.cwd())
     assert r.exit_code == 0, r.stderr
@@ -98,8 +97,7 @@ def test_mlflow_ui_shows_an_exported_runs_metrics_in_headless_chromium(fake_expe
     assert browser.returncode == 0, f"scripts/chromium-up.sh could not provide chromium: {browser.stderr[-800:]}"
     chromium = browser.stdout.strip().splitlines()[-1]
 
-    launch.run_experiment(fake_experiment, ["seed=5"], quiet=True)
-    run_dir = runner.LAST_RUN_DIRS[-1]
+    run_dir = launched(fake_experiment, ["seed=5"])[1][-1]
     assert run_cli(["export", "mlflow"], Path.cwd()).exit_code == 0  # the default: ./mlflow.db
     client = mlflow.tracking.MlflowClient(tracking_uri="sqlite:///mlflow.db")
     exp = client.get_experiment_by_name("fake")

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from tfmoe import notebook
-from tfmoe.testing import run_cli
+from tfmoe.testing import launched, run_cli
 
 TFMOE = [sys.executable, "-m", "tfmoe.cli"]
 LONG_ROUTE_SIM = ["route-sim", "steps=1000000", "strategies=[none]", "flush_every_s=0.3"]
@@ -109,10 +109,9 @@ def _planted_running(run_dir: Path, **fields) -> Path:
 
 
 def test_effective_status_running_lost_and_other_hosts(fake_experiment) -> None:
-    from tfmoe import launch, runner
-
-    assert launch.run_experiment(fake_experiment, [], quiet=True) == 0
-    run_dir = runner.LAST_RUN_DIRS[-1]
+    code, dirs = launched(fake_experiment, [])
+    assert code == 0
+    run_dir = dirs[-1]
     row = pd.read_parquet(run_dir / "run.parquet").iloc[0]
     me = notebook.process_identity()  # the finished run recorded this very process
     assert row["pid"] == os.getpid() and row["hostname"] == me["hostname"]
@@ -164,11 +163,12 @@ def test_bad_flush_interval_is_bad_input(fake_experiment) -> None:
 def test_interrupted_sweep_still_writes_a_complete_sweep_parquet_and_can_be_completed_later(fake_experiment) -> None:
     """Jobs 0 ok, 1 crashes, 2 is interrupted (stops the in-process sweep), 3 never starts: sweep.parquet lists
     all four with their state; `tfmoe sweep-complete` rebuilds it, also after a job's process is lost."""
-    from tfmoe import hydra_callbacks, launch, runner
+    from tfmoe import hydra_callbacks, launch
 
+    made: list[Path] = []
     with pytest.raises(KeyboardInterrupt):
-        launch.run_experiment(fake_experiment, ["mode=ok,crash,interrupt,ok"], multirun=True, quiet=True)
-    sweep = runner.LAST_RUN_DIRS[-1].parent
+        launch.run_experiment(fake_experiment, ["mode=ok,crash,interrupt,ok"], multirun=True, quiet=True, made=made)
+    sweep = made[-1].parent
     df = pd.read_parquet(sweep / "sweep.parquet")
     states = df.drop_duplicates("job").set_index("job")
     assert states["status"].to_dict() == {"0": "ok", "1": "crashed", "2": "interrupted", "3": "not_started"}
@@ -195,11 +195,11 @@ def _dead_pid() -> int:
 
 
 def test_a_sweep_with_failed_jobs_names_them(fake_experiment) -> None:
-    from tfmoe import hydra_callbacks, launch, reports
+    from tfmoe import reports
 
-    code = launch.run_experiment(fake_experiment, ["mode=ok,fail_check,bad_input"], multirun=True, quiet=True)
+    code, dirs = launched(fake_experiment, ["mode=ok,fail_check,bad_input"], multirun=True)
     assert code == 2
-    lines = reports.sweep_problem_lines(hydra_callbacks.LAST_SWEEP_DIRS[-1])
+    lines = reports.sweep_problem_lines(dirs[-1].parent)
     assert lines[0].startswith("job 1 (mode=fail_check): failed") and lines[1].startswith("job 2 (mode=bad_input): error")
 
 
@@ -210,23 +210,23 @@ def test_a_signal_inside_the_run_is_recorded_and_stops_the_sweep(fake_experiment
     the steps so far are written, status interrupted, the error names the signal, the in-process sweep stops."""
     import signal as signal_module
 
-    from tfmoe import launch, runner
+    from tfmoe import launch
     from tfmoe.errors import Terminated
 
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
     before = signal_module.getsignal(signal_module.SIGTERM)
+    made: list[Path] = []
     with pytest.raises(Terminated) as stopped:
-        launch.run_experiment(fake_experiment, [f"mode={mode}"], quiet=True)
+        launch.run_experiment(fake_experiment, [f"mode={mode}"], quiet=True, made=made)
     assert stopped.value.exit_code == code
-    data = notebook.load_run(runner.LAST_RUN_DIRS[-1])
+    data = notebook.load_run(made[-1])
     assert data.run["status"] == "interrupted" and data.run["exit_code"] == code and name in data.run["error"]
     assert data.metrics["step"].tolist() == [0, 1, 2]
     assert signal_module.getsignal(signal_module.SIGTERM) == before  # the runner's handler is gone again
 
 
 def test_a_system_exit_inside_the_run_is_never_recorded_ok(fake_experiment) -> None:
-    from tfmoe import launch, runner
-
-    assert launch.run_experiment(fake_experiment, ["mode=exit"], quiet=True) != 0
-    data = notebook.load_run(runner.LAST_RUN_DIRS[-1])
+    code, dirs = launched(fake_experiment, ["mode=exit"])
+    assert code != 0
+    data = notebook.load_run(dirs[-1])
     assert data.run["status"] == "crashed" and "SystemExit" in data.run["error"]

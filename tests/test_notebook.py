@@ -10,6 +10,7 @@ import torch
 
 from tfmoe import launch, notebook, runner
 from tfmoe.errors import BadInput
+from tfmoe.testing import launched
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32, torch.bool]
 
@@ -72,8 +73,8 @@ def test_corrupt_parquet_is_bad_input_not_traceback(tmp_path: Path) -> None:
 
 
 def _run_fake(exp, *args: str) -> tuple[int, Path]:
-    code = launch.run_experiment(exp, list(args), quiet=True)
-    return code, runner.LAST_RUN_DIRS[-1]
+    code, dirs = launched(exp, list(args))
+    return code, dirs[-1]
 
 
 def test_fake_ok_run_writes_the_whole_contract(fake_experiment) -> None:
@@ -108,9 +109,10 @@ def test_exit_codes_and_statuses(fake_experiment, mode: str, code: int, status: 
 
 
 def test_interrupt_records_steps_so_far_and_propagates(fake_experiment) -> None:
+    made: list[Path] = []
     with pytest.raises(KeyboardInterrupt):
-        launch.run_experiment(fake_experiment, ["mode=interrupt"], quiet=True)
-    run_dir = runner.LAST_RUN_DIRS[-1]
+        launch.run_experiment(fake_experiment, ["mode=interrupt"], quiet=True, made=made)
+    run_dir = made[-1]
     data = notebook.load_run(run_dir)
     assert data.run["status"] == "interrupted" and data.run["exit_code"] == 130
     assert data.metrics["step"].tolist() == [0, 1, 2]

@@ -9,17 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe import launch, runner, sql
+from tfmoe import sql
 from tfmoe.errors import BadInput
-from tfmoe.testing import run_cli
+from tfmoe.testing import launched, run_cli
 
 
 @pytest.fixture
 def two_runs(fake_experiment) -> list[Path]:
     dirs = []
     for args in (["seed=1"], ["seed=2", "mode=fail_check"]):
-        launch.run_experiment(fake_experiment, args, quiet=True)
-        dirs.append(runner.LAST_RUN_DIRS[-1])
+        dirs.append(launched(fake_experiment, args)[1][-1])
     return dirs
 
 

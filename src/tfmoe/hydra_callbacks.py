@@ -18,7 +18,6 @@ from omegaconf import DictConfig
 from tfmoe import runner
 from tfmoe.status import Status, worst_exit_code
 
-LAST_SWEEP_DIRS: list[Path] = []
 # Sweeps this process started (on_multirun_start) and the experiment of each: the ones that never reached
 # on_multirun_end are completed by launch.run_experiment.
 STARTED_SWEEPS: dict[Path, str] = {}
@@ -140,7 +139,6 @@ class SweepCallback(Callback):
         stop_progress(finished=True)
         sweep_dir = Path(str(config.hydra.sweep.dir))
         STARTED_SWEEPS.pop(sweep_dir, None)
-        LAST_SWEEP_DIRS.append(sweep_dir)
         write_sweep_outputs(sweep_dir, config.experiment)
 
 

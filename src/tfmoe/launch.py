@@ -134,7 +134,7 @@ def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             defaults = compose(config_name=exp.config)
-            composed = compose(config_name=exp.config, overrides=first_values)
+            composed = compose(config_name=exp.config, overrides=first_values, return_hydra_config=True)
     except HydraException as exc:
         msg = " ".join(str(exc).split())
         for o in parsed:
@@ -216,9 +216,51 @@ def check_writable(run_root: str) -> None:
                        "can write, or fix the permissions") from None
 
 
+def output_dir(composed: Any, multirun: bool) -> tuple[str, Path]:
+    """(key, directory): where Hydra will put this run (``hydra.run.dir``) or sweep (``hydra.sweep.dir``),
+    resolved once here from the composed config (conf/base.yaml's naming rule, or the user's own override of that
+    key), so that launch passes it to Hydra and knows it outright."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    hc = HydraConfig.instance()
+    before = hc.cfg
+    try:
+        hc.set_config(composed)  # a user's own dir may use ${hydra:...}
+        return key, Path(str(OmegaConf.select(composed, key, throw_on_missing=True)))
+    except Exception as exc:
+        raise BadInput(f"cannot resolve {key} ({' '.join(str(exc).split())[:200]}): give a plain path, "
+                       f"e.g. {key}=runs/mine") from None
+    finally:
+        hc.cfg = before
+
+
+def dir_override(key: str, path: Path, overrides: list[str]) -> list[str]:
+    """``overrides`` with ``key=<path>`` (quoted for Hydra's grammar) in place of any override of ``key``."""
+    text = str(path)
+    quote = "'" if "'" not in text else '"'
+    if quote in text or "\\" in text:
+        raise BadInput(f"{key}={text}: Hydra cannot take this path (quotes or backslashes in it): choose another")
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+") != key]
+    return [*kept, f"{key}={quote}{text}{quote}"]
+
+
+def made_dirs(out: Path, multirun: bool) -> tuple[list[Path], list[Path]]:
+    """(run directories, sweep directories) that a launch into ``out`` produced: the run directory, or every job
+    directory under the sweep directory (whichever process ran it: in-process, joblib, submitit), in job order."""
+    from tfmoe.notebook import RUN_FILE
+
+    if not multirun:
+        return ([out.resolve()] if (out / RUN_FILE).exists() else []), []
+    jobs = sorted((p.parent.resolve() for p in out.glob(f"*/{RUN_FILE}")), key=lambda p: (len(p.name), p.name))
+    return jobs, ([out] if (out / "sweep.parquet").exists() else [])
+
+
 def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, quiet: bool = False,
                    made: list[Path] | None = None) -> int:
-    """Compose and launch through `@hydra.main`; returns the exit code the runs' statuses call for."""
+    """Compose and launch through `@hydra.main`; returns the exit code the runs' statuses call for. ``made``
+    receives the run directories (a sweep's job directories), also when the launch is interrupted."""
     import hydra
     from hydra.core.global_hydra import GlobalHydra
 
@@ -231,16 +273,18 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     validate_expectations(exp, composed)
     if not any(f in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for f in flags):
         check_writable(str(composed.run_root))
+    key, out = output_dir(composed, multirun)
+    overrides = dir_override(key, out, overrides)
     if multirun:
         flags = ["--multirun", *flags]
-    runner.LAST_RUN_DIRS.clear()
     runner.LAUNCHER_PID = os.getpid()
-    hydra_callbacks.LAST_SWEEP_DIRS.clear()
     saved_argv = sys.argv
     sys.argv = [f"tfmoe {exp.name}", *flags, *overrides]
     GlobalHydra.instance().clear()
     main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=exp.config)(runner.execute)
     hydra_failed = False
+    dirs: list[Path] = []
+    sweeps: list[Path] = []
     try:
         main()
     except SystemExit as exc:  # Hydra's own error path: a bad config, or a launcher that lost a job
@@ -250,20 +294,18 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         GlobalHydra.instance().clear()
         # a sweep that stopped early (a job killed, a launcher error, Ctrl-C/SIGTERM here) still gets its
         # sweep.parquet: the jobs that finished and the state of the others
-        hydra_callbacks.LAST_SWEEP_DIRS.extend(hydra_callbacks.complete_unfinished_sweeps())
-    if hydra_failed and not hydra_callbacks.LAST_SWEEP_DIRS and not runner.LAST_RUN_DIRS:
+        hydra_callbacks.complete_unfinished_sweeps()
+        dirs, sweeps = made_dirs(out, multirun)
+        if made is not None:
+            made.extend(dirs)
+    if hydra_failed and not sweeps and not dirs:
         return EXIT_FROM_HYDRA
-    dirs = [p.resolve() for p in runner.LAST_RUN_DIRS]
-    for sweep_dir in hydra_callbacks.LAST_SWEEP_DIRS:  # jobs run by other processes (joblib, submitit)
-        dirs += [p.parent.resolve() for p in sweep_dir.glob("*/run.parquet") if p.parent.resolve() not in dirs]
-    if made is not None:
-        made.extend(dirs)
     if not dirs:
         return 0  # --cfg / --info: Hydra printed and ran nothing
     if not quiet:
-        print_outcome(dirs, hydra_callbacks.LAST_SWEEP_DIRS)
+        print_outcome(dirs, sweeps)
     codes = [exit_code_of(dirs)]
-    if any(hydra_callbacks.has_unstarted_jobs(s) for s in hydra_callbacks.LAST_SWEEP_DIRS):
+    if any(hydra_callbacks.has_unstarted_jobs(s) for s in sweeps):
         codes.append(Status.NOT_STARTED.exit_code)
     if hydra_failed:
         codes.append(EXIT_FROM_HYDRA)
@@ -275,7 +317,7 @@ def replay(ref: str, runs_root: Path) -> int:
 
     A replay that cannot start (the experiment refuses its recorded config, e.g. a user module that can no longer
     be imported) is bad input (BadInput: exit 2, one line), not a failed reproduction."""
-    from tfmoe import reports, runner
+    from tfmoe import reports
     from tfmoe.notebook import load_run, resolve_run
 
     old_dir = resolve_run(ref, runs_root)
@@ -291,8 +333,8 @@ def replay(ref: str, runs_root: Path) -> int:
         print(line)
     said = io.StringIO()  # the run's own stderr lines: replayed below unless the run could not start
     with code_capture.recorded_code(old_dir) as file_overrides, contextlib.redirect_stderr(said):
-        code = run_experiment(exp, _dedupe(overrides + file_overrides), multirun=False, quiet=True)
-    new_dirs = list(runner.LAST_RUN_DIRS)
+        new_dirs: list[Path] = []
+        code = run_experiment(exp, _dedupe(overrides + file_overrides), multirun=False, quiet=True, made=new_dirs)
     if len(new_dirs) != 1:
         raise BadInput("replay could not find the new run directory")
     new = load_run(new_dirs[0])

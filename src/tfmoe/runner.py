@@ -33,8 +33,6 @@ log = logging.getLogger("tfmoe")
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
 DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+|mps|auto)$")
 
-# Filled in-process so the CLI can find what the job(s) produced.
-LAST_RUN_DIRS: list[Path] = []
 # The process that launched the sweep (set by launch.run_experiment). A job interrupted there stops the whole
 # sweep (the interrupt is re-raised); a job in a worker (joblib, submitit, SLURM, Ray) returns its exit code.
 LAUNCHER_PID: int | None = None
@@ -291,7 +289,6 @@ def execute(cfg: DictConfig) -> int:
         overrides=list(hc.overrides.task), device=str(cfg.get("device")), dtype=str(cfg.get("dtype")),
         sweep_dir=sweep_dir,
     )
-    LAST_RUN_DIRS.append(run_dir)
     with terminate_on():
         return _execute(cfg, exp, writer, err, run_dir)
 

@@ -37,6 +37,15 @@ def run_cli(args: list[str], cwd: Path) -> CliResult:
     return CliResult(result.exit_code, result.stdout, result.stderr, new_abs[-1] if new_abs else None)
 
 
+def launched(exp, args: list[str], multirun: bool = False) -> tuple[int, list[Path]]:
+    """``launch.run_experiment`` (quiet) -> (its exit code, the run directories it made: a sweep's job dirs)."""
+    from tfmoe.launch import run_experiment
+
+    made: list[Path] = []
+    code = run_experiment(exp, list(args), multirun=multirun, quiet=True, made=made)
+    return code, made
+
+
 def compose(experiment: str, overrides: list[str] | None = None) -> DictConfig:
     """The experiment's config as the CLI would compose it (Hydra Compose API, no run directory)."""
     from hydra import compose as hydra_compose
@@ -94,4 +103,4 @@ def run_recorded(experiment: str, overrides: list[str] | None = None):
     return rec
 
 
-__all__ = ["CliResult", "run_cli", "compose", "make_recorder", "run_recorded", "cpu_recorder", "check_passed"]
+__all__ = ["CliResult", "run_cli", "launched", "compose", "make_recorder", "run_recorded", "cpu_recorder", "check_passed"]
