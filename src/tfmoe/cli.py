@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -61,19 +62,24 @@ def bad_input_exits_2() -> Iterator[None]:
         raise fail(str(exc)) from None
 
 
-RUNS_ROOT = typer.Option(Path("runs"), "--runs-root", help="Where the runs live (default: ./runs).")
+# Typer's Annotated style: the type and the option together, the default as the parameter's own default
+RunsRoot = Annotated[Path, typer.Option("--runs-root", help="Where the runs live (default: ./runs).")]
+DEFAULT_RUNS_ROOT = Path("runs")
+Device = Annotated[str | None, typer.Option("--device", help="cpu | cuda | cuda:N | mps | auto")]
 
 
 # ------------------------------------------------------------------------------------------ experiments
 def _experiment_command(exp: Experiment):
     def command(
         ctx: typer.Context,
-        device: str | None = typer.Option(None, "--device", help="cpu | cuda | cuda:N | mps | auto"),
-        dtype: DType | None = typer.Option(None, "--dtype", help="Floating-point dtype of the run."),
-        seed: int | None = typer.Option(None, "--seed", help="Seed for torch/numpy/random."),
-        multirun: bool = typer.Option(False, "-m", "--multirun", help="Hydra multirun: sweep comma lists / range()."),
-        expect: list[str] | None = typer.Option(None, "--expect", help='Your prediction, judged by the run: '
-                                                '"METRIC OP VALUE", e.g. "cv < 0.1" (repeatable; exit 4 if it misses).'),
+        device: Device = None,
+        dtype: Annotated[DType | None, typer.Option("--dtype", help="Floating-point dtype of the run.")] = None,
+        seed: Annotated[int | None, typer.Option("--seed", help="Seed for torch/numpy/random.")] = None,
+        multirun: Annotated[bool, typer.Option("-m", "--multirun",
+                                               help="Hydra multirun: sweep comma lists / range().")] = False,
+        expect: Annotated[list[str] | None, typer.Option(
+            "--expect", help='Your prediction, judged by the run: "METRIC OP VALUE", e.g. "cv < 0.1" '
+                             '(repeatable; exit 4 if it misses).')] = None,
     ) -> None:
         from tfmoe.launch import run_experiment
 
@@ -107,10 +113,7 @@ for _exp in EXPERIMENTS.values():
 
 
 @app.command("all")
-def run_all(
-    device: str | None = typer.Option(None, "--device", help="cpu | cuda | cuda:N | mps | auto"),
-    runs_root: Path = RUNS_ROOT,
-) -> None:
+def run_all(device: Device = None, runs_root: RunsRoot = DEFAULT_RUNS_ROOT) -> None:
     """Run every registered experiment with its defaults, then print a table of the runs made."""
     from tfmoe.launch import run_experiment
     from tfmoe.reports import print_runs_table
@@ -131,11 +134,12 @@ def run_all(
 # ------------------------------------------------------------------------------------------ notebook
 @app.command("runs")
 def runs_cmd(
-    experiment: str | None = typer.Option(None, "--experiment", "-e", help="Only this experiment."),
-    status: str | None = typer.Option(None, "--status", help="ok | failed | unexpected | error | interrupted | crashed | running"),
-    last: int | None = typer.Option(None, "--last", help="Only the N most recent runs."),
-    fmt: Format = typer.Option(Format.table, "--format"),
-    runs_root: Path = RUNS_ROOT,
+    experiment: Annotated[str | None, typer.Option("--experiment", "-e", help="Only this experiment.")] = None,
+    status: Annotated[str | None, typer.Option(
+        "--status", help="ok | failed | unexpected | error | interrupted | crashed | running")] = None,
+    last: Annotated[int | None, typer.Option("--last", help="Only the N most recent runs.")] = None,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.table,
+    runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """List runs: id, experiment, status, started, wall, device, dtype, overrides."""
     from tfmoe import reports
@@ -155,9 +159,9 @@ def runs_cmd(
 
 @app.command("show")
 def show_cmd(
-    run: str = typer.Argument(..., help="Run path, run id, unique prefix, or 'latest'."),
-    fmt: Format = typer.Option(Format.table, "--format"),
-    runs_root: Path = RUNS_ROOT,
+    run: Annotated[str, typer.Argument(help="Run path, run id, unique prefix, or 'latest'.")],
+    fmt: Annotated[Format, typer.Option("--format")] = Format.table,
+    runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """One run: config, environment, checks, metrics, timings, tensors, plots."""
     from tfmoe import reports
@@ -168,14 +172,16 @@ def show_cmd(
 
 @app.command("diff")
 def diff_cmd(
-    a: str = typer.Argument(..., help="Run A (path, id, prefix or 'latest')."),
-    b: str = typer.Argument(..., help="Run B."),
-    all_rows: bool = typer.Option(False, "--all", help="Show everything, not only what differs."),
-    force: bool = typer.Option(False, "--force", help="Compare runs of different experiments."),
-    metric: str | None = typer.Option(None, "--metric", help="Only this metric (a name or a glob like 'loss*')."),
-    top: int | None = typer.Option(None, "--top", help="The N largest changes per section (tables default to 20)."),
-    fmt: Format = typer.Option(Format.table, "--format"),
-    runs_root: Path = RUNS_ROOT,
+    a: Annotated[str, typer.Argument(help="Run A (path, id, prefix or 'latest').")],
+    b: Annotated[str, typer.Argument(help="Run B.")],
+    all_rows: Annotated[bool, typer.Option("--all", help="Show everything, not only what differs.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Compare runs of different experiments.")] = False,
+    metric: Annotated[str | None, typer.Option(
+        "--metric", help="Only this metric (a name or a glob like 'loss*').")] = None,
+    top: Annotated[int | None, typer.Option(
+        "--top", help="The N largest changes per section (tables default to 20).")] = None,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.table,
+    runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """What differs between two runs, summary first. Exit 0: nothing beyond tolerance (timings excluded); 1: it does."""
     from tfmoe import reports
@@ -187,8 +193,8 @@ def diff_cmd(
 
 @app.command("replay")
 def replay_cmd(
-    run: str = typer.Argument(..., help="Run path, id, prefix or 'latest'."),
-    runs_root: Path = RUNS_ROOT,
+    run: Annotated[str, typer.Argument(help="Run path, id, prefix or 'latest'.")],
+    runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """Re-run with the recorded config and seed, then diff the new run against the old one."""
     from tfmoe.launch import replay
@@ -206,9 +212,10 @@ class SqlFormat(str, Enum):
 
 @app.command("sql")
 def sql_cmd(
-    query: str = typer.Argument(..., help='One read-only SELECT, e.g. "SELECT run_id, status FROM runs".'),
-    fmt: SqlFormat = typer.Option(SqlFormat.table, "--format", help="table | json (a list of row objects) | csv"),
-    runs_root: Path = RUNS_ROOT,
+    query: Annotated[str, typer.Argument(help='One read-only SELECT, e.g. "SELECT run_id, status FROM runs".')],
+    fmt: Annotated[SqlFormat, typer.Option(
+        "--format", help="table | json (a list of row objects) | csv")] = SqlFormat.table,
+    runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """Read-only SQL (DuckDB) over every run: views runs, metrics, checks, timings (each with run_id)."""
     from tfmoe import sql
@@ -219,10 +226,11 @@ def sql_cmd(
 
 @export_app.command("mlflow")
 def export_mlflow_cmd(
-    runs: list[str] = typer.Argument(None, help="Runs (path, id, prefix, 'latest' or a sweep directory); default all."),
-    tracking_uri: str = typer.Option("sqlite:///mlflow.db", "--tracking-uri",
-                                     help="MLflow tracking store (default: ./mlflow.db)."),
-    runs_root: Path = RUNS_ROOT,
+    runs: Annotated[list[str] | None, typer.Argument(
+        help="Runs (path, id, prefix, 'latest' or a sweep directory); default all.")] = None,
+    tracking_uri: Annotated[str, typer.Option(
+        "--tracking-uri", help="MLflow tracking store (default: ./mlflow.db).")] = "sqlite:///mlflow.db",
+    runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """Export runs to MLflow: params, metrics, tags, artifacts; a sweep becomes a parent run. Idempotent."""
     from tfmoe import export_mlflow
@@ -233,7 +241,7 @@ def export_mlflow_cmd(
 
 @app.command("sweep-complete")
 def sweep_complete_cmd(
-    sweep_dir: Path = typer.Argument(..., help="The sweep directory, runs/<experiment>/multirun-<...>."),
+    sweep_dir: Annotated[Path, typer.Argument(help="The sweep directory, runs/<experiment>/multirun-<...>.")],
 ) -> None:
     """Write sweep.parquet for a sweep whose launching process died (killed, machine lost): every job, with the
     state it is in (ok/failed/.../lost/running/not_started). Exit code: the worst of its jobs'."""
@@ -246,13 +254,13 @@ def sweep_complete_cmd(
 
 @failures_app.command("add")
 def failures_add(
-    run: str = typer.Argument(..., help="The run that shows the failure (path, id, prefix or 'latest')."),
-    title: str | None = typer.Option(None, "--title"),
-    hypothesis: str = typer.Option("not yet stated", "--hypothesis"),
-    fix: str = typer.Option("not yet fixed", "--fix"),
-    test: str = typer.Option("none yet", "--test", help="The regression test that guards it."),
-    file: Path = typer.Option(Path("failures.md"), "--file", help="The failures log (default ./failures.md)."),
-    runs_root: Path = RUNS_ROOT,
+    run: Annotated[str, typer.Argument(help="The run that shows the failure (path, id, prefix or 'latest').")],
+    title: Annotated[str | None, typer.Option("--title")] = None,
+    hypothesis: Annotated[str, typer.Option("--hypothesis")] = "not yet stated",
+    fix: Annotated[str, typer.Option("--fix")] = "not yet fixed",
+    test: Annotated[str, typer.Option("--test", help="The regression test that guards it.")] = "none yet",
+    file: Annotated[Path, typer.Option("--file", help="The failures log (default ./failures.md).")] = Path("failures.md"),
+    runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """Append an entry to failures.md: phenomenon, hypothesis, evidence, fix, regression test."""
     from tfmoe import failures
@@ -269,10 +277,10 @@ class ClaimsFormat(str, Enum):
 
 @app.command("claims")
 def claims_cmd(
-    run: bool = typer.Option(False, "--run", help="Run each claim's experiment and judge its check(s)."),
-    only: list[str] | None = typer.Option(None, "--claim", help="Only this claim (its key; repeatable)."),
-    fmt: ClaimsFormat = typer.Option(ClaimsFormat.table, "--format"),
-    runs_root: Path = RUNS_ROOT,
+    run: Annotated[bool, typer.Option("--run", help="Run each claim's experiment and judge its check(s).")] = False,
+    only: Annotated[list[str] | None, typer.Option("--claim", help="Only this claim (its key; repeatable).")] = None,
+    fmt: Annotated[ClaimsFormat, typer.Option("--format")] = ClaimsFormat.table,
+    runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """The chapter's six self-test claims: experiment, overrides and the check(s) that would fail were each false."""
     from tfmoe import claims
@@ -287,11 +295,13 @@ def claims_cmd(
 
 @app.command("conclude")
 def conclude_cmd(
-    run: str = typer.Argument(..., help="The run the conclusion is about (path, id, prefix or 'latest')."),
-    proven: list[str] | None = typer.Option(None, "--proven", help="What a check or a number of this run shows."),
-    inferred: list[str] | None = typer.Option(None, "--inferred", help="What you infer beyond what it shows."),
-    unverified: list[str] | None = typer.Option(None, "--unverified", help="What is not yet verified."),
-    runs_root: Path = RUNS_ROOT,
+    run: Annotated[str, typer.Argument(help="The run the conclusion is about (path, id, prefix or 'latest').")],
+    proven: Annotated[list[str] | None, typer.Option(
+        "--proven", help="What a check or a number of this run shows.")] = None,
+    inferred: Annotated[list[str] | None, typer.Option(
+        "--inferred", help="What you infer beyond what it shows.")] = None,
+    unverified: Annotated[list[str] | None, typer.Option("--unverified", help="What is not yet verified.")] = None,
+    runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """Append conclusions (never rewriting earlier ones) to the run's conclusions.parquet and summary.md."""
     from tfmoe import conclusions
@@ -304,7 +314,7 @@ def conclude_cmd(
 
 
 @failures_app.command("list")
-def failures_list(file: Path = typer.Option(Path("failures.md"), "--file")) -> None:
+def failures_list(file: Annotated[Path, typer.Option("--file")] = Path("failures.md")) -> None:
     """List the entries of failures.md."""
     from tfmoe import failures
 
