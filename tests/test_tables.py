@@ -67,3 +67,14 @@ def test_redirected_output_prints_each_row_whole_on_one_line() -> None:
     lines = console.file.getvalue().splitlines()
     assert any(all(v in line for v in row) for line in lines), "\n".join(lines)
     assert console.width == 80  # the console is left as it was
+
+
+def test_cells_headers_and_titles_are_plain_text_not_rich_markup() -> None:
+    """The bug: check names like ``round_trip[cl100k_base]`` lost their ``[...]`` (read as a rich style tag)."""
+    t = Rows("checks [pre]", ["check[s]", "detail"],
+             [("attention_mixes_tokens[pre]", "[bold]x[/bold] round_trip[cl100k_base]")])
+    text = render(t)
+    for value in ("checks [pre]", "check[s]", "attention_mixes_tokens[pre]", "[bold]x[/bold] round_trip[cl100k_base]"):
+        assert value in text, f"{value!r} lost its brackets:\n{text}"
+    blocks = render(Rows("wide [w]", ["alpha", "beta", "gamma[d]"], [("x[pre]" * 4, "y" * 20, "z" * 20)]), width=40)
+    assert "wide [w] [1/1]" in blocks and "x[pre]x[pre]" in blocks and "gamma[d]" in blocks  # one block per row

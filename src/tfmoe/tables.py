@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 COMPACT_WIDTH = 14  # a column wider than this may wrap (its header never does)
 
@@ -79,7 +80,8 @@ class Rows:
                 console.width = saved
 
     def rich(self, width: int = 80) -> RenderableType:
-        """A rich table that fits ``width`` columns, or one ``column  value`` block per row when it cannot."""
+        """A rich table that fits ``width`` columns, or one ``column  value`` block per row when it cannot.
+        Cells, headers and the title are plain text, never rich markup: ``round_trip[cl100k_base]`` stays whole."""
         texts = self.texts()
         headers = [str(c) for c in self.columns]
         natural = [max([len(h), *(len(r[i]) for r in texts)]) for i, h in enumerate(headers)]
@@ -87,21 +89,21 @@ class Rows:
         frame = 3 * len(headers) + 1  # borders and padding of a rich table
         styles = self.styles or [None] * len(texts)
         if sum(compact) + frame <= width:
-            table = Table(title=self.title or None)
+            table = Table(title=Text(self.title) if self.title else None)
             fits = sum(natural) + frame <= width
             for h, n, c in zip(headers, natural, compact, strict=True):
-                table.add_column(h, min_width=c, no_wrap=fits or n <= c, overflow="fold")
+                table.add_column(Text(h), min_width=c, no_wrap=fits or n <= c, overflow="fold")
             for r, style in zip(texts, styles, strict=True):
-                table.add_row(*r, style=style)
+                table.add_row(*map(Text, r), style=style)
             return table
         blocks: list[RenderableType] = []
         for i, (r, style) in enumerate(zip(texts, styles, strict=True)):
-            block = Table(title=f"{self.title} [{i + 1}/{len(texts)}]" if self.title else None,
+            block = Table(title=Text(f"{self.title} [{i + 1}/{len(texts)}]") if self.title else None,
                           show_header=False, style=style)
             block.add_column(no_wrap=True, style="bold")
             block.add_column(overflow="fold")
             for h, v in zip(headers, r, strict=True):
-                block.add_row(h, v)
+                block.add_row(Text(h), Text(v))
             blocks.append(block)
         return Group(*blocks)
 
