@@ -15,6 +15,10 @@ from pathlib import Path
 import pandas as pd
 
 from tfmoe.errors import BadInput
+from tfmoe.status import Status
+from tfmoe.tables import Rows
+
+VERDICT_STYLES = {"holds": "green", "falsified": "red", "not judged": "yellow"}
 
 
 @dataclass(frozen=True)
@@ -93,21 +97,22 @@ def as_records() -> list[dict[str, object]]:
     return out
 
 
+def claims_table() -> Rows:
+    """The six claims: experiment, overrides and the check(s) that would fail were each false."""
+    table = Rows("the chapter's six claims (tfmoe claims --run runs them)",
+                 ["claim", "experiment", "overrides", "check(s) that would fail were it false"])
+    for c in CLAIMS:
+        table.add(c.claim, c.experiment, " ".join(c.overrides) or "(defaults)", c.checks)
+    return table
+
+
 def print_list(fmt: str) -> None:
     if fmt == "json":
         print(json.dumps(as_records(), ensure_ascii=False))
         return
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
-    table = Table(title="the chapter's six claims (tfmoe claims --run runs them)", show_lines=True)
-    for col in ("claim", "experiment", "overrides", "check(s) that would fail were it false"):
-        table.add_column(col, overflow="fold")
-    for c in CLAIMS:
-        table.add_row(*(escape(t) for t in (c.claim, c.experiment, " ".join(c.overrides) or "(defaults)",
-                                             "\n".join(c.checks))))
-    Console(highlight=False, width=200).print(table)
+    claims_table().print_to(Console(highlight=False))
 
 
 def verdict(claim: Claim, checks: pd.DataFrame) -> tuple[str, str]:
@@ -125,8 +130,6 @@ def verdict(claim: Claim, checks: pd.DataFrame) -> tuple[str, str]:
 def run_all(runs_root: Path, only: list[str] | None = None) -> int:
     """Run each claim's experiment; print claim -> verdict -> run id. 0 when every claim holds, else 1."""
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
     from tfmoe.launch import run_experiment
     from tfmoe.notebook import read_parquet
@@ -152,13 +155,10 @@ def run_all(runs_root: Path, only: list[str] | None = None) -> int:
             else pd.DataFrame(columns=["check", "passed"])
         v, detail = verdict(c, checks)
         rows.append((c, v, detail, run_dir.name))
-    table = Table(title="claims", show_lines=True)
-    for col in ("claim", "verdict", "run id", "evidence"):
-        table.add_column(col, overflow="fold")
+    table = Rows("claims", ["claim", "verdict", "run id", "evidence"])
     for c, v, detail, run_id in rows:
-        style = {"holds": "green", "falsified": "red"}.get(v, "yellow")
-        table.add_row(escape(c.claim), f"[{style}]{v}[/]", run_id, escape(f"{c.experiment}: {detail}"))
-    Console(highlight=False, width=160).print(table)
+        table.add(c.claim, v, run_id, f"{c.experiment}: {detail}", style=VERDICT_STYLES[v])
+    table.print_to(Console(highlight=False))
     for c, v, _, run_id in rows:
         print(f"{c.key} -> {v} -> {run_id}")
-    return 0 if all(v == "holds" for _, v, _, _ in rows) else 1
+    return Status.OK.exit_code if all(v == "holds" for _, v, _, _ in rows) else Status.FAILED.exit_code

@@ -63,9 +63,9 @@ def metric_key(name: str, tags: dict[str, Any]) -> str:
 
 def flatten(d: Any) -> dict[str, str]:
     """The config as MLflow params: dotted keys, lists as JSON."""
-    from tfmoe.reports import _flatten
+    from tfmoe.reports import flatten_keys
 
-    return {k: json.dumps(v) if isinstance(v, (list, tuple)) else str(v) for k, v in _flatten(d).items()}
+    return {k: json.dumps(v) if isinstance(v, (list, tuple)) else str(v) for k, v in flatten_keys(d).items()}
 
 
 def _ms(ts: Any) -> int | None:

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from tfmoe.errors import BadInput
 from tfmoe.status import Status
+from tfmoe.tables import Rows
 
 RUN_FILE = "run.parquet"
 TABLE_FILES = {
@@ -322,13 +323,10 @@ class RunWriter:
         if error:
             lines += [f"error: {error}", ""]
         if rec is not None and rec.checks_rows:
-            lines += ["| check | passed | observed | threshold |", "|---|---|---|---|"]
-            lines += [f"| {c.check} | {'yes' if c.passed else '**NO**'} | {_fmt(c.observed)} | {_fmt(c.threshold)} |"
-                      for c in rec.checks_rows]
-            lines.append("")
+            lines += [checks_table(rec.checks_rows).markdown(), ""]
         lines += self.inference_lines
         if self.expectations is not None and len(self.expectations):
-            lines += expectations_markdown(self.expectations)
+            lines += [expectations_table(self.expectations).markdown(), ""]
         lines += [f"- {n}" for n in notes]
         if rec is not None:
             lines += ["", *rec.summary_parts]
@@ -339,15 +337,24 @@ def _fmt(x: float | None) -> str:
     return "" if x is None or x != x else f"{x:.4g}"
 
 
-def expectations_markdown(df: pd.DataFrame) -> list[str]:
+def checks_table(checks: Any) -> Rows:
+    """The checks table of summary.md: each check (recorder CheckRows), passed, observed, threshold."""
+    table = Rows("checks", ["check", "passed", "observed", "threshold"])
+    for c in checks:
+        table.add(c.check, "yes" if c.passed else "**NO**", _fmt(c.observed), _fmt(c.threshold))
+    return table
+
+
+def expectations_table(df: pd.DataFrame) -> Rows:
     """The expectations table of summary.md (beside the checks): prediction, observation, held, when written."""
-    lines = ["| expectation | expected | observed | held | written at |", "|---|---|---|---|---|"]
+    table = Rows("expectations", ["expectation", "expected", "observed", "held", "written at"])
     for r in df.to_dict("records"):
         held = r.get("held")
         mark = "" if held is None or held != held else ("yes" if held else "**NO**")
         when = "" if r.get("written_at") is None else pd.Timestamp(r["written_at"]).strftime("%Y-%m-%d %H:%M:%S")
-        lines.append(f"| {r['selector']} | {r['expected']} | {_fmt(r.get('observed'))} | {mark} | {when} |")
-    return [*lines, ""]
+        table.add(r["selector"], r["expected"], _fmt(r.get("observed")), mark, when)
+    return table
+
 
 
 # --------------------------------------------------------------------------------------------- status

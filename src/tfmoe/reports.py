@@ -113,7 +113,8 @@ def print_runs_table(run_dirs: list[Path]) -> None:
         print_outcome(run_dirs, [], title=f"tfmoe all: {len(run_dirs)} runs")
 
 
-def _emit(df: pd.DataFrame, fmt: str, title: str = "") -> None:
+def print_frame(df: pd.DataFrame, fmt: str, title: str = "") -> None:
+    """``df`` on stdout as json (row objects), md (a titled markdown table) or a terminal table."""
     if fmt == "json":
         print(df.to_json(orient="records", date_format="iso", default_handler=str))
     elif fmt == "md":
@@ -165,7 +166,7 @@ def runs(runs_root: Path, experiment: str | None, status: str | None, last: int 
     out["overrides"] = out["overrides"].map(lambda o: " ".join(o) if o is not None and len(o) else "")
     out["wall_s"] = out["wall_s"].map(lambda w: "" if pd.isna(w) else f"{w:.2f}")
     out["started_at"] = out["started_at"].map(lambda t: "" if pd.isna(t) else pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S"))
-    _emit(out, fmt, f"runs under {runs_root}")
+    print_frame(out, fmt, f"runs under {runs_root}")
 
 
 # --------------------------------------------------------------------------------------------- show
@@ -192,26 +193,26 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
                          ["run_id", "experiment", "status", "started_at", "wall_s", "seed", "overrides",
                           "error", "peak_rss_bytes", "peak_device_mem_bytes", "notes", *ENV_KEYS,
                           "pid", "process_started_at", "heartbeat_at"]])
-    _emit(head, fmt, f"run {run['run_id']} ({data.path})")
+    print_frame(head, fmt, f"run {run['run_id']} ({data.path})")
     if fmt == "md":
         print("\n### config\n\n```yaml\n" + data.config + "```")
     else:
         console.print("[bold]config[/]\n" + data.config)
     if not data.checks.empty:
-        _emit(data.checks, fmt, "checks")
+        print_frame(data.checks, fmt, "checks")
         for inference in _inferences(data):
             print(inference.line())
     if not data.expectations.empty:
-        _emit(data.expectations.drop(columns=["label", "metric", "aggregate", "judged_at"], errors="ignore"), fmt,
+        print_frame(data.expectations.drop(columns=["label", "metric", "aggregate", "judged_at"], errors="ignore"), fmt,
               "expectations (your predictions, written before the run)")
     if not data.metrics.empty:
         m = data.metrics
-        _emit(m.head(60), fmt, f"metrics ({len(m)} rows{', first 60' if len(m) > 60 else ''})")
+        print_frame(m.head(60), fmt, f"metrics ({len(m)} rows{', first 60' if len(m) > 60 else ''})")
     if not data.timings.empty:
-        _emit(data.timings, fmt, "timings")
+        print_frame(data.timings, fmt, "timings")
     if not data.tensor_table.empty:
         t = data.tensor_table.drop(columns=["values"])
-        _emit(t, fmt, "tensors")
+        print_frame(t, fmt, "tensors")
     plots = data.plots
     if plots:
         print("plots: " + ", ".join(str(p) for p in plots))
@@ -257,11 +258,12 @@ def _jsonable(v: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------------- diff
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_keys(d: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as one level of dotted keys (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``)."""
     out: dict[str, Any] = {}
     if isinstance(d, dict):
         for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_keys(v, f"{prefix}{k}."))
     else:
         out[prefix[:-1]] = d
     return out
@@ -274,7 +276,7 @@ def _config_dict(data: RunData) -> dict[str, Any]:
         cfg = yaml.safe_load(data.config) or {}
     except yaml.YAMLError:
         raise BadInput(f"{data.path}/.hydra/config.yaml is not valid YAML: the run is corrupt") from None
-    flat = _flatten(cfg)
+    flat = flatten_keys(cfg)
     flat.pop("run_root", None)
     return flat
 
@@ -524,6 +526,6 @@ def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, f
             if "measured" in shown and not shown["measured"].any():
                 shown = shown.drop(columns=["measured"])
             title = k + (f" ({hidden[k]} more rows: --top N, --all)" if hidden.get(k) else "")
-            _emit(shown, fmt, title)
+            print_frame(shown, fmt, title)
     print("differ" if differs else "no differences beyond tolerance (environment and timings are context only)")
     return 1 if differs else 0

@@ -176,6 +176,6 @@ def emit(df: pd.DataFrame, fmt: str) -> None:
     elif fmt == "csv":
         print(df.to_csv(index=False), end="")
     else:
-        from tfmoe.reports import _emit
+        from tfmoe.reports import print_frame
 
-        _emit(df, "table", f"{len(df)} row{'s' if len(df) != 1 else ''}")
+        print_frame(df, "table", f"{len(df)} row{'s' if len(df) != 1 else ''}")
