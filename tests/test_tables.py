@@ -78,3 +78,13 @@ def test_cells_headers_and_titles_are_plain_text_not_rich_markup() -> None:
         assert value in text, f"{value!r} lost its brackets:\n{text}"
     blocks = render(Rows("wide [w]", ["alpha", "beta", "gamma[d]"], [("x[pre]" * 4, "y" * 20, "z" * 20)]), width=40)
     assert "wide [w] [1/1]" in blocks and "x[pre]x[pre]" in blocks and "gamma[d]" in blocks  # one block per row
+
+
+def test_row_blocks_keep_their_values_readable_when_a_header_is_long() -> None:
+    """The bug: in the one-block-per-row form a 30-letter header took the whole width at 40 columns and each
+    value was printed one letter per line."""
+    text = render(Rows("wide", ["a" * 30, "b" * 30, "c" * 30], [("value here", "y", "z")]), width=40)
+    assert "value here" in text, text
+    assert max(len(line) for line in text.splitlines()) <= 40
+    short = render(Rows("t", ["k", "v", "w"], [("x" * 30, "y" * 30, "z" * 30)]), width=40)
+    assert "x" * 30 in short  # short headers: the value column gets the rest of the width

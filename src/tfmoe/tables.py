@@ -100,7 +100,8 @@ class Rows:
         for i, (r, style) in enumerate(zip(texts, styles, strict=True)):
             block = Table(title=Text(f"{self.title} [{i + 1}/{len(texts)}]") if self.title else None,
                           show_header=False, style=style)
-            block.add_column(no_wrap=True, style="bold")
+            # a header longer than half the width wraps, so its value never shrinks to one letter per line
+            block.add_column(style="bold", max_width=max(COMPACT_WIDTH, width // 2), overflow="fold")
             block.add_column(overflow="fold")
             for h, v in zip(headers, r, strict=True):
                 block.add_row(Text(h), Text(v))
