@@ -195,6 +195,25 @@ def test_summary_names_losses_and_logits() -> None:
     assert f"right vs left padding: per-token losses max |Δ| = {m['left_right_max_abs']:.3g}" in rec.summary_parts[-1]
 
 
+def test_per_position_table_is_whole_when_redirected_at_80_columns() -> None:
+    """Issue 12 item 8: with output redirected (rich assumes 80 columns) the table is one tables.Rows printed at
+    its natural width: no cell cut to '…', the same rows as summary.md's table."""
+    import io
+
+    from rich.console import Console
+
+    from tfmoe.testing import compose, make_recorder
+
+    cfg = compose("shift-labels", ["model.n_layers=1"])
+    rec = make_recorder(cfg)
+    rec.console = Console(file=io.StringIO(), width=80)
+    sl.run(sl.settings(cfg), rec)
+    text = rec.console.file.getvalue()
+    assert "…" not in text and "−100 (ignored)" in text and "attention_mask" in text and "label_mask" in text
+    summary = "\n".join(rec.summary_parts)
+    assert "| 2 | 3 | PAD | −100 (ignored) | 0 | 0 |" in summary  # [BOS, 狗, EOS] right-padded: no label on PAD
+
+
 def test_low_precision_run_passes_with_dtype_tolerances() -> None:
     rec = run_recorded("shift-labels", ["dtype=bf16", "model.n_layers=1"])
     assert rec.all_passed, [(c.check, c.observed, c.threshold) for c in rec.checks_rows if not c.passed]
