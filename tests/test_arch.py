@@ -45,6 +45,12 @@ def cfg_with(base, **overrides):
     return cfg
 
 
+def test_settings_touch_no_device(base_cfg):
+    """settings() runs for every job of a sweep before any starts: a device this machine lacks is no error there."""
+    s = arch.settings(cfg_with(base_cfg, device="cuda:7", dtype="bf16"))
+    assert s.d_model == base_cfg.d_model and s.rope == bool(base_cfg.rope)
+
+
 def models(seed: int = 0, **bugs):
     torch.manual_seed(seed)
     enc = bugs.get("encoder") or EncoderOnly(V, D, H, L, 3)

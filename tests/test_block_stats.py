@@ -267,6 +267,12 @@ def test_settings_bad_input(base_cfg, overrides, match):
     assert ":" in str(info.value)  # names the problem and the fix
 
 
+def test_settings_touch_no_device(base_cfg):
+    """settings() runs for every job of a sweep before any starts: a device this machine lacks is no error there."""
+    s = bs.settings(cfg_with(base_cfg, device="cuda:7", dtype="bf16"))
+    assert [v.name for v in s.variants] == ["pre", "post"] and s.lowp_dtypes == ("fp16", "bf16")
+
+
 def test_settings_boundary(base_cfg):
     s = bs.settings(cfg_with(base_cfg, n_layers=1, d_model=4, n_heads=4))
     assert [v.name for v in s.variants] == ["pre", "post"]

@@ -195,6 +195,15 @@ def test_summary_names_losses_and_logits() -> None:
     assert f"right vs left padding: per-token losses max |Δ| = {m['left_right_max_abs']:.3g}" in rec.summary_parts[-1]
 
 
+def test_settings_touch_no_device() -> None:
+    """settings() runs for every job of a sweep before any starts: a device this machine lacks is no error there;
+    the sequences are encoded once, there."""
+    from tfmoe.testing import compose
+
+    s = sl.settings(compose("shift-labels", ["device=cuda:7", "dtype=bf16"]))
+    assert s.vocab[s.pad_id] == "PAD" and s.sequences[2] == (1, 6, 2) and s.texts is None and s.tokenizer_ids == ()
+
+
 def test_per_position_table_is_whole_when_redirected_at_80_columns() -> None:
     """Issue 12 item 8: with output redirected (rich assumes 80 columns) the table is one tables.Rows printed at
     its natural width: no cell cut to '…', the same rows as summary.md's table."""
