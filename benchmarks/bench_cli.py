@@ -126,6 +126,25 @@ def sweep_file_at(jobs: int = 1000) -> tuple[float, float, int]:
         shutil.rmtree(work)
 
 
+def settings_validation_per_job(jobs: int = 1000) -> dict[str, float]:
+    """CPU seconds per job to build every job's settings before a sweep starts (launch.validate_sweep_settings,
+    issue 12 item 7) for a ``jobs``-job sweep: each job's config derived from one composed config, then the
+    experiment's settings(cfg)."""
+    from tfmoe import runner
+    from tfmoe.launch import validate_sweep_settings
+    from tfmoe.registry import EXPERIMENTS
+
+    runner.register_resolvers()
+    out = {}
+    for name, sweep in (("shift-labels", [f"seed=range(0,{jobs})"]),
+                        ("complexity", [f"T=range(16,{16 + jobs})", "D=64"])):
+        EXPERIMENTS[name].load()  # imports are not the per-job cost
+        t0 = time.process_time()
+        validate_sweep_settings(EXPERIMENTS[name], sweep)
+        out[name] = (time.process_time() - t0) / jobs
+    return out
+
+
 def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
     """CPU seconds of bookkeeping per extra job of an in-process basic-launcher sweep of shift-labels, beyond the
     experiment's own run: (CPU of a ``large``-job sweep - CPU of a ``small``-job one - the extra jobs' own CPU) /
@@ -185,6 +204,9 @@ if __name__ == "__main__":
     m = marginal_overhead_cpu()
     print(f"bookkeeping CPU per extra sweep job (in-process, beyond the experiment's own CPU): before "
           f"{m['before']:.3f} s, after {m['after']:.3f} s  (target 0.100 s; ratio {m['after'] / 0.1:.2f}x of target)")
+    v = settings_validation_per_job()
+    print("settings of every job built before a 1,000-job sweep starts: "
+          + ", ".join(f"{name} {cpu * 1000:.1f} ms CPU/job" for name, cpu in v.items()))
     plain, fast = composition_per_job()
     print(f"Hydra config composition per sweep job: {plain:.3f} s as Hydra does it (2 composes), {fast:.3f} s with "
           f"sweep_speed (1 compose, YAML parsed once): {plain / fast:.2f}x less")

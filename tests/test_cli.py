@@ -140,8 +140,12 @@ def test_multirun_range_sweep(workdir: Path) -> None:
 
 
 def test_multirun_exit_code_is_the_worst_job(workdir: Path) -> None:
-    r = run_cli(["shift-labels", "-m", "pad_side=left,middle"], workdir)
+    # device=tpu passes the settings built before the sweep (the runner refuses it inside the job), so job 1 runs
+    # and ends `error`; a bad experiment setting (pad_side=middle) is refused before any job starts (item 7 test)
+    r = run_cli(["shift-labels", "-m", "device=cpu,tpu"], workdir)
     assert r.exit_code == 2
+    sweep = next((workdir / "runs" / "shift-labels").glob("multirun-*"))
+    assert list(pd.read_parquet(sweep / "sweep.parquet").drop_duplicates("job")["status"]) == ["ok", "error"]
 
 
 def test_runs_show_diff_replay(workdir: Path) -> None:
@@ -360,3 +364,18 @@ def test_launch_chooses_its_directories_and_respects_a_users_own(fake_experiment
     assert code == 0 and dirs == [sweep / "0", sweep / "1"] and (sweep / "sweep.parquet").exists()
     code, dirs = launched(fake_experiment, ["seed=1,2"], multirun=True)
     assert code == 0 and [d.name for d in dirs] == ["0", "1"] and dirs[0].parent.name.startswith("multirun-")
+
+
+@pytest.mark.parametrize(("sweep", "needle", "count"), [
+    (["T=256,512"], "sweep job 0 (T=256): T=256 and D=None: give both T and D", "2 of 2"),  # D missing: all bad
+    (["T=64", "D=64,62,128"], "sweep job 1 (T=64 D=62): D=62 is not divisible by n_heads=4", "1 of 3"),  # one bad
+])
+def test_a_sweep_with_bad_settings_is_refused_before_any_job_starts(workdir: Path, sweep: list[str], needle: str,
+                                                                    count: str) -> None:
+    """Issue 12 item 7: every job's settings(cfg) is built before the sweep starts; exit 2, one line, nothing
+    written (no runs root, no sweep directory, no run directory)."""
+    r = run_cli(["complexity", "-m", *sweep], workdir)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+    assert lines[0].endswith(f"({count} jobs refused); nothing was run") and "Traceback" not in r.stderr
+    assert not (workdir / "runs").exists() and r.run_dir is None

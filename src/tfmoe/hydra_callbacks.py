@@ -128,7 +128,7 @@ class SweepCallback(Callback):
 
         from tfmoe.sweep_speed import faster_composition
 
-        if GlobalHydra.instance().is_initialized():  # compose each job once, parse each YAML file once
+        if GlobalHydra.instance().is_initialized():  # derive jobs' configs, parse each YAML file once
             _PROGRESS["undo"] = faster_composition(GlobalHydra.instance().config_loader())
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:

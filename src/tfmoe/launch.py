@@ -216,6 +216,66 @@ def check_writable(run_root: str) -> None:
                        "can write, or fix the permissions") from None
 
 
+def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
+    """Each job's task overrides, in job order, as Hydra's basic sweeper enumerates them; None for another sweeper
+    (it enumerates its own jobs)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    from tfmoe.sweep_speed import parse
+
+    parsed = parse(overrides)
+    if any(o.key_or_group == "hydra/sweeper" or o.key_or_group.startswith("hydra.sweeper") for o in parsed):
+        return None
+    task = [o for o in parsed if not o.is_hydra_override()]
+    return [job for batch in BasicSweeper.split_arguments(task, None) for job in batch]
+
+
+def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
+    """Build every job's settings (the experiment contract's ``settings(cfg)``) before any job of a sweep starts:
+    BadInput naming the first refused job's overrides, the problem and the fix. Each job's config is derived
+    from one composed config (sweep_speed.JobConfigs), as the sweep itself will compose it. Skipped for an
+    experiment module without ``settings`` and for sweepers other than Hydra's basic one; a job whose config does
+    not compose, or whose settings() fails other than with BadInput (e.g. a ``${hydra:...}`` interpolation, which
+    only resolves inside the job), is left to the sweep to report."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    from omegaconf import open_dict, read_write
+
+    from tfmoe.sweep_speed import JobConfigs
+
+    module = exp.load()
+    jobs = sweep_job_overrides(overrides) if hasattr(module, "settings") else None
+    if not jobs:
+        return
+    refused: list[tuple[int, list[str], str]] = []
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            try:
+                master = loader.load_configuration(exp.config, list(overrides), RunMode.MULTIRUN)
+            except Exception:
+                return  # Hydra reports it when the sweep starts
+            configs = JobConfigs(loader, master)
+            for i, job in enumerate(jobs):
+                try:
+                    cfg = configs(job)
+                    with read_write(cfg), open_dict(cfg):  # the job's config, as run_job hands it over
+                        del cfg["hydra"]
+                    module.settings(cfg)
+                except BadInput as exc:
+                    refused.append((i, job, str(exc)))
+                except Exception:  # not bad input: the job itself records what happens
+                    continue
+    finally:
+        GlobalHydra.instance().clear()
+    if refused:
+        i, job, problem = refused[0]
+        more = f" ({len(refused)} of {len(jobs)} jobs refused)" if len(jobs) > 1 else ""
+        raise BadInput(f"sweep job {i} ({' '.join(job) or 'no overrides'}): {problem}{more}; nothing was run")
+
+
 def output_dir(composed: Any, multirun: bool) -> tuple[str, Path]:
     """(key, directory): where Hydra will put this run (``hydra.run.dir``) or sweep (``hydra.sweep.dir``),
     resolved once here from the composed config (conf/base.yaml's naming rule, or the user's own override of that
@@ -272,6 +332,8 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     composed = validate_overrides(exp, overrides)
     validate_expectations(exp, composed)
     if not any(f in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for f in flags):
+        if multirun:
+            validate_sweep_settings(exp, overrides)
         check_writable(str(composed.run_root))
     key, out = output_dir(composed, multirun)
     overrides = dir_override(key, out, overrides)

@@ -11,7 +11,8 @@ config loader (instance attributes, undone at the end of the sweep):
   (:func:`base_config`), copied, and the job's value overrides applied to the copy with Hydra's own
   ``_apply_overrides_to_config`` — exactly the steps Hydra's ``_load_configuration_impl`` takes after building the
   defaults list, which such overrides do not change (:func:`derive`). Other jobs are composed by Hydra;
-- a job's validated config is handed to the launcher instead of being derived a second time.
+- the sweeper's validation and the launcher each derive the job's config afresh (a few ms; holding 1,000 validated
+  configs until their launch would cost far more memory).
 
 tests/test_sweep_speed.py compares derived configs with Hydra's own composition for every override form.
 """
@@ -19,15 +20,22 @@ tests/test_sweep_speed.py compares derived configs with Hydra's own composition 
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
 
-def parse(overrides: Sequence[str]) -> list[Any]:
+@functools.cache
+def _parser() -> Any:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    return OverridesParser.create().parse_overrides(list(overrides))
+    return OverridesParser.create()
+
+
+def parse(overrides: Sequence[str]) -> list[Any]:
+    """Hydra's own parse of override strings (one parser, built once)."""
+    return _parser().parse_overrides(list(overrides))
 
 
 def derivable(loader: Any, parsed: Sequence[Any]) -> bool:
@@ -73,6 +81,32 @@ def derive(base: bytes, master: Any, parsed: Sequence[Any]) -> Any:
     return cfg
 
 
+class JobConfigs:
+    """Each job's config of one sweep (``master``): derived from one base config where :func:`derivable`,
+    else composed by Hydra (``compose``: the loader's own ``load_sweep_config``)."""
+
+    def __init__(self, loader: Any, master: Any, compose: Callable[..., Any] | None = None) -> None:
+        self.loader, self.master = loader, master
+        self.compose = compose or loader.load_sweep_config
+        self._base: bytes | None = None
+        self._base_failed = False
+
+    def base(self) -> bytes | None:
+        if self._base is None and not self._base_failed:
+            try:
+                self._base = pickle.dumps(base_config(self.loader, self.master, self.compose))
+            except Exception:  # e.g. a config that composes only with its overrides: Hydra composes each job
+                self._base_failed = True
+        return self._base
+
+    def __call__(self, overrides: list[str]) -> Any:
+        parsed = parse(overrides)
+        base = self.base() if overrides and derivable(self.loader, parsed) else None
+        if base is None:
+            return self.compose(master_config=self.master, sweep_overrides=list(overrides))
+        return derive(base, self.master, parsed)
+
+
 def faster_composition(loader: Any) -> Callable[[], None]:
     """Wrap ``loader`` (Hydra's ConfigLoaderImpl); returns the function that undoes it."""
     undo: list[Callable[[], None]] = []
@@ -89,33 +123,12 @@ def faster_composition(loader: Any) -> Callable[[], None]:
         source.load_config = load_config
         undo.append(lambda source=source: source.__dict__.pop("load_config", None))
     compose = loader.load_sweep_config
-    validated: dict[tuple[str, ...], Any] = {}
-    calls: dict[tuple[str, ...], int] = {}
-    bases: dict[int, tuple[Any, bytes | None]] = {}  # id(master) -> (master, its pickled base config)
-
-    def job_config(master_config: Any, sweep_overrides: list[str]) -> Any:
-        parsed = parse(sweep_overrides)
-        if not sweep_overrides or not derivable(loader, parsed):
-            return compose(master_config=master_config, sweep_overrides=sweep_overrides)
-        if id(master_config) not in bases:
-            try:
-                base = pickle.dumps(base_config(loader, master_config, compose))
-            except Exception:  # e.g. a config that composes only with its overrides: Hydra composes each job
-                base = None
-            bases[id(master_config)] = (master_config, base)
-        base = bases[id(master_config)][1]
-        if base is None:
-            return compose(master_config=master_config, sweep_overrides=sweep_overrides)
-        return derive(base, master_config, parsed)
+    sweeps: dict[int, JobConfigs] = {}  # id(master) -> its jobs' configs (JobConfigs holds the master)
 
     def load_sweep_config(master_config: Any, sweep_overrides: list[str]) -> Any:
-        key = tuple(sweep_overrides)
-        calls[key] = calls.get(key, 0) + 1
-        if calls[key] % 2 == 0 and key in validated:  # the launcher's call after the sweeper's validation
-            return validated.pop(key)
-        cfg = job_config(master_config, sweep_overrides)
-        validated[key] = cfg  # the sweeper's validation only checks that it composes, and drops it
-        return cfg
+        if id(master_config) not in sweeps:
+            sweeps[id(master_config)] = JobConfigs(loader, master_config, compose)
+        return sweeps[id(master_config)](sweep_overrides)
 
     loader.load_sweep_config = load_sweep_config
     undo.append(lambda: loader.__dict__.pop("load_sweep_config", None))
