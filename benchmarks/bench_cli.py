@@ -149,7 +149,8 @@ def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
     """CPU seconds of bookkeeping per extra job of an in-process basic-launcher sweep of shift-labels, beyond the
     experiment's own run: (CPU of a ``large``-job sweep - CPU of a ``small``-job one - the extra jobs' own CPU) /
     (large - small). Process CPU time, not wall, so a loaded machine skews it less; fixed per-sweep costs cancel.
-    'before' undoes this issue's changes (Hydra composes each job twice; run.parquet through pandas)."""
+    'before' undoes this issue's changes (Hydra composes each job twice; run.parquet through pandas; .hydra saves
+    through PyYAML's Python emitter). Child processes (git) are not in this figure: see sweep_overhead (wall)."""
     import contextlib
     import importlib
     import io
@@ -159,7 +160,8 @@ def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
     from tfmoe.registry import EXPERIMENTS
 
     module = importlib.import_module("tfmoe.experiments.shift_labels")
-    run, write_run, faster = module.run, notebook.RunWriter.write_run, sweep_speed.faster_composition
+    run, write_run = module.run, notebook.RunWriter.write_run
+    faster, records = sweep_speed.faster_composition, sweep_speed.faster_job_records
     own = [0.0]
 
     def timed(cfg, rec):  # the experiment's own CPU time
@@ -182,6 +184,7 @@ def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
             launch.run_experiment(EXPERIMENTS["shift-labels"], ["seed=0"], quiet=True)  # imports, caches
             for label in ("before", "after", "before", "after"):
                 sweep_speed.faster_composition = faster if label == "after" else (lambda loader: (lambda: None))
+                sweep_speed.faster_job_records = records if label == "after" else (lambda: (lambda: None))
                 notebook.RunWriter.write_run = write_run if label == "after" else pandas_write_run
                 cpu = {}
                 for n in (small, large):
@@ -194,6 +197,7 @@ def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
                 out[label] = min(out.get(label, float("inf")), per_job)
     finally:
         module.run, notebook.RunWriter.write_run, sweep_speed.faster_composition = run, write_run, faster
+        sweep_speed.faster_job_records = records
         os.chdir(old_cwd)
         shutil.rmtree(work)
     return out

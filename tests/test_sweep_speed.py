@@ -120,3 +120,30 @@ def test_faster_composition_gives_hydras_configs_and_is_undone() -> None:
             assert OmegaConf.to_container(loader.load_sweep_config(master, jobs[1])) == expected[1]
     finally:
         GlobalHydra.instance().clear()
+
+
+TRICKY = ["yes", "Off", "1e3", "0x1F", "null", "~", "a: b", "- x", "#hash", "it's", 'say "hi"', "  lead", "trail ",
+          "line1\nline2\n", "x" * 150, " ".join(["word"] * 40), "我爱猫", "tab\there", "", "${a}", "\\back", "é\u2028"]
+
+
+def test_libyaml_saves_are_byte_identical_to_omegaconfs() -> None:
+    """The .hydra/*.yaml of a sweep's jobs (config.yaml, hydra.yaml, overrides.yaml) written through libyaml are
+    the bytes OmegaConf.to_yaml writes, for every experiment's config and for awkward strings."""
+    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.sweep_speed import omegaconf_yaml
+
+    runner.register_resolvers()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            for exp in EXPERIMENTS.values():
+                master = loader.load_configuration(exp.config, ["seed=0,1"], RunMode.MULTIRUN)
+                cfg = loader.load_sweep_config(master, ["seed=1"])
+                task = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+                for node in (task, OmegaConf.masked_copy(cfg, "hydra"), cfg.hydra.overrides.task):
+                    assert omegaconf_yaml(node) == OmegaConf.to_yaml(node), exp.name
+    finally:
+        GlobalHydra.instance().clear()
+    odd = OmegaConf.create({"s": TRICKY, "nested": {t or "empty": t for t in TRICKY}, "n": [1, 1.5, None, True]})
+    assert omegaconf_yaml(odd) == OmegaConf.to_yaml(odd)

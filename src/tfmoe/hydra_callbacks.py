@@ -126,10 +126,12 @@ class SweepCallback(Callback):
         progress.start()
         from hydra.core.global_hydra import GlobalHydra
 
-        from tfmoe.sweep_speed import faster_composition
+        from tfmoe.sweep_speed import faster_composition, faster_job_records
 
+        undo = [faster_job_records()]
         if GlobalHydra.instance().is_initialized():  # derive jobs' configs, parse each YAML file once
-            _PROGRESS["undo"] = faster_composition(GlobalHydra.instance().config_loader())
+            undo.append(faster_composition(GlobalHydra.instance().config_loader()))
+        _PROGRESS["undo"] = lambda: [u() for u in undo]
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if "bar" in _PROGRESS:  # only in the launching process (basic launcher); workers have none
