@@ -18,7 +18,7 @@ from tfmoe.recorder import Recorder
 
 def run(cfg: DictConfig, rec: Recorder) -> None:
     if cfg.get("plugin"):  # +plugin=module:Name: a user's module, imported the way attn-check imports impl=
-        from tfmoe.experiments.attn_check import load_object
+        from tfmoe.user_code import load_object
 
         load_object(cfg.plugin, "plugin")
     x = torch.randn(3, 4, dtype=rec.dtype, device=rec.device)  # seeded by the runner

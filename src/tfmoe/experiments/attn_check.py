@@ -41,7 +41,6 @@ from tfmoe.errors import BadInput
 from tfmoe.experiments.attn.checks import GROUPS
 from tfmoe.experiments.attn.kernel_cases import MASKS, POLICIES, Case, build_cases
 from tfmoe.recorder import Recorder
-from tfmoe.user_code import load_object  # noqa: F401  (the loader impl= / chunked.impl= go through; tests use it)
 from tfmoe.validate import require_int, require_number
 
 MODES = ("full", "chunked")
@@ -73,10 +72,10 @@ class ModuleSettings:
     probe_block_size: int
     memory_ratio_max: float
     timing_repeats: int
-    groups: tuple[str, ...] = GROUPS
-    n_kv_heads: int = 0  # already resolved: n_heads when the config leaves it null
-    hf_attn_implementation: str = "eager"
-    fully_masked_policy: str = "finite"
+    groups: tuple[str, ...]  # the check groups to run (checks=...)
+    n_kv_heads: int  # already resolved: n_heads when the config leaves it null
+    hf_attn_implementation: str  # eager | sdpa
+    fully_masked_policy: str  # one of FULLY_MASKED_POLICIES
 
     @property
     def d_head(self) -> int:

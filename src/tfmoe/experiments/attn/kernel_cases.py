@@ -18,7 +18,7 @@ MASK_FAMILY = {"causal": "causal", "pad_bool": "padding_bool", "pad_additive": "
 POLICIES = ("zeros", "nan", "uniform")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Case:
     """One cell of the matrix."""
 
