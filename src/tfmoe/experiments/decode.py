@@ -17,7 +17,7 @@ This module is the recipe: :class:`Settings`, :func:`settings`, :func:`run`. The
   decode_lm.py               the corpus, its character vocabulary and the tiny LM's training
   decode_sampling_checks.py  greedy limits, seed, EOS, top-p smallest set, chi-square sampling tests
   decode_cache_checks.py     parallel vs incremental logits, KV cache on vs off, cache bytes, timing
-  decode_plots.py            the figures
+  decode_report.py           the tables, summary.md and the figures
   components/sampling_reference.py  the first-principles references those checks compare with
 """
 
@@ -44,9 +44,8 @@ from tfmoe.experiments.decode_lm import (
     train_lm,
     unigram_cross_entropy,
 )
-from tfmoe.experiments.decode_plots import loss_figure, timing_figure
+from tfmoe.experiments.decode_report import continuations_rows, loss_figure, summarize, timing_figure
 from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
 from tfmoe.validate import require_int, require_number
 
 
@@ -270,39 +269,3 @@ def generations(rec: Recorder, model: TinyCausalLM, prompt: torch.Tensor, s: Set
         rec.metric("generated_hit_eos", float(eos), strategy=name)
     continuations_rows(vocab.decode(prompt[0].tolist()), out).print_to(rec.console)
     return out
-
-
-def continuations_rows(prompt: str, outputs: dict[str, tuple[str, int, bool, float]]) -> Rows:
-    """One row per strategy; the text in backticks (its spaces, and <eos>, stay visible in markdown too)."""
-    rows = Rows(f"continuations of {prompt!r}", ("strategy", "new tokens", "EOS", "log-prob", "text"))
-    for name, (text, n_new, eos, lp) in outputs.items():
-        rows.add(name, n_new, eos, f"{lp:.2f}", f"`{text}`")
-    return rows
-
-
-def timing_rows(lengths: tuple[int, ...], times: dict[str, list[float]]) -> Rows:
-    rows = Rows("time per generated token (ms, median)", ("length", "no cache", "KV cache"))
-    for length, off, on in zip(lengths, times["off"], times["on"], strict=True):
-        rows.add(length, f"{off:.3f}", f"{on:.3f}")
-    return rows
-
-
-def summarize(rec: Recorder, s: Settings, vocab: CharVocab, prompt: torch.Tensor,
-              outputs: dict[str, tuple[str, int, bool, float]], losses: list[float], val_loss: float,
-              unigram: float, chi2: sampling.Chi2Result, times: dict[str, list[float]]) -> None:
-    rec.note(f"char vocabulary of {vocab.size} ids (eos={vocab.eos_id}); model d={s.d_model}, heads={s.n_heads}, "
-             f"layers={s.n_layers}; trained {s.train_steps} steps in fp32, decoded in "
-             f"{str(rec.dtype).removeprefix('torch.')}")
-    parts = ["## Training", "",
-             f"- train loss: {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps" if losses else
-             "- no training steps", f"- held-out loss {val_loss:.3f} nats/char vs unigram {unigram:.3f} "
-             f"and uniform {math.log(vocab.size):.3f}", "",
-             f"## Continuations of `{vocab.decode(prompt[0].tolist())}`", "",
-             continuations_rows(vocab.decode(prompt[0].tolist()), outputs).markdown()]
-    parts += ["", "## Chi-square (temperature 1 vs softmax)", "",
-              f"stat {chi2.stat:.2f}, df {chi2.df}, p-value {chi2.p_value:.4f}, critical value "
-              f"{chi2.critical:.2f} at alpha {s.chi2_alpha} (chi-square survival function = regularised upper "
-              "incomplete gamma Q(df/2, x/2), torch.special.gammaincc; critical value by bisection)"]
-    if times["on"]:
-        parts += ["", "## Time per generated token (ms, median)", "", timing_rows(s.timing_lengths, times).markdown()]
-    rec.summary("\n".join(parts))
