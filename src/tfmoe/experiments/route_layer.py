@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, OwnLayer, ToyInterfaceLayer
+from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, OwnLayer, load_layer
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
 from tfmoe.experiments.route_checks import check_cv_maxvio, check_loads_sum
@@ -51,17 +51,6 @@ class LayerSettings:
     sizes: LayerSizes
     batch: int
     seq: int
-
-
-def layer_under_test(p: LayerSettings) -> LayerUnderTest:
-    """impl -> the layer: null = the package's own, hf:<type> = a transformers block, else pkg.module:Class."""
-    if p.impl is None:
-        return OwnLayer(p.sizes)
-    if p.impl.startswith("hf:"):
-        from tfmoe.adapters.moe_hf import HFBlock
-
-        return HFBlock(p.impl.removeprefix("hf:"), p.sizes)
-    return ToyInterfaceLayer(p.impl, p.sizes)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -323,7 +312,7 @@ ALL_CHECKS = ("output_vs_reference", "routing_selection", "routing_weights", "pr
 def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     """Every check on one layer. Checks that do not apply are named in the run's notes ("n/a: ...")."""
     t0 = time.perf_counter()
-    lut = layer_under_test(p)
+    lut = load_layer(p.impl, p.sizes)
     module = lut.build(rec.seed).to(rec.device, rec.dtype)
     weights = lut.reference_weights(module)
     gen = torch.Generator().manual_seed(rec.seed + 11)
