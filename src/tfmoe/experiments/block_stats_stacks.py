@@ -19,20 +19,10 @@ from tfmoe.components.lm import TransformerStack, xavier_init_
 from tfmoe.errors import BadInput
 
 STAGES = ("input", "norm1", "attn_out", "resid1", "norm2", "ffn_out", "resid2")
-
-
 STATS = ("mean", "std", "rms", "max_abs", "grad_norm")
-
-
 NORM_ALIASES = {"ln": "layernorm", "layernorm": "layernorm", "rms": "rmsnorm", "rmsnorm": "rmsnorm"}
-
-
 FFN_KINDS = ("gelu", "swiglu")
-
-
 FFN_OUT_PARAM = {"gelu": "ffn.fc2.weight", "swiglu": "ffn.w2.weight"}  # W^2 of Xiong et al.
-
-
 INITS = ("xavier", "torch")
 
 

@@ -24,8 +24,7 @@ from tfmoe.components.block import TransformerBlock
 from tfmoe.recorder import Recorder
 
 STATS = ("median", "best", "cpu")  # wall-clock median, wall-clock best-of, process-CPU-clock median
-
-
+# Components timed one at a time per group, on the inputs they take in the block's own forward.
 TIMED = ("layernorm", "qkv", "scores", "softmax", "attn_v", "out_proj", "ffn_fc1", "gelu", "ffn_fc2", "ffn")
 
 
