@@ -1,8 +1,8 @@
 """Core benchmarks: `tfmoe --help` start-up time (target ≤ 0.3 s median) and the basic launcher's per-job
 overhead beyond the job's own compute (target ≤ 0.1 s, issue 16). Prints figures and ratios to the targets, the
 Hydra composition cost per job with and without tfmoe's sweep_speed (interleaved, in one process, so machine load
-hits both alike), and sweep.parquet / the progress bar at 1,000 jobs. The load average is printed: on a shared
-machine every wall time scales with it."""
+hits both alike), the cost of building every job's settings before a sweep starts, and sweep.parquet / the
+progress bar at 1,000 jobs. The load average is printed: on a shared machine every wall time scales with it."""
 
 from __future__ import annotations
 
@@ -29,27 +29,39 @@ def help_time(repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def sweep_overhead(jobs: int = 8) -> tuple[float, float, float]:
-    """(per-job overhead s, sweep wall s, summed job wall s) for a basic-launcher sweep of shift-labels."""
+def _sweep(work: Path, jobs: int) -> tuple[float, float, Path]:
+    """(wall s, summed job wall s from run.parquet, sweep dir) of a basic-launcher sweep of shift-labels."""
+    before = set((work / "runs" / "shift-labels").glob("multirun-*"))
+    t0 = time.perf_counter()
+    subprocess.run([TFMOE, "shift-labels", "-m", f"seed=range(0,{jobs})"], cwd=work, check=True,
+                   capture_output=True, env={**os.environ, "COLUMNS": "120"})
+    total = time.perf_counter() - t0
+    sweep = next(iter(set((work / "runs" / "shift-labels").glob("multirun-*")) - before))
+    compute = sum(float(pd.read_parquet(sweep / str(j) / "run.parquet").iloc[0]["wall_s"]) for j in range(jobs))
+    return total, compute, sweep
+
+
+def sweep_overhead(jobs: int = 8, more: int = 24) -> tuple[float, float, float, float]:
+    """(per-job overhead s of a ``jobs``-job sweep, sweep wall s, summed job wall s, marginal overhead s per job).
+
+    The first: (sweep wall - a single run's start-up - the jobs' own wall) / jobs, so the sweep's fixed costs
+    (composing the master config, building every job's settings first, sweep.parquet) are shared by ``jobs``. The
+    marginal: ((wall - jobs' wall) of a ``more``-job sweep - the same of the ``jobs``-job one) / (more - jobs): what
+    one more job costs, the figure a 1,000-job sweep pays per job."""
     work = Path(tempfile.mkdtemp())
     try:
-        seeds = ",".join(str(i) for i in range(jobs))
-        t0 = time.perf_counter()
-        subprocess.run([TFMOE, "shift-labels", "-m", f"seed={seeds}"], cwd=work, check=True, capture_output=True,
-                       env={**os.environ, "COLUMNS": "120"})
-        total = time.perf_counter() - t0
+        total, compute, _ = _sweep(work, jobs)
         # one single run measures the fixed start-up cost (python, torch, hydra) paid once per sweep
         t1 = time.perf_counter()
         subprocess.run([TFMOE, "shift-labels"], cwd=work, check=True, capture_output=True)
         single = time.perf_counter() - t1
-        sweep = next((work / "runs" / "shift-labels").glob("multirun-*"))
-        compute = []
-        for job in range(jobs):
-            run = pd.read_parquet(sweep / str(job) / "run.parquet").iloc[0]
-            compute.append(float(run["wall_s"]))
-        startup = single - compute[0]
-        overhead = (total - startup - sum(compute)) / jobs
-        return overhead, total, sum(compute)
+        single_dir = max((p for p in (work / "runs" / "shift-labels").iterdir() if not p.name.startswith("multi")),
+                         key=lambda p: p.stat().st_mtime)
+        startup = single - float(pd.read_parquet(single_dir / "run.parquet").iloc[0]["wall_s"])
+        overhead = (total - startup - compute) / jobs
+        big_total, big_compute, _ = _sweep(work, more)
+        marginal = ((big_total - big_compute) - (total - compute)) / (more - jobs)
+        return overhead, total, compute, marginal
     finally:
         shutil.rmtree(work)
 
@@ -145,12 +157,18 @@ def settings_validation_per_job(jobs: int = 1000) -> dict[str, float]:
     return out
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and of the child processes it waited for (git)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
     """CPU seconds of bookkeeping per extra job of an in-process basic-launcher sweep of shift-labels, beyond the
     experiment's own run: (CPU of a ``large``-job sweep - CPU of a ``small``-job one - the extra jobs' own CPU) /
     (large - small). Process CPU time, not wall, so a loaded machine skews it less; fixed per-sweep costs cancel.
     'before' undoes this issue's changes (Hydra composes each job twice; run.parquet through pandas; .hydra saves
-    through PyYAML's Python emitter). Child processes (git) are not in this figure: see sweep_overhead (wall)."""
+    through PyYAML's Python emitter). Child processes (git) count."""
     import contextlib
     import importlib
     import io
@@ -189,10 +207,10 @@ def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
                 cpu = {}
                 for n in (small, large):
                     own[0] = 0.0
-                    t0 = time.process_time()
+                    t0 = _cpu()
                     launch.run_experiment(EXPERIMENTS["shift-labels"], [f"seed=range(0,{n})"], multirun=True,
                                           quiet=True)
-                    cpu[n] = (time.process_time() - t0, own[0])
+                    cpu[n] = (_cpu() - t0, own[0])
                 per_job = ((cpu[large][0] - cpu[small][0]) - (cpu[large][1] - cpu[small][1])) / (large - small)
                 out[label] = min(out.get(label, float("inf")), per_job)
     finally:
@@ -218,7 +236,9 @@ if __name__ == "__main__":
     print(f"sweep.parquet for 1,000 jobs: {took:.2f} s ({rows} rows); 1,000 progress-bar advances: {bar:.3f} s")
     h = help_time()
     print(f"tfmoe --help median: {h:.3f} s  (target 0.300 s; ratio {h / 0.3:.2f}x of target)")
-    ov, total, compute = sweep_overhead()
+    ov, total, compute, marginal = sweep_overhead()
     print(f"basic launcher, 8 jobs: sweep wall {total:.2f} s, jobs' own wall (run.parquet wall_s) {compute:.2f} s")
     print(f"per-job overhead beyond the job's own run: {ov:.3f} s  (target 0.100 s; ratio {ov / 0.1:.2f}x of target)")
+    print(f"marginal wall overhead per extra job (24-job minus 8-job sweep): {marginal:.3f} s  (ratio "
+          f"{marginal / 0.1:.2f}x of target)")
     print(f"load average (1 min) at end: {os.getloadavg()[0]:.1f}")
