@@ -22,7 +22,8 @@ rows (or the declared policy: zeros, nan, mean_of_v, any).
 Kernel mode (``kernel=SPEC``): an attention *function* with SDPA's signature on a FlashAttention-style case matrix
 (:mod:`tfmoe.experiments.attn.kernel_battery`).
 
-This module is the recipe: :class:`Settings`, :func:`settings` and :func:`run`. The batteries live in
+This module is the recipe: :class:`Settings` (holding one battery's settings, defined in
+``attn/settings.py``), :func:`settings` and :func:`run`. The batteries live in
 :mod:`tfmoe.experiments.attn` (one module per check group, e.g. ``checks=[kv_cache]`` is
 ``attn/checks/kv_cache.py``); the reference maths in :mod:`tfmoe.components.references` (layers),
 :mod:`tfmoe.components.reference_attention` (kernels) and :mod:`tfmoe.components.comparison` (the dtype rule).
@@ -39,7 +40,8 @@ from omegaconf import DictConfig, OmegaConf
 from tfmoe.components.reference_attention import CAUSAL_ALIGNS
 from tfmoe.errors import BadInput
 from tfmoe.experiments.attn.checks import GROUPS
-from tfmoe.experiments.attn.kernel_cases import MASKS, POLICIES, Case, build_cases
+from tfmoe.experiments.attn.kernel_cases import MASKS, POLICIES, build_cases
+from tfmoe.experiments.attn.settings import KernelSettings, ModuleSettings
 from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int, require_number
 
@@ -48,56 +50,6 @@ FULLY_MASKED_POLICIES = ("finite", "zeros", "nan", "mean_of_v", "any")
 
 
 # ============================================================================================ settings
-@dataclass(frozen=True)
-class ModuleSettings:
-    """Module mode (``impl=``): the layer under test, the main case and what each check group reads."""
-
-    impl: str
-    B: int
-    T: int
-    d_model: int
-    n_heads: int
-    causal: bool
-    lengths: tuple[int, ...]  # valid length per batch row (right padding)
-    dropout: float
-    mode: str  # full | chunked
-    head_counts: tuple[int, ...]
-    gradcheck_T: int
-    dropout_samples: int
-    chunked_impl: str
-    block_size: int
-    probe_T: int
-    probe_heads: int
-    probe_d_head: int
-    probe_block_size: int
-    memory_ratio_max: float
-    timing_repeats: int
-    groups: tuple[str, ...]  # the check groups to run (checks=...)
-    n_kv_heads: int  # already resolved: n_heads when the config leaves it null
-    hf_attn_implementation: str  # eager | sdpa
-    fully_masked_policy: str  # one of FULLY_MASKED_POLICIES
-
-    @property
-    def d_head(self) -> int:
-        return self.d_model // self.n_heads
-
-
-@dataclass(frozen=True)
-class KernelSettings:
-    """Kernel mode (``kernel=SPEC``): the kernel's spec, its causal convention and the case matrix."""
-
-    spec: str
-    causal_align: str | None  # None = the kernel's own convention
-    B: int
-    Hq: int
-    cases: tuple[Case, ...]
-    fully_masked_expect: tuple[str, ...]
-    backward: bool
-    grad_factor: float
-    module_keys_set: bool  # impl= is set too (kernel mode ignores the module-mode keys: a note says so)
-    threads: int | None  # the harness's intra-op threads key: None -> the battery runs on 1 thread on CPU
-
-
 @dataclass(frozen=True)
 class Settings:
     """attn-check's settings: one battery's. ``kernel=SPEC`` selects the kernel battery, else the module one."""

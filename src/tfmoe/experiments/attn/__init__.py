@@ -1,4 +1,5 @@
-"""attn-check's two batteries (the recipe is :mod:`tfmoe.experiments.attn_check`).
+"""attn-check's two batteries (the recipe is :mod:`tfmoe.experiments.attn_check`; ``settings`` holds their
+frozen settings, which the recipe builds).
 
 Module mode (``impl=``): ``module_battery`` runs the groups of ``checks/`` (one module per group, as
 ``checks=[...]`` names them) on a :class:`layer.LayerUnderTest`; ``heatmap`` draws the weights.

@@ -17,7 +17,7 @@ from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
 
 if TYPE_CHECKING:
-    from tfmoe.experiments.attn_check import KernelSettings
+    from tfmoe.experiments.attn.settings import KernelSettings
 
 
 PREREQ_TEXT = {"scale": "kernel_scale (plain attention)", "gqa": "kernel_gqa (Hkv < Hq)",

@@ -29,7 +29,7 @@ from tfmoe.components.references import (
 from tfmoe.recorder import Recorder
 
 if TYPE_CHECKING:
-    from tfmoe.experiments.attn_check import ModuleSettings
+    from tfmoe.experiments.attn.settings import ModuleSettings
 
 
 @dataclass

@@ -39,7 +39,7 @@ from tfmoe.tables import Rows
 from tfmoe.user_code import load_object
 
 if TYPE_CHECKING:
-    from tfmoe.experiments.attn_check import ModuleSettings
+    from tfmoe.experiments.attn.settings import ModuleSettings
 
 
 def refuse_if_too_big(s: ModuleSettings, device: torch.device, dtype: torch.dtype) -> None:

@@ -18,7 +18,7 @@ from tfmoe.memory import peak_memory_bytes
 from tfmoe.recorder import Recorder
 
 if TYPE_CHECKING:
-    from tfmoe.experiments.attn_check import ModuleSettings
+    from tfmoe.experiments.attn.settings import ModuleSettings
 
 
 def gib(n: float) -> str:

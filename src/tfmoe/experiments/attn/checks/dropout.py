@@ -15,7 +15,7 @@ from tfmoe.components.references import Projections
 from tfmoe.experiments.attn.layer import LayerUnderTest, projection_tensors
 
 if TYPE_CHECKING:
-    from tfmoe.experiments.attn_check import ModuleSettings
+    from tfmoe.experiments.attn.settings import ModuleSettings
 
 
 @dataclass

@@ -11,7 +11,7 @@ from tfmoe.components.references import output, project, rows_with_a_key, visibi
 from tfmoe.experiments.attn.layer import LayerUnderTest
 
 if TYPE_CHECKING:
-    from tfmoe.experiments.attn_check import ModuleSettings
+    from tfmoe.experiments.attn.settings import ModuleSettings
 
 
 def _fully_masked_probe(s: ModuleSettings) -> torch.Tensor:
