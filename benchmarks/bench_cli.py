@@ -29,11 +29,16 @@ def help_time(repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+# The jobs' torch runs on one thread: with torch's two OpenMP threads on two shared cores a job's own wall varied
+# 0.09-0.7 s between runs minutes apart (one thread waits for the other, descheduled), drowning the bookkeeping.
+ONE_THREAD = ["threads=1"]
+
+
 def _sweep(work: Path, jobs: int) -> tuple[float, float, Path]:
     """(wall s, summed job wall s from run.parquet, sweep dir) of a basic-launcher sweep of shift-labels."""
     before = set((work / "runs" / "shift-labels").glob("multirun-*"))
     t0 = time.perf_counter()
-    subprocess.run([TFMOE, "shift-labels", "-m", f"seed=range(0,{jobs})"], cwd=work, check=True,
+    subprocess.run([TFMOE, "shift-labels", "-m", f"seed=range(0,{jobs})", *ONE_THREAD], cwd=work, check=True,
                    capture_output=True, env={**os.environ, "COLUMNS": "120"})
     total = time.perf_counter() - t0
     sweep = next(iter(set((work / "runs" / "shift-labels").glob("multirun-*")) - before))
@@ -54,7 +59,7 @@ def sweep_overhead(jobs: int = 8, more: int = 24) -> tuple[float, float, float, 
         # one single run measures the fixed start-up cost (python, hydra, and importing torch and the experiment:
         # inside a single run's wall_s, before a sweep's first job in the sweep) paid once per sweep
         t1 = time.perf_counter()
-        subprocess.run([TFMOE, "shift-labels"], cwd=work, check=True, capture_output=True)
+        subprocess.run([TFMOE, "shift-labels", *ONE_THREAD], cwd=work, check=True, capture_output=True)
         single = time.perf_counter() - t1
         startup = single - float(pd.read_parquet(sweep / "0" / "run.parquet").iloc[0]["wall_s"])
         overhead = (total - startup - compute) / jobs

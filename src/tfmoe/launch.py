@@ -242,7 +242,7 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
     from hydra.types import RunMode
     from omegaconf import open_dict, read_write
 
-    from tfmoe.sweep_speed import JobConfigs
+    from tfmoe.sweep_speed import JobConfigs, parse
 
     module = exp.load()
     jobs = sweep_job_overrides(overrides) if hasattr(module, "settings") else None
@@ -253,11 +253,16 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
             loader = GlobalHydra.instance().config_loader()
+            hydra_overrides = [o.input_line for o in parse(overrides) if o.is_hydra_override()]
+
+            def compose(master_config: Any, sweep_overrides: list[str]) -> Any:  # load_sweep_config's composition
+                return loader.load_configuration(exp.config, [*hydra_overrides, *sweep_overrides], RunMode.RUN)
+
             try:
-                master = loader.load_configuration(exp.config, list(overrides), RunMode.MULTIRUN)
+                base = compose(None, [])
             except Exception:
                 return  # Hydra reports it when the sweep starts
-            configs = JobConfigs(loader, master)
+            configs = JobConfigs(loader, None, compose, base=base)
             for i, job in enumerate(jobs):
                 try:
                     cfg = configs(job)

@@ -77,7 +77,8 @@ def derive(base: bytes, master: Any, parsed: Sequence[Any]) -> Any:
             exclude_keys=dirname.exclude_keys)
     except OmegaConfBaseException as e:  # as Hydra's load_configuration reports it
         raise ConfigCompositionException().with_traceback(e.__traceback__) from e
-    OmegaConf.copy_cache(from_config=master, to_config=cfg)
+    if master is not None:
+        OmegaConf.copy_cache(from_config=master, to_config=cfg)
     return cfg
 
 
@@ -85,10 +86,13 @@ class JobConfigs:
     """Each job's config of one sweep (``master``): derived from one base config where :func:`derivable`,
     else composed by Hydra (``compose``: the loader's own ``load_sweep_config``)."""
 
-    def __init__(self, loader: Any, master: Any, compose: Callable[..., Any] | None = None) -> None:
+    def __init__(self, loader: Any, master: Any, compose: Callable[..., Any] | None = None,
+                 base: Any = None) -> None:
+        """``base``: the base config when the caller has composed it already; ``master`` None: no resolver cache
+        to copy (the configs are only read, not run)."""
         self.loader, self.master = loader, master
         self.compose = compose or loader.load_sweep_config
-        self._base: bytes | None = None
+        self._base: bytes | None = None if base is None else pickle.dumps(base)
         self._base_failed = False
 
     def base(self) -> bytes | None:
