@@ -3,12 +3,14 @@
 ``load_adapter(spec)``: ``torch:mha``, ``hf:<model_type>``, ``pkg.module:Class`` (a course-interface nn.Module, or
 an :class:`~tfmoe.adapters.base.AttentionAdapter` subclass written for a user's own layout).
 
-MoE layers for route-sim's layer battery: ``moe_layers`` (the package's own, the course's ToyMoE interface) and
-``moe_hf`` (transformers sparse blocks)."""
+MoE layers for route-sim's layer battery: ``load_layer(impl, sizes)`` picks one of ``moe_layers`` (the package's
+own, the course's ToyMoE interface) and ``moe_hf`` (transformers sparse blocks). Both loaders live here, above the
+adapters they choose from, so no adapter imports another's loader."""
 
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
@@ -16,6 +18,9 @@ from tfmoe.adapters.base import AttentionAdapter, ContractError, copy_linear, se
 from tfmoe.components.references import Projections, Rope
 from tfmoe.errors import BadInput
 from tfmoe.user_code import load_object
+
+if TYPE_CHECKING:
+    from tfmoe.adapters.moe_layers import LayerSizes, LayerUnderTest
 
 BUILTIN = ("torch:mha", "hf:<model_type>")
 
@@ -55,4 +60,18 @@ def load_adapter(spec: str, attn_implementation: str = "eager") -> AttentionAdap
     return CourseInterface(obj, spec)
 
 
-__all__ = ["AttentionAdapter", "ContractError", "Projections", "Rope", "copy_linear", "seeded", "load_adapter", "BUILTIN"]
+def load_layer(impl: str | None, sizes: LayerSizes) -> LayerUnderTest:
+    """The MoE layer ``impl=`` names: null = the package's own, hf:<type> = a transformers block, else
+    pkg.module:Class in the course's ToyMoE interface (BadInput, one line, for anything unusable)."""
+    from tfmoe.adapters.moe_layers import OwnLayer, ToyInterfaceLayer
+
+    if impl is None:
+        return OwnLayer(sizes)
+    if impl.startswith("hf:"):
+        from tfmoe.adapters.moe_hf import HFBlock
+
+        return HFBlock(impl.removeprefix("hf:"), sizes)
+    return ToyInterfaceLayer(impl, sizes)
+
+
+__all__ = ["AttentionAdapter", "ContractError", "Projections", "Rope", "copy_linear", "seeded", "load_adapter", "load_layer", "BUILTIN"]

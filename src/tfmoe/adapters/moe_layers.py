@@ -266,15 +266,3 @@ class ToyInterfaceLayer(LayerUnderTest):
 
     def alternatives(self) -> dict[str, ref.RoutingSemantics]:
         return {"not renormalised": self.semantics.variant(normalize=False)}
-
-
-def load_layer(impl: str | None, sizes: LayerSizes) -> LayerUnderTest:
-    """The layer ``impl=`` names: null = the package's own, hf:<type> = a transformers block, else
-    pkg.module:Class in the course's ToyMoE interface (BadInput, one line, for anything unusable)."""
-    if impl is None:
-        return OwnLayer(sizes)
-    if impl.startswith("hf:"):
-        from tfmoe.adapters.moe_hf import HFBlock
-
-        return HFBlock(impl.removeprefix("hf:"), sizes)
-    return ToyInterfaceLayer(impl, sizes)

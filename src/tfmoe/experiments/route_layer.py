@@ -31,7 +31,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, OwnLayer, load_layer
+from tfmoe.adapters import load_layer
+from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, OwnLayer
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
 from tfmoe.experiments.route_checks import check_cv_maxvio, check_loads_sum
