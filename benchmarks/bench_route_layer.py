@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tfmoe.experiments import route_layer, route_sim
-from tfmoe.runner import check_threads, torch_threads
+from tfmoe.runtime import check_threads, torch_threads
 from tfmoe.testing import compose, make_recorder
 
 TARGET_S = 30.0

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tfmoe import launch, notebook, runner
+from tfmoe import launch, notebook, runtime
 from tfmoe.errors import BadInput
 from tfmoe.testing import launched
 
@@ -204,24 +204,24 @@ def test_device_peak_survives_resets_inside_the_run(monkeypatch: pytest.MonkeyPa
 
 
 def test_device_and_dtype_resolution_refuses_what_the_machine_cannot_do(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert runner.resolve_device("cpu") == torch.device("cpu")
-    assert runner.resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    assert runtime.resolve_device("cpu") == torch.device("cpu")
+    assert runtime.resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(BadInput, match="fp64 is not supported on MPS"):
-        runner.resolve_dtype("fp64", torch.device("mps"))
+        runtime.resolve_dtype("fp64", torch.device("mps"))
     with pytest.raises(BadInput, match="unknown"):
-        runner.resolve_dtype("fp8", torch.device("cpu"))
+        runtime.resolve_dtype("fp8", torch.device("cpu"))
     with pytest.raises(BadInput, match="is not a device"):
-        runner.resolve_device("gpu0")
+        runtime.resolve_device("gpu0")
     # a CUDA machine whose GPU cannot do bf16, and one with a single device (simulated)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     with pytest.raises(BadInput, match="cannot do bf16: use --dtype fp16"):
-        runner.resolve_dtype("bf16", torch.device("cuda"))
+        runtime.resolve_dtype("bf16", torch.device("cuda"))
     with pytest.raises(BadInput, match="only 1 CUDA device"):
-        runner.resolve_device("cuda:1")
-    assert runner.resolve_device("auto") == torch.device("cuda")
+        runtime.resolve_device("cuda:1")
+    assert runtime.resolve_device("auto") == torch.device("cuda")
 
 
 def test_runner_applies_threads_and_restores_them(fake_experiment) -> None:

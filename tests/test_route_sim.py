@@ -614,7 +614,7 @@ def test_interrupt_keeps_steps_done_so_far(small_cfg):
 
 def test_thread_count_restored_after_interrupt():
     """route-sim runs on conf's `threads: 1`; the runner restores torch's thread count even after Ctrl-C."""
-    from tfmoe.runner import torch_threads
+    from tfmoe.runtime import torch_threads
     from tfmoe.testing import compose
 
     assert compose("route-sim").threads == 1

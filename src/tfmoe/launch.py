@@ -233,10 +233,10 @@ def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
 def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
     """Build every job's settings (the experiment contract's ``settings(cfg)``) before any job of a sweep starts:
     BadInput naming the first refused job's overrides, the problem and the fix. Each job's config is derived
-    from one composed config (sweep_speed.JobConfigs), as the sweep itself will compose it. Skipped for an
-    experiment module without ``settings`` and for sweepers other than Hydra's basic one; a job whose config does
-    not compose, or whose settings() fails other than with BadInput (e.g. a ``${hydra:...}`` interpolation, which
-    only resolves inside the job), is left to the sweep to report."""
+    from one composed config (sweep_speed.JobConfigs), as the sweep itself will compose it. Skipped for sweepers
+    other than Hydra's basic one; a job whose config does not compose, or whose settings() fails other than with
+    BadInput (e.g. a ``${hydra:...}`` interpolation, which only resolves inside the job), is left to the sweep to
+    report."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
@@ -245,7 +245,7 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
     from tfmoe.sweep_speed import JobConfigs, parse
 
     module = exp.load()
-    jobs = sweep_job_overrides(overrides) if hasattr(module, "settings") else None
+    jobs = sweep_job_overrides(overrides)
     if not jobs:
         return
     refused: list[tuple[int, list[str], str]] = []

@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
-import re
 import resource
 import signal
 import sys
@@ -26,12 +24,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from tfmoe.errors import BadInput, Terminated
 from tfmoe.registry import EXPERIMENTS
+from tfmoe.runtime import (
+    check_seed,
+    check_threads,
+    resolve_device,
+    resolve_dtype,
+    seed_everything,
+    torch_threads,
+)
 from tfmoe.status import Status
 
 log = logging.getLogger("tfmoe")
 
-DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
-DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+|mps|auto)$")
 
 # The process that launched the sweep (set by launch.run_experiment). A job interrupted there stops the whole
 # sweep (the interrupt is re-raised); a job in a worker (joblib, submitit, SLURM, Ray) returns its exit code.
@@ -51,81 +55,6 @@ def register_resolvers() -> None:
 
 
 register_resolvers()
-
-
-def resolve_device(name: str) -> Any:
-    """'cpu' | 'cuda' | 'cuda:N' | 'mps' | 'auto' -> torch.device, refusing devices this machine lacks."""
-    import torch
-
-    name = str(name)
-    if not DEVICE_RE.match(name):
-        raise BadInput(f"device={name!r} is not a device: use cpu, cuda, cuda:N, mps or auto")
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise BadInput(f"--device {name} asked for CUDA, but this torch ({torch.__version__}) sees no CUDA "
-                           "device: use --device cpu (or install a CUDA build of torch, see README)")
-        index = int(name.split(":")[1]) if ":" in name else 0
-        if index >= torch.cuda.device_count():
-            raise BadInput(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s): use cuda:0")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise BadInput("--device mps asked for Apple MPS, which is not available here: use --device cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: Any) -> Any:
-    import torch
-
-    if str(name) not in DTYPES:
-        raise BadInput(f"dtype={name!r} is unknown: use one of {', '.join(DTYPES)}")
-    dtype = getattr(torch, DTYPES[str(name)])
-    if device.type == "mps" and dtype == torch.float64:
-        raise BadInput("dtype fp64 is not supported on MPS: use --dtype fp32")
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise BadInput(f"{torch.cuda.get_device_name(device)} cannot do bf16: use --dtype fp16 or fp32")
-    return dtype
-
-
-def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _check_seed(cfg: DictConfig) -> int:
-    seed = cfg.get("seed")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise BadInput(f"seed={seed!r} is not a non-negative integer: pass e.g. --seed 0")
-    return seed
-
-
-def check_threads(cfg: DictConfig) -> int | None:
-    threads = cfg.get("threads")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise BadInput(f"threads={threads!r} must be a positive integer or null (torch's default): pass threads=1")
-    return threads
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run with ``n`` intra-op threads (None: torch's setting), restored afterwards, also after Ctrl-C."""
-    import torch
-
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def check_flush_every(cfg: DictConfig) -> float | None:
@@ -265,10 +194,7 @@ def finish_expectations(parsed: list, rec: Any, writer: Any) -> list[str]:
 def run_module(exp: Any, cfg: DictConfig, rec: Any) -> None:
     """The experiment's contract (registry.ExperimentModule): settings built once from cfg, then run."""
     module = exp.load()
-    if hasattr(module, "settings"):
-        module.run(module.settings(cfg), rec)
-    else:  # TRANSITIONAL (issue 12): a module not yet moved to the contract still takes the config
-        module.run(cfg, rec)
+    module.run(module.settings(cfg), rec)
 
 
 def execute(cfg: DictConfig) -> int:
@@ -311,7 +237,7 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
         heartbeat = Heartbeat(writer, check_flush_every(cfg)).__enter__()
         expectations = start_expectations(cfg, exp, writer)
         keep_code(cfg, writer)
-        seed = _check_seed(cfg)
+        seed = check_seed(cfg)
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         writer.device = str(device)

@@ -67,7 +67,7 @@ def compose(experiment: str, overrides: list[str] | None = None) -> DictConfig:
 def make_recorder(cfg: DictConfig):
     """A Recorder with device/dtype resolved and seeds set exactly as the runner does."""
     from tfmoe.recorder import Recorder
-    from tfmoe.runner import resolve_device, resolve_dtype, seed_everything
+    from tfmoe.runtime import resolve_device, resolve_dtype, seed_everything
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -94,7 +94,8 @@ def check_passed(rec, name: str) -> bool:
 def run_recorded(experiment: str, overrides: list[str] | None = None):
     """compose + make_recorder + the experiment's run(); returns the Recorder (no files written)."""
     from tfmoe.registry import EXPERIMENTS
-    from tfmoe.runner import check_threads, run_module, torch_threads
+    from tfmoe.runner import run_module
+    from tfmoe.runtime import check_threads, torch_threads
 
     cfg = compose(experiment, overrides)
     rec = make_recorder(cfg)

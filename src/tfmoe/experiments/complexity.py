@@ -43,7 +43,7 @@ from tfmoe.experiments.complexity_measure import STATS
 from tfmoe.experiments.complexity_report import groups_figure, summary_markdown, sweep_plots, terminal_rows
 from tfmoe.memory import available_memory_bytes, peak_memory_bytes
 from tfmoe.recorder import Recorder
-from tfmoe.runner import check_threads
+from tfmoe.runtime import check_threads
 from tfmoe.validate import require_int, require_number
 
 __all__ = ["Settings", "run", "settings", "sweep_plots"]

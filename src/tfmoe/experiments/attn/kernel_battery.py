@@ -75,7 +75,7 @@ def run_kernel_battery(s: KernelSettings, rec: Recorder) -> None:
     On CPU with ``threads`` unset it runs on one intra-op thread: its tensors are at most a few MB, and on a
     shared 2-core machine OpenMP's hand-offs cost more than the maths (the default matrix took 215 s wall /
     55 s CPU on 2 threads vs 30 s / 7 s on 1 at load 15: benchmarks/bench_attn_kernels.py)."""
-    from tfmoe.runner import torch_threads
+    from tfmoe.runtime import torch_threads
 
     one = rec.device.type == "cpu" and s.threads is None
     if one:
