@@ -178,7 +178,7 @@ def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
     import io
 
     import tfmoe.sweep_speed as sweep_speed
-    from tfmoe import launch, notebook
+    from tfmoe import launch, notebook, rundir
     from tfmoe.registry import EXPERIMENTS
 
     module = importlib.import_module("tfmoe.experiments.shift_labels")
@@ -195,7 +195,7 @@ def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
             own[1] += time.perf_counter() - w0
 
     def pandas_write_run(self, row):
-        notebook.write_parquet(pd.DataFrame([row]), self.run_dir / notebook.RUN_FILE, schema=notebook.RUN_SCHEMA)
+        rundir.write_parquet(pd.DataFrame([row]), self.run_dir / rundir.RUN_FILE, schema=rundir.RUN_SCHEMA)
 
     work = Path(tempfile.mkdtemp())
     old_cwd = os.getcwd()

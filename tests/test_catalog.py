@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe import catalog, notebook
+from tfmoe import catalog, notebook, rundir
 from tfmoe.errors import BadInput
 from tfmoe.status import Status
 
@@ -33,7 +33,7 @@ def make_run(root: Path, rel: str, status: str = "ok", checks: tuple[bool, ...] 
     if checks:
         df = pd.DataFrame({"check": [f"c{i}" for i in range(len(checks))], "passed": list(checks),
                            "observed": 1.0, "threshold": 2.0, "detail": ""})
-        notebook.write_parquet(df, run_dir / "checks.parquet", schema=notebook.CHECKS_SCHEMA)
+        rundir.write_parquet(df, run_dir / "checks.parquet", schema=rundir.CHECKS_SCHEMA)
     if status != "running":
         writer.finish(None, status, Status(status).exit_code, None, None, None, 100)
     return run_dir
@@ -60,7 +60,7 @@ def test_indexes_single_runs_and_sweep_jobs_with_checks(tmp_path: Path) -> None:
                                     "20260101T000002Z-cccccccc-0", "20260101T000002Z-cccccccc-1"}
     first = index[index["run_id"] == "20260101T000000Z-aaaaaaaa"].iloc[0]
     assert (first["checks_passed"], first["checks_total"], first["status"]) == (2, 3, "ok")
-    assert set(index.columns) >= set(notebook.RUN_SCHEMA.names) | {"path", "checks_passed", "checks_total"}
+    assert set(index.columns) >= set(rundir.RUN_SCHEMA.names) | {"path", "checks_passed", "checks_total"}
     assert isinstance(first["started_at"], pd.Timestamp) and list(first["overrides"]) == ["x=1"]
     assert notebook.resolve_run("20260101T000002Z-cccccccc-1", root) == root / "other/multirun-20260101T000002Z-cccccccc/1"
     with pytest.raises(BadInput, match="ambiguous"):

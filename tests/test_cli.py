@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tfmoe import failures, notebook
+from tfmoe import failures, notebook, rundir
 from tfmoe.errors import BadInput
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.testing import launched, run_cli
@@ -190,14 +190,14 @@ def test_diff_catches_a_planted_tensor_change_and_metric_change(workdir: Path) -
     vals = list(df.at[i, "values"])
     vals[0] += 1e-3  # far above fp32 tolerance
     df.at[i, "values"] = vals
-    notebook.write_parquet(df, b / "tensors.parquet", schema=notebook.TENSORS_SCHEMA)
+    rundir.write_parquet(df, b / "tensors.parquet", schema=rundir.TENSORS_SCHEMA)
     r = run_cli(["diff", str(a), str(b), "--format", "json"], workdir)
     assert r.exit_code == 1 and [t["tensor"] for t in json.loads(r.stdout)["tensors"]] == ["token_loss"]
     m = pd.read_parquet(a / "metrics.parquet")
     m.loc[m["name"] == "loss", "value"] += 1e-6
-    notebook.write_parquet(m, b / "metrics.parquet")
+    rundir.write_parquet(m, b / "metrics.parquet")
     df.at[i, "values"] = list(pd.read_parquet(a / "tensors.parquet").at[i, "values"])
-    notebook.write_parquet(df, b / "tensors.parquet", schema=notebook.TENSORS_SCHEMA)
+    rundir.write_parquet(df, b / "tensors.parquet", schema=rundir.TENSORS_SCHEMA)
     r = run_cli(["diff", str(a), str(b), "--format", "json"], workdir)
     assert r.exit_code == 1 and [m["name"] for m in json.loads(r.stdout)["metrics"]] == ["loss"]
 
@@ -208,7 +208,7 @@ def test_diff_and_show_bad_input(workdir: Path) -> None:
     shutil.copytree(a, other)
     run = pd.read_parquet(other / "run.parquet")
     run["experiment"] = "route-sim"
-    notebook.write_parquet(run, other / "run.parquet", schema=notebook.RUN_SCHEMA)
+    rundir.write_parquet(run, other / "run.parquet", schema=rundir.RUN_SCHEMA)
     r = run_cli(["diff", str(a), str(other)], workdir)
     assert r.exit_code == 2 and "different experiments" in r.stderr
     assert run_cli(["diff", str(a), str(other), "--force"], workdir).exit_code in (0, 1)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe import notebook
+from tfmoe import notebook, rundir
 from tfmoe.testing import launched, run_cli
 
 TFMOE = [sys.executable, "-m", "tfmoe.cli"]
@@ -104,7 +104,7 @@ def _planted_running(run_dir: Path, **fields) -> Path:
     row["exit_code"] = pd.array([None], dtype="Int64")  # a running run has no exit code yet
     for k, v in fields.items():
         row[k] = [v]
-    notebook.write_parquet(row, run_dir / "run.parquet", schema=notebook.RUN_SCHEMA)
+    rundir.write_parquet(row, run_dir / "run.parquet", schema=rundir.RUN_SCHEMA)
     return run_dir
 
 

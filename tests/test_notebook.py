@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tfmoe import launch, notebook, runtime
+from tfmoe import launch, notebook, rundir, runtime
 from tfmoe.errors import BadInput
 from tfmoe.testing import launched
 
@@ -29,7 +29,7 @@ def test_tensor_roundtrip_through_parquet_keeps_nan_inf_and_scalars(tmp_path: Pa
     t = torch.tensor([1.5, float("nan"), float("inf"), -float("inf")], dtype=torch.float16)
     s = torch.tensor(3.25)  # 0-d
     df = pd.DataFrame([notebook.tensor_row("t", t, 100), notebook.tensor_row("s", s, 100)])
-    notebook.write_parquet(df, tmp_path / "tensors.parquet", schema=notebook.TENSORS_SCHEMA)
+    rundir.write_parquet(df, tmp_path / "tensors.parquet", schema=rundir.TENSORS_SCHEMA)
     back = notebook.load_tensors(tmp_path)
     assert torch.equal(back["t"].isnan(), t.isnan()) and back["t"][0] == 1.5 and back["t"][2] == float("inf")
     assert back["s"].shape == () and back["s"].item() == 3.25
@@ -40,7 +40,7 @@ def test_large_tensor_is_summarised_and_refuses_exact_load(tmp_path: Path) -> No
     df = pd.DataFrame([notebook.tensor_row("big", t, max_numel=5)])
     row = df.iloc[0]
     assert bool(row["summarised"]) and row["values"] is None and row["max"] == 10.0 and row["numel"] == 10
-    notebook.write_parquet(df, tmp_path / "tensors.parquet", schema=notebook.TENSORS_SCHEMA)
+    rundir.write_parquet(df, tmp_path / "tensors.parquet", schema=rundir.TENSORS_SCHEMA)
     assert notebook.load_tensors(tmp_path) == {}
     with pytest.raises(BadInput, match="summary only"):
         notebook.load_tensor(tmp_path, "big")
@@ -48,21 +48,21 @@ def test_large_tensor_is_summarised_and_refuses_exact_load(tmp_path: Path) -> No
 
 def test_atomic_write_keeps_old_file_when_writing_fails(tmp_path: Path) -> None:
     path = tmp_path / "metrics.parquet"
-    notebook.write_parquet(pd.DataFrame({"name": ["a"], "value": [1.0]}), path)
+    rundir.write_parquet(pd.DataFrame({"name": ["a"], "value": [1.0]}), path)
 
     def explode(tmp: str) -> None:
         Path(tmp).write_text("half a file")
         raise OSError("disk full (planted)")
 
     with pytest.raises(OSError):
-        notebook.atomic_replace(path, explode)
+        rundir.atomic_replace(path, explode)
     assert pd.read_parquet(path)["value"].tolist() == [1.0]
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.parquet"]  # no temp file left behind
 
 
 def test_mixed_type_tag_column_is_written_as_strings(tmp_path: Path) -> None:
-    df = notebook.metrics_frame([{"name": "a", "value": 1, "tag": 3}, {"name": "b", "value": 2, "tag": "x"}])
-    notebook.write_parquet(df, tmp_path / "m.parquet")
+    df = rundir.metrics_frame([{"name": "a", "value": 1, "tag": 3}, {"name": "b", "value": 2, "tag": "x"}])
+    rundir.write_parquet(df, tmp_path / "m.parquet")
     assert pd.read_parquet(tmp_path / "m.parquet")["tag"].tolist() == ["3", "x"]
 
 
@@ -158,7 +158,7 @@ def test_atomic_write_uses_the_usual_file_mode(tmp_path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     path = tmp_path / "x.parquet"
-    notebook.write_parquet(pd.DataFrame({"name": ["a"], "value": [1.5]}), path)
+    rundir.write_parquet(pd.DataFrame({"name": ["a"], "value": [1.5]}), path)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
@@ -176,9 +176,9 @@ def test_diff_ignores_measured_metrics_and_timings_but_not_results(fake_experime
 
 
 def test_integer_tags_missing_in_some_rows_stay_integers(tmp_path: Path) -> None:
-    df = notebook.metrics_frame([{"name": "tokens", "value": 3, "sample": 0}, {"name": "total", "value": 9},
+    df = rundir.metrics_frame([{"name": "tokens", "value": 3, "sample": 0}, {"name": "total", "value": 9},
                                  {"name": "tokens", "value": 4, "sample": 1, "step": 2}])
-    notebook.write_parquet(df, tmp_path / "m.parquet")
+    rundir.write_parquet(df, tmp_path / "m.parquet")
     back = pd.read_parquet(tmp_path / "m.parquet")
     assert str(back["sample"].dtype) == "Int64" and back["sample"].tolist()[0] == 0 and pd.isna(back["sample"][1])
     assert str(back["step"].dtype) == "Int64"

@@ -132,8 +132,8 @@ def run_all(runs_root: Path, only: list[str] | None = None) -> int:
     from rich.console import Console
 
     from tfmoe.launch import run_experiment
-    from tfmoe.notebook import read_parquet
     from tfmoe.registry import EXPERIMENTS
+    from tfmoe.rundir import read_parquet
 
     chosen = [c for c in CLAIMS if not only or c.key in only]
     unknown = sorted(set(only or []) - {c.key for c in CLAIMS})

@@ -149,7 +149,7 @@ def capture(cfg_dict: dict[str, Any], run_dir: Path) -> pd.DataFrame:
 
 
 def read(run_dir: Path) -> pd.DataFrame:
-    from tfmoe.notebook import read_parquet
+    from tfmoe.rundir import read_parquet
 
     path = Path(run_dir) / CODE_FILE
     return read_parquet(path) if path.exists() else pd.DataFrame(columns=SCHEMA.names)

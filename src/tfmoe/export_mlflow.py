@@ -20,7 +20,8 @@ from typing import Any
 import pandas as pd
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import RUN_FILE, effective_status, load_run, present, read_parquet, resolve_run
+from tfmoe.notebook import effective_status, load_run, present, resolve_run
+from tfmoe.rundir import RUN_FILE, read_parquet
 from tfmoe.status import Status
 
 DEFAULT_URI = "sqlite:///mlflow.db"

@@ -89,7 +89,8 @@ def collect_sweep(sweep_dir: Path) -> Any:
     import pandas as pd
     import yaml
 
-    from tfmoe.notebook import RUN_FILE, TABLE_FILES, read_parquet, read_run_row
+    from tfmoe.notebook import read_run_row
+    from tfmoe.rundir import RUN_FILE, TABLE_FILES, read_parquet
 
     frames = []
     job_dirs = {p.parent.name: p.parent for p in sweep_dir.glob(f"*/{RUN_FILE}")}
@@ -193,8 +194,8 @@ def complete_sweep(sweep_dir: Path) -> int:
     """`tfmoe sweep-complete DIR`: write sweep.parquet (and sweep plots) for a sweep whose launching process died,
     print its jobs, and return the exit code the sweep would have had (a job not started counts as interrupted)."""
     from tfmoe.errors import BadInput
-    from tfmoe.notebook import RUN_FILE
     from tfmoe.reports import exit_code_of, print_outcome
+    from tfmoe.rundir import RUN_FILE
 
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
@@ -231,8 +232,8 @@ def sweep_experiment(sweep_dir: Path) -> str:
 
 def write_sweep_outputs(sweep_dir: Path, experiment: str) -> None:
     """sweep.parquet (+ the experiment's ``sweep_plots(df)`` PNGs) for a finished sweep directory."""
-    from tfmoe.notebook import atomic_replace, write_parquet
     from tfmoe.registry import EXPERIMENTS
+    from tfmoe.rundir import atomic_replace, write_parquet
 
     df = collect_sweep(sweep_dir)
     if df.empty:

@@ -314,7 +314,7 @@ def dir_override(key: str, path: Path, overrides: list[str]) -> list[str]:
 def made_dirs(out: Path, multirun: bool) -> tuple[list[Path], list[Path]]:
     """(run directories, sweep directories) that a launch into ``out`` produced: the run directory, or every job
     directory under the sweep directory (whichever process ran it: in-process, joblib, submitit), in job order."""
-    from tfmoe.notebook import RUN_FILE
+    from tfmoe.rundir import RUN_FILE
 
     if not multirun:
         return ([out.resolve()] if (out / RUN_FILE).exists() else []), []

@@ -14,7 +14,6 @@ import os
 import platform
 import socket
 import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,101 +23,24 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tfmoe.errors import BadInput
+from tfmoe.rundir import (
+    CHECKS_SCHEMA,
+    EXPECTATIONS_FILE,
+    EXPECTATIONS_SCHEMA,
+    RUN_FILE,
+    RUN_SCHEMA,
+    TABLE_FILES,
+    TENSORS_SCHEMA,
+    atomic_replace,
+    metrics_frame,
+    read_parquet,
+    timings_frame,
+    utcnow,
+    write_parquet,
+    write_text,
+)
 from tfmoe.status import Status
 from tfmoe.tables import Rows
-
-RUN_FILE = "run.parquet"
-TABLE_FILES = {
-    "metrics": "metrics.parquet",
-    "checks": "checks.parquet",
-    "timings": "timings.parquet",
-    "tensors": "tensors.parquet",
-}
-EXPECTATIONS_FILE = "expectations.parquet"
-EXPECTATIONS_SCHEMA = pa.schema([
-    ("label", pa.string()), ("metric", pa.string()), ("selector", pa.string()), ("aggregate", pa.string()),
-    ("expected", pa.string()), ("observed", pa.float64()), ("held", pa.bool_()), ("miss", pa.float64()),
-    ("rows", pa.int64()), ("detail", pa.string()), ("written_at", pa.timestamp("us", tz="UTC")),
-    ("judged_at", pa.timestamp("us", tz="UTC")),
-])
-
-# --------------------------------------------------------------------------------------------- writing
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
-
-
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-def atomic_replace(path: Path, write: Any) -> None:
-    """Write via ``write(tmp_path)`` into a temp file beside ``path``, then rename over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_parquet(df: pd.DataFrame, path: Path, schema: pa.Schema | None = None) -> None:
-    table = pa.Table.from_pandas(_parquet_safe(df), schema=schema, preserve_index=False)
-    atomic_replace(path, lambda tmp: pq.write_table(table, tmp))
-
-
-def write_text(path: Path, text: str) -> None:
-    atomic_replace(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
-
-
-def _parquet_safe(df: pd.DataFrame) -> pd.DataFrame:
-    """Object columns that mix types (e.g. a tag that is an int in some rows, a str in others) become str."""
-    df = df.copy()
-    for col in df.columns:
-        if df[col].dtype == object:
-            kinds = {type(v) for v in df[col] if v is not None and not (isinstance(v, float) and pd.isna(v))}
-            if len(kinds) > 1 and not kinds <= {int, float} and not any(k in (list, tuple, dict) for k in kinds):
-                df[col] = df[col].map(lambda v: None if v is None else str(v))
-    return df
-
-
-METRICS_BASE = ["name", "value", "step"]
-CHECKS_SCHEMA = pa.schema([("check", pa.string()), ("passed", pa.bool_()), ("observed", pa.float64()),
-                           ("threshold", pa.float64()), ("detail", pa.string())])
-TIMINGS_BASE = ["stage", "wall_ms", "device_ms", "repeats", "peak_device_mem_bytes"]
-TENSORS_SCHEMA = pa.schema([
-    ("name", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
-    ("values", pa.list_(pa.float64())), ("numel", pa.int64()), ("summarised", pa.bool_()),
-    ("min", pa.float64()), ("max", pa.float64()), ("mean", pa.float64()), ("std", pa.float64()),
-])
-
-
-def metrics_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    df = pd.DataFrame(rows)
-    if df.empty:
-        df = pd.DataFrame({"name": pd.Series(dtype="string"), "value": pd.Series(dtype="float64")})
-    df["value"] = df["value"].astype("float64")
-    for col in df.columns:  # integer tags missing in some rows stay integers (nullable), not floats
-        if col in ("name", "value"):
-            continue
-        present = [r[col] for r in rows if r.get(col) is not None]
-        if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
-            df[col] = pd.array([r.get(col) for r in rows], dtype="Int64")
-    return df[[c for c in METRICS_BASE if c in df.columns] + [c for c in df.columns if c not in METRICS_BASE]]
-
-
-def timings_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    df = pd.DataFrame(rows, columns=None if rows else TIMINGS_BASE)
-    for col in ("wall_ms", "device_ms"):
-        df[col] = df[col].astype("float64")
-    for col in ("repeats", "peak_device_mem_bytes"):
-        df[col] = df[col].astype("Int64")
-    return df
 
 
 def tensor_row(name: str, t: Any, max_numel: int) -> dict[str, Any]:
@@ -183,22 +105,6 @@ def environment(device: Any = None) -> dict[str, Any]:
         "numpy": numpy.__version__, "pandas": pd.__version__, "pyarrow": pa.__version__,
         "hydra": hydra.__version__, "device_name": device_name(device),
     }
-
-
-RUN_SCHEMA = pa.schema([
-    ("run_id", pa.string()), ("experiment", pa.string()), ("status", pa.string()),
-    ("started_at", pa.timestamp("us", tz="UTC")), ("finished_at", pa.timestamp("us", tz="UTC")),
-    ("wall_s", pa.float64()), ("seed", pa.int64()), ("argv", pa.list_(pa.string())),
-    ("overrides", pa.list_(pa.string())), ("git_commit", pa.string()), ("git_dirty", pa.bool_()),
-    ("hostname", pa.string()), ("platform", pa.string()), ("python", pa.string()), ("torch", pa.string()),
-    ("cuda", pa.string()), ("cudnn", pa.string()), ("numpy", pa.string()), ("pandas", pa.string()),
-    ("pyarrow", pa.string()), ("hydra", pa.string()), ("device", pa.string()), ("device_name", pa.string()),
-    ("dtype", pa.string()), ("peak_device_mem_bytes", pa.int64()), ("peak_rss_bytes", pa.int64()),
-    ("error", pa.string()), ("exit_code", pa.int64()), ("sweep_dir", pa.string()), ("notes", pa.list_(pa.string())),
-    # the process that ran (runs) the job, so a reader can tell a live run from a lost one (effective_status)
-    ("pid", pa.int64()), ("process_started_at", pa.timestamp("us", tz="UTC")),
-    ("heartbeat_at", pa.timestamp("us", tz="UTC")),
-])
 
 
 @dataclass
@@ -464,16 +370,6 @@ class RunData:
     @property
     def plots(self) -> list[Path]:
         return sorted(self.path.glob("*.png"))
-
-
-def read_parquet(path: Path) -> pd.DataFrame:
-    try:
-        return pq.ParquetFile(path).read().to_pandas()  # one file: no dataset discovery (about 2x faster)
-    except FileNotFoundError:
-        raise BadInput(f"{path} is missing: is this a complete tfmoe run directory?") from None
-    except (pa.ArrowException, OSError) as exc:
-        raise BadInput(f"{path} is not readable parquet ({type(exc).__name__}): the run is corrupt; "
-                       "re-run it with `tfmoe replay`") from None
 
 
 def load_run(path: str | Path) -> RunData:

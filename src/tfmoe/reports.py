@@ -12,16 +12,8 @@ import pandas as pd
 from rich.console import Console
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import (
-    EXPECTATIONS_FILE,
-    RunData,
-    load_run,
-    read_parquet,
-    read_run_row,
-    resolve_run,
-    where_running,
-    with_effective_status,
-)
+from tfmoe.notebook import RunData, load_run, read_run_row, resolve_run, where_running, with_effective_status
+from tfmoe.rundir import EXPECTATIONS_FILE, read_parquet
 from tfmoe.status import Status, exit_code_for, worst_exit_code
 from tfmoe.tables import cell, from_frame
 

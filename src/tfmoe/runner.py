@@ -43,7 +43,7 @@ LAUNCHER_PID: int | None = None
 
 
 def _run_name() -> str:
-    from tfmoe.notebook import utcnow
+    from tfmoe.rundir import utcnow
 
     return f"{utcnow():%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
 
@@ -145,7 +145,7 @@ def start_expectations(cfg: DictConfig, exp: Any, writer: Any) -> list:
     """Parse and validate ``cfg.expect`` and write expectations.parquet before the experiment runs."""
     from tfmoe import expectations as ex
     from tfmoe.declared_metrics import declared_for
-    from tfmoe.notebook import utcnow
+    from tfmoe.rundir import utcnow
 
     parsed = ex.parse(cfg.get("expect"))
     if parsed:
@@ -181,7 +181,7 @@ def explain_failures(experiment: str, rec: Any, cfg: DictConfig, writer: Any) ->
 def finish_expectations(parsed: list, rec: Any, writer: Any) -> list[str]:
     """Judge each expectation on the recorded metrics, complete expectations.parquet; the misses, described."""
     from tfmoe import expectations as ex
-    from tfmoe.notebook import utcnow
+    from tfmoe.rundir import utcnow
 
     if not parsed or rec is None:
         return []

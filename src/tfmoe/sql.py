@@ -17,7 +17,7 @@ import pandas as pd
 import pyarrow as pa
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import RUN_SCHEMA, TABLE_FILES
+from tfmoe.rundir import RUN_SCHEMA, TABLE_FILES
 from tfmoe.status import Status
 
 FILE_VIEWS = ("metrics", "checks", "timings")
