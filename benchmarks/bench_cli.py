@@ -111,7 +111,7 @@ def sweep_file_at(jobs: int = 1000) -> tuple[float, float, int]:
     from rich.console import Console
     from rich.progress import Progress
 
-    from tfmoe.hydra_callbacks import write_sweep_outputs
+    from tfmoe.sweeps import write_sweep_outputs
 
     work = Path(tempfile.mkdtemp())
     try:

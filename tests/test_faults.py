@@ -230,3 +230,43 @@ def test_a_system_exit_inside_the_run_is_never_recorded_ok(fake_experiment) -> N
     assert code != 0
     data = notebook.load_run(dirs[-1])
     assert data.run["status"] == "crashed" and "SystemExit" in data.run["error"]
+
+
+def test_read_run_state_agrees_with_read_run_row_ok_lost_and_corrupt(fake_experiment, tmp_path: Path) -> None:
+    """The fast state read (big sweeps' exit code and outcome) gives the same state as the full row, lost included."""
+    from tfmoe.errors import BadInput
+
+    code, dirs = launched(fake_experiment, [])
+    run_dir = dirs[-1]
+    for planted in (None, _dead_pid()):
+        if planted is not None:
+            _planted_running(run_dir, pid=planted)
+        full, fast = notebook.read_run_row(run_dir), notebook.read_run_state(run_dir)
+        assert fast["status"] == full["status"] == ("ok" if planted is None else "lost")
+        assert fast["recorded_status"] == full["recorded_status"] and fast["run_id"] == full["run_id"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "run.parquet").write_bytes(b"not parquet")
+    with pytest.raises(BadInput, match="not readable parquet"):
+        notebook.read_run_state(broken)
+
+
+def test_a_big_sweep_outcome_is_one_row_per_status_and_names_the_bad_jobs(fake_experiment, capsys) -> None:
+    """Past OUTCOME_TABLE_MAX jobs a per-job table is unreadable and slow (10 s at 1,000 jobs): one row per status."""
+    import shutil
+
+    from tfmoe import reports
+
+    code, dirs = launched(fake_experiment, ["mode=ok,fail_check"], multirun=True)
+    assert code == 1
+    sweep = dirs[0].parent
+    ok_dir, failed_dir = sorted(dirs, key=lambda d: d.name)
+    copies = [ok_dir, failed_dir] + [shutil.copytree(ok_dir, sweep / f"copy{i}") for i in range(reports.OUTCOME_TABLE_MAX)]
+    capsys.readouterr()
+    reports.print_outcome(copies, [sweep])
+    out = capsys.readouterr().out
+    assert f"tfmoe sweep: {len(copies)} jobs" in out and "one row per status" in out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
+    assert set(rows) == {"ok", "failed"} and f" {len(copies) - 1} " in rows["ok"] and " 1 " in rows["failed"]
+    assert "job 1 (mode=fail_check): failed" in out
+    assert reports.exit_code_of(copies) == 1

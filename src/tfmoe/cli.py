@@ -246,7 +246,7 @@ def sweep_complete_cmd(
 ) -> None:
     """Write sweep.parquet for a sweep whose launching process died (killed, machine lost): every job, with the
     state it is in (ok/failed/.../lost/running/not_started). Exit code: the worst of its jobs'."""
-    from tfmoe.hydra_callbacks import complete_sweep
+    from tfmoe.reports import complete_sweep
 
     with bad_input_exits_2():
         code = complete_sweep(sweep_dir)

@@ -331,6 +331,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
 
     from tfmoe import hydra_callbacks, runner
     from tfmoe.reports import exit_code_of, print_outcome
+    from tfmoe.sweeps import has_unstarted_jobs
 
     overrides, flags = split_args(args)
     overrides = [force_expect(o) for o in overrides]
@@ -372,7 +373,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     if not quiet:
         print_outcome(dirs, sweeps)
     codes = [exit_code_of(dirs)]
-    if any(hydra_callbacks.has_unstarted_jobs(s) for s in sweeps):
+    if any(has_unstarted_jobs(s) for s in sweeps):
         codes.append(Status.NOT_STARTED.exit_code)
     if hydra_failed:
         codes.append(EXIT_FROM_HYDRA)

@@ -332,6 +332,29 @@ def read_run_row(run_dir: Path) -> dict[str, Any]:
     return row
 
 
+STATE_COLUMNS = ("run_id", "experiment", "status", "exit_code", "wall_s", "error", "hostname", "pid",
+                 "process_started_at")
+
+
+def read_run_state(run_dir: Path) -> dict[str, Any]:
+    """Only run.parquet's state columns (:data:`STATE_COLUMNS`, those the file has), read with pyarrow, with
+    ``status`` made :func:`effective_status` like :func:`read_run_row`: about 3x faster, for the readers that
+    touch every job of a big sweep (its exit code, its outcome summary)."""
+    path = Path(run_dir) / RUN_FILE
+    try:
+        parquet = pq.ParquetFile(path)
+        names = set(parquet.schema_arrow.names)
+        row = parquet.read(columns=[c for c in STATE_COLUMNS if c in names]).to_pylist()[0]
+    except FileNotFoundError:
+        raise BadInput(f"{path} is missing: is this a complete tfmoe run directory?") from None
+    except (pa.ArrowException, OSError, IndexError) as exc:
+        raise BadInput(f"{path} is not readable parquet ({type(exc).__name__}): the run is corrupt; "
+                       "re-run it with `tfmoe replay`") from None
+    row["recorded_status"] = row.get("status")
+    row["status"] = effective_status(row)
+    return row
+
+
 def with_effective_status(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` (one row per run with ``status`` and ``path``, e.g. from the catalog) with the status of each row
     recorded as ``running`` derived by :func:`effective_status` from its run.parquet, read now (a cache may be

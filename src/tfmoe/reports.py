@@ -12,10 +12,18 @@ import pandas as pd
 from rich.console import Console
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import RunData, load_run, read_run_row, resolve_run, where_running, with_effective_status
+from tfmoe.notebook import (
+    RunData,
+    load_run,
+    read_run_row,
+    read_run_state,
+    resolve_run,
+    where_running,
+    with_effective_status,
+)
 from tfmoe.rundir import EXPECTATIONS_FILE, read_parquet
 from tfmoe.status import Status, exit_code_for, worst_exit_code
-from tfmoe.tables import cell, from_frame
+from tfmoe.tables import Rows, cell, from_frame
 
 console = Console(highlight=False)
 STATUS_STYLES = {Status.OK: "green", Status.FAILED: "red", Status.ERROR: "yellow"}  # any other: magenta
@@ -32,7 +40,7 @@ def exit_code_of(run_dirs: list[Path]) -> int:
     """The exit code of these runs together: the worst of each one's (its status's, while it records none)."""
     codes = []
     for d in run_dirs:
-        run = read_run_row(d)
+        run = read_run_state(d)
         code = run.get("exit_code")
         if run["status"] in (Status.LOST, Status.RUNNING) or code is None or pd.isna(code):  # none recorded (yet)
             codes.append(exit_code_for(run["status"]))
@@ -65,7 +73,13 @@ def _expectations_cell(run_dir: Path) -> str:
     return f"{int((df['held'] == True).sum())}/{len(df)} held" if len(df) else ""  # noqa: E712 (nullable)
 
 
+OUTCOME_TABLE_MAX = 50  # a sweep with more jobs gets one row per status; `tfmoe runs` / `tfmoe sql` list every job
+
+
 def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | None = None) -> None:
+    if len(run_dirs) > OUTCOME_TABLE_MAX:
+        _print_outcome_by_status(run_dirs, sweep_dirs, title)
+        return
     df = _runs_frame(run_dirs)
     table_df = df.drop(columns=["path"])
     table = from_frame(table_df, title or ("tfmoe run" if len(df) == 1 else f"tfmoe sweep: {len(df)} jobs"))
@@ -79,9 +93,26 @@ def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | Non
             console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
+def _print_outcome_by_status(run_dirs: list[Path], sweep_dirs: list[Path], title: str | None) -> None:
+    """A big sweep's outcome: jobs per status (and their wall time), then every job that did not end ok."""
+    states = pd.DataFrame([read_run_state(d) for d in run_dirs])
+    states["wall_s"] = pd.to_numeric(states.get("wall_s"), errors="coerce")
+    table = Rows(title or f"tfmoe sweep: {len(run_dirs)} jobs", ["status", "jobs", "exit", "wall_s total"])
+    for status, group in states.groupby("status", sort=False):
+        table.add(status, len(group), exit_code_for(str(status)), round(float(group["wall_s"].sum()), 1),
+                  style=STATUS_STYLES.get(str(status), "magenta"))
+    table.print_to(console)
+    console.print(f"({len(run_dirs)} jobs: more than {OUTCOME_TABLE_MAX}, so one row per status; every job is in "
+                  "sweep.parquet, `tfmoe runs` and `tfmoe sql`)", soft_wrap=True, markup=False, highlight=False)
+    for s in sweep_dirs:
+        console.print(f"sweep: {s}/sweep.parquet", soft_wrap=True)
+        for line in sweep_problem_lines(s):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
 def sweep_problem_lines(sweep_dir: Path) -> list[str]:
     """'job N (overrides): status: error' for every job of a sweep that did not end ok."""
-    from tfmoe.hydra_callbacks import sweep_jobs
+    from tfmoe.sweeps import sweep_jobs
 
     path = Path(sweep_dir) / "sweep.parquet"
     if not path.exists():
@@ -521,3 +552,28 @@ def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, f
             print_frame(shown, fmt, title)
     print("differ" if differs else "no differences beyond tolerance (environment and timings are context only)")
     return 1 if differs else 0
+
+
+def complete_sweep(sweep_dir: Path) -> int:
+    """`tfmoe sweep-complete DIR`: write sweep.parquet (and sweep plots) for a sweep whose launching process died,
+    print its jobs, and return the exit code the sweep would have had (a job not started counts as interrupted)."""
+    from tfmoe.errors import BadInput
+    from tfmoe.rundir import RUN_FILE
+    from tfmoe.sweeps import has_unstarted_jobs, sweep_experiment, write_sweep_outputs
+
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise BadInput(f"{sweep_dir} is not a directory: pass a sweep directory, runs/<experiment>/multirun-<...>")
+    experiment = sweep_experiment(sweep_dir)
+    write_sweep_outputs(sweep_dir, experiment)
+    dirs = sorted((p.parent for p in sweep_dir.glob(f"*/{RUN_FILE}")), key=lambda p: (len(p.name), p.name))
+    if dirs:
+        print_outcome(dirs, [sweep_dir])
+    else:
+        console.print(f"sweep: {sweep_dir}/sweep.parquet", soft_wrap=True)
+        for line in sweep_problem_lines(sweep_dir):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
+    codes = [exit_code_of(dirs)] if dirs else []
+    if has_unstarted_jobs(sweep_dir):
+        codes.append(Status.NOT_STARTED.exit_code)
+    return worst_exit_code(codes)
