@@ -333,7 +333,7 @@ def test_rope_off_accepts_odd_head_size(base_cfg):
 
 # ----------------------------------------------------------------------------------------- CLI
 def test_cli_end_to_end_saves_matrices_pictures_and_trace(workdir):
-    from tfmoe.notebook import load_run
+    from tfmoe.harness.notebook import load_run
     from tfmoe.testing import run_cli
 
     res = run_cli(["arch"], workdir)

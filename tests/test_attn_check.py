@@ -263,7 +263,7 @@ def test_metrics_written_in_the_battery_modules_are_declared():
     """Issue 12 (F-77): an expectation's metric is checked against the names the experiment's source writes; with
     the checks moved to experiments/attn/, metrics written only there (fp64_forward_max_abs_err, and kernel
     mode's err / case_passed) would be refused as unknown."""
-    from tfmoe import declared_metrics
+    from tfmoe.harness import declared_metrics
 
     declared = declared_metrics.declared_for("attn-check")
     assert {"fp64_forward_max_abs_err", "err", "case_passed", "sdpa_match"} - set(declared) == {"sdpa_match"}
@@ -272,7 +272,7 @@ def test_metrics_written_in_the_battery_modules_are_declared():
 
 # ----------------------------------------------------------------------------------------------- CLI
 def test_cli_default_run_exit_0_and_run_directory(tmp_path):
-    from tfmoe.notebook import load_run
+    from tfmoe.harness.notebook import load_run
 
     res = run_cli(["attn-check"], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr

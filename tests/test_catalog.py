@@ -15,8 +15,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe import catalog, notebook, rundir
 from tfmoe.errors import BadInput
+from tfmoe.harness import catalog, notebook, rundir
 from tfmoe.status import Status
 
 OLD = time.time() - 3600  # directories "written an hour ago": their mtimes are trusted (not racy)
@@ -157,7 +157,7 @@ WRITER = textwrap.dedent("""
 READER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from tfmoe import notebook
+    from tfmoe.harness import notebook
     root = Path(sys.argv[1])
     for _ in range(int(sys.argv[2])):
         if root.exists():

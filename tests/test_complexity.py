@@ -469,7 +469,7 @@ def test_run_activation_bytes_match_in_low_and_high_precision(dtype, extra):
 
 
 def test_cli_exit_codes(tmp_path):
-    from tfmoe.notebook import load_run
+    from tfmoe.harness.notebook import load_run
     from tfmoe.testing import run_cli
 
     ok = run_cli(["complexity", *QUICK], tmp_path)

@@ -503,7 +503,7 @@ def test_missing_corpus_file_is_bad_input(tmp_path):
 
 # --------------------------------------------------------------------------------------------- CLI
 def test_cli_end_to_end(workdir):
-    from tfmoe.notebook import load_run
+    from tfmoe.harness.notebook import load_run
     from tfmoe.testing import run_cli
 
     res = run_cli(["decode", *SMALL], workdir)
@@ -528,7 +528,7 @@ def test_cli_untrained_model_fails_the_training_check(workdir):
 
     res = run_cli(["decode", *SMALL, "train_steps=0", "timing_lengths=[]"], workdir)
     assert res.exit_code == 1
-    from tfmoe.notebook import load_run
+    from tfmoe.harness.notebook import load_run
 
     checks = load_run(res.run_dir).checks.set_index("check")["passed"]
     assert not checks["trained_beats_unigram"] and checks.drop("trained_beats_unigram").all()

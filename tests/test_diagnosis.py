@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe import diagnosis
-from tfmoe.diagnosis import checks_mapping, diagnose
+from tfmoe.harness import diagnosis
+from tfmoe.harness.diagnosis import checks_mapping, diagnose
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.testing import run_cli, run_recorded
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe import declared_metrics, expectations, failures, notebook
 from tfmoe.errors import BadInput
-from tfmoe.expectations import judge, parse, parse_one
+from tfmoe.harness import declared_metrics, expectations, failures, notebook
+from tfmoe.harness.expectations import judge, parse, parse_one
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.status import Status
 from tfmoe.testing import launched, run_cli

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe import export_mlflow, launch
 from tfmoe.errors import BadInput
+from tfmoe.harness import export_mlflow, launch
 from tfmoe.testing import launched, run_cli
 
 

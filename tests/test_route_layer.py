@@ -96,7 +96,7 @@ def test_course_toy_moe_listing_verbatim_passes_through_the_cli(tmp_path, monkey
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     res = run_cli(["route-sim", "impl=course_toy_moe:ToyMoE"], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr
-    from tfmoe.notebook import load_run
+    from tfmoe.harness.notebook import load_run
 
     run = load_run(res.run_dir)
     checks = set(run.checks["check"])

@@ -638,7 +638,7 @@ def test_sweep_plots():
 
 # ------------------------------------------------------------------------------- CLI
 def test_cli_run_bad_input_and_interrupt(tmp_path, monkeypatch):
-    from tfmoe.notebook import load_run
+    from tfmoe.harness.notebook import load_run
 
     res = run_cli(["route-sim", "steps=5", "train_tokens=64"], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr
@@ -677,7 +677,7 @@ def test_cli_run_bad_input_and_interrupt(tmp_path, monkeypatch):
 def test_real_ctrl_c_stops_fast(tmp_path):
     """A real SIGINT to a long run: the loop stops and the records are written within a second, the process
     exits 130 (interpreter teardown included) within a few, and the steps done so far are readable."""
-    from tfmoe.notebook import find_runs, load_run
+    from tfmoe.harness.notebook import find_runs, load_run
 
     tfmoe_bin = Path(sys.executable).with_name("tfmoe")
     proc = subprocess.Popen([str(tfmoe_bin), "route-sim", "steps=100000"], cwd=tmp_path, text=True,

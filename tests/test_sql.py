@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe import sql
 from tfmoe.errors import BadInput
+from tfmoe.harness import sql
 from tfmoe.testing import launched, run_cli
 
 

@@ -510,7 +510,7 @@ def test_training_only_on_english_shows_unk_and_a_higher_premium():
 
 
 def test_cli_end_to_end_and_bad_input_exit_codes(tmp_path):
-    from tfmoe.notebook import load_run
+    from tfmoe.harness.notebook import load_run
     from tfmoe.testing import run_cli
 
     user = tmp_path / "mine.txt"

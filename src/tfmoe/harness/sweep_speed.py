@@ -180,7 +180,7 @@ def faster_job_records() -> Callable[[], None]:
 
     import hydra.core.utils as hydra_utils
 
-    from tfmoe import code_capture
+    from tfmoe.harness import code_capture
 
     save, diff = hydra_utils._save_config, code_capture.tfmoe_diff
     taken: list[str | None] = []

@@ -17,7 +17,7 @@ import pandas as pd
 import pyarrow as pa
 
 from tfmoe.errors import BadInput
-from tfmoe.rundir import RUN_SCHEMA, TABLE_FILES
+from tfmoe.harness.rundir import RUN_SCHEMA, TABLE_FILES
 from tfmoe.status import Status
 
 FILE_VIEWS = ("metrics", "checks", "timings")
@@ -87,8 +87,8 @@ def _with_run_id(run_id: str, table: Any) -> Any:
 
 
 def _runs_table(conn: Any, runs_root: Path) -> Any:
-    from tfmoe.catalog import arrow_tables
-    from tfmoe.notebook import read_run_row
+    from tfmoe.harness.catalog import arrow_tables
+    from tfmoe.harness.notebook import read_run_row
 
     cached = arrow_tables(conn, runs_root, "run")
     if not cached:
@@ -112,7 +112,7 @@ def _file_table(conn: Any, runs_root: Path, view: str) -> Any:
     """Every run's ``view`` rows with its run_id: from the catalog, or read now for runs that are still running."""
     import pyarrow.parquet as pq
 
-    from tfmoe.catalog import FINAL_STATUSES, arrow_tables
+    from tfmoe.harness.catalog import FINAL_STATUSES, arrow_tables
 
     tables = []
     for run_id, path, status, table, _, _ in arrow_tables(conn, runs_root, view):
@@ -130,7 +130,7 @@ def _file_table(conn: Any, runs_root: Path, view: str) -> Any:
 def connect(runs_root: Path, query: str) -> Any:
     """An in-memory DuckDB with the views the query names, built from the catalog's cached tables (one SQLite
     read instead of opening every run's parquet files)."""
-    from tfmoe import catalog
+    from tfmoe.harness import catalog
 
     duckdb = _duckdb()
     con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False})
@@ -176,6 +176,6 @@ def emit(df: pd.DataFrame, fmt: str) -> None:
     elif fmt == "csv":
         print(df.to_csv(index=False), end="")
     else:
-        from tfmoe.reports import print_frame
+        from tfmoe.harness.reports import print_frame
 
         print_frame(df, "table", f"{len(df)} row{'s' if len(df) != 1 else ''}")

@@ -30,7 +30,7 @@ from typing import Any
 
 import pandas as pd
 
-from tfmoe.rundir import RUN_FILE, RUN_SCHEMA, TABLE_FILES, read_parquet
+from tfmoe.harness.rundir import RUN_FILE, RUN_SCHEMA, TABLE_FILES, read_parquet
 from tfmoe.status import Status
 
 CATALOG_FILE = ".tfmoe-catalog.sqlite3"

@@ -20,8 +20,8 @@ from typing import Any
 import pandas as pd
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import effective_status, load_run, present, resolve_run
-from tfmoe.rundir import RUN_FILE, read_parquet
+from tfmoe.harness.notebook import effective_status, load_run, present, resolve_run
+from tfmoe.harness.rundir import RUN_FILE, read_parquet
 from tfmoe.status import Status
 
 DEFAULT_URI = "sqlite:///mlflow.db"
@@ -64,7 +64,7 @@ def metric_key(name: str, tags: dict[str, Any]) -> str:
 
 def flatten(d: Any) -> dict[str, str]:
     """The config as MLflow params: dotted keys, lists as JSON."""
-    from tfmoe.reports import flatten_keys
+    from tfmoe.harness.reports import flatten_keys
 
     return {k: json.dumps(v) if isinstance(v, (list, tuple)) else str(v) for k, v in flatten_keys(d).items()}
 
@@ -222,7 +222,7 @@ def _sweep_of(run_dir: Path) -> Path | None:
 
 def export(refs: list[str], runs_root: Path, tracking_uri: str = DEFAULT_URI) -> Exported:
     """Export RUN refs (ids, prefixes, paths, `latest`, or sweep directories) — all runs when none are given."""
-    from tfmoe.notebook import run_index
+    from tfmoe.harness.notebook import run_index
 
     _mlflow()  # without the extra, say so before anything else
     dirs: list[Path] = []

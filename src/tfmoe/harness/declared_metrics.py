@@ -169,7 +169,7 @@ DECLARED: dict[str, dict[str, tuple[str, ...]]] = {
 def _experiment_sources(module: str) -> list[Path]:
     """``tfmoe/experiments/<module>.py`` and every module under ``tfmoe/experiments/`` it imports, transitively
     (a recipe whose checks live in a sub-package, e.g. attn_check -> experiments/attn/checks/*.py)."""
-    root = Path(__file__).resolve().parent  # src/tfmoe
+    root = Path(__file__).resolve().parents[1]  # src/tfmoe
     todo, seen = [root / "experiments" / f"{module}.py"], []
     while todo:
         path = todo.pop()
@@ -213,6 +213,6 @@ def declared_for(experiment: str) -> dict[str, tuple[str, ...] | None]:
         elif tags is not None and declared[name] is not None:
             declared[name] = tuple(sorted(set(declared[name]) | set(tags)))
     if not declared:
-        raise BadInput(f"experiment {experiment!r} declares no metrics (tfmoe/declared_metrics.py): it cannot judge "
+        raise BadInput(f"experiment {experiment!r} declares no metrics (tfmoe/harness/declared_metrics.py): it cannot judge "
                        "an expectation; drop expect=")
     return declared

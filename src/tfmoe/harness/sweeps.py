@@ -86,8 +86,8 @@ def collect_sweep(sweep_dir: Path) -> Any:
     import pandas as pd
     import yaml
 
-    from tfmoe.notebook import read_run_row, read_run_state
-    from tfmoe.rundir import RUN_FILE, TABLE_FILES, read_parquet
+    from tfmoe.harness.notebook import read_run_row, read_run_state
+    from tfmoe.harness.rundir import RUN_FILE, TABLE_FILES, read_parquet
 
     frames = []
     job_dirs = {p.parent.name: p.parent for p in sweep_dir.glob(f"*/{RUN_FILE}")}
@@ -146,8 +146,8 @@ def sweep_experiment(sweep_dir: Path) -> str:
 
 def write_sweep_outputs(sweep_dir: Path, experiment: str) -> None:
     """sweep.parquet (+ the experiment's ``sweep_plots(df)`` PNGs) for a finished sweep directory."""
+    from tfmoe.harness.rundir import atomic_replace, write_parquet
     from tfmoe.registry import EXPERIMENTS
-    from tfmoe.rundir import atomic_replace, write_parquet
 
     df = collect_sweep(sweep_dir)
     if df.empty:

@@ -14,8 +14,8 @@ import pyarrow as pa
 from filelock import FileLock, Timeout
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import resolve_run
-from tfmoe.rundir import read_parquet, utcnow, write_parquet, write_text
+from tfmoe.harness.notebook import resolve_run
+from tfmoe.harness.rundir import read_parquet, utcnow, write_parquet, write_text
 
 CONCLUSIONS_FILE = "conclusions.parquet"
 KINDS = {"proven": "Proven (a check or a number from this run)", "inferred": "Inferred (not shown by this run alone)",

@@ -25,7 +25,7 @@ def config_dir() -> Path:
     env = os.environ.get("TFMOE_CONF")
     if env:
         return Path(env).resolve()
-    source = Path(__file__).resolve().parents[2] / "conf"
+    source = Path(__file__).resolve().parents[3] / "conf"
     if (source / "base.yaml").exists():
         return source
     from importlib.resources import files
@@ -100,7 +100,7 @@ def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
-    from tfmoe import runner  # registers the run-name resolver
+    from tfmoe.harness import runner  # registers the run-name resolver
 
     del runner
     try:
@@ -175,8 +175,8 @@ def force_expect(override: str) -> str:
 def validate_expectations(exp: Experiment, composed: Any) -> None:
     """Refuse a malformed expectation, or one on a metric or tag the experiment does not record, before any
     run (or any job of a sweep) starts."""
-    from tfmoe import expectations
-    from tfmoe.declared_metrics import declared_for
+    from tfmoe.harness import expectations
+    from tfmoe.harness.declared_metrics import declared_for
 
     parsed = expectations.parse(composed.get("expect"))
     if parsed:
@@ -221,7 +221,7 @@ def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
     (it enumerates its own jobs)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
-    from tfmoe.sweep_speed import parse
+    from tfmoe.harness.sweep_speed import parse
 
     parsed = parse(overrides)
     if any(o.key_or_group == "hydra/sweeper" or o.key_or_group.startswith("hydra.sweeper") for o in parsed):
@@ -242,7 +242,7 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
     from hydra.types import RunMode
     from omegaconf import open_dict, read_write
 
-    from tfmoe.sweep_speed import JobConfigs, parse
+    from tfmoe.harness.sweep_speed import JobConfigs, parse
 
     module = exp.load()
     jobs = sweep_job_overrides(overrides)
@@ -314,7 +314,7 @@ def dir_override(key: str, path: Path, overrides: list[str]) -> list[str]:
 def made_dirs(out: Path, multirun: bool) -> tuple[list[Path], list[Path]]:
     """(run directories, sweep directories) that a launch into ``out`` produced: the run directory, or every job
     directory under the sweep directory (whichever process ran it: in-process, joblib, submitit), in job order."""
-    from tfmoe.rundir import RUN_FILE
+    from tfmoe.harness.rundir import RUN_FILE
 
     if not multirun:
         return ([out.resolve()] if (out / RUN_FILE).exists() else []), []
@@ -329,9 +329,9 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     import hydra
     from hydra.core.global_hydra import GlobalHydra
 
-    from tfmoe import hydra_callbacks, runner
-    from tfmoe.reports import exit_code_of, print_outcome
-    from tfmoe.sweeps import has_unstarted_jobs
+    from tfmoe.harness import hydra_callbacks, runner
+    from tfmoe.harness.reports import exit_code_of, print_outcome
+    from tfmoe.harness.sweeps import has_unstarted_jobs
 
     overrides, flags = split_args(args)
     overrides = [force_expect(o) for o in overrides]
@@ -385,8 +385,8 @@ def replay(ref: str, runs_root: Path) -> int:
 
     A replay that cannot start (the experiment refuses its recorded config, e.g. a user module that can no longer
     be imported) is bad input (BadInput: exit 2, one line), not a failed reproduction."""
-    from tfmoe import reports
-    from tfmoe.notebook import load_run, resolve_run
+    from tfmoe.harness import reports
+    from tfmoe.harness.notebook import load_run, resolve_run
 
     old_dir = resolve_run(ref, runs_root)
     old = load_run(old_dir)
@@ -395,7 +395,7 @@ def replay(ref: str, runs_root: Path) -> int:
         raise BadInput(f"{old_dir} is a run of unknown experiment {old.run['experiment']!r}")
     overrides = [o for o in list(old.run["overrides"]) if not o.startswith("run_root=")]
     overrides += [f"seed={int(old.run['seed'])}", f"run_root={runs_root}"]
-    from tfmoe import code_capture
+    from tfmoe.harness import code_capture
 
     for line in code_capture.changes_since(old_dir):  # the user's code: replay the recorded copy, say so
         print(line)

@@ -12,7 +12,7 @@ import pandas as pd
 from rich.console import Console
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import (
+from tfmoe.harness.notebook import (
     RunData,
     load_run,
     read_run_row,
@@ -21,7 +21,7 @@ from tfmoe.notebook import (
     where_running,
     with_effective_status,
 )
-from tfmoe.rundir import EXPECTATIONS_FILE, read_parquet
+from tfmoe.harness.rundir import EXPECTATIONS_FILE, read_parquet
 from tfmoe.status import Status, exit_code_for, worst_exit_code
 from tfmoe.tables import Rows, cell, from_frame
 
@@ -112,7 +112,7 @@ def _print_outcome_by_status(run_dirs: list[Path], sweep_dirs: list[Path], title
 
 def sweep_problem_lines(sweep_dir: Path) -> list[str]:
     """'job N (overrides): status: error' for every job of a sweep that did not end ok."""
-    from tfmoe.sweeps import sweep_jobs
+    from tfmoe.harness.sweeps import sweep_jobs
 
     path = Path(sweep_dir) / "sweep.parquet"
     if not path.exists():
@@ -150,7 +150,7 @@ def print_frame(df: pd.DataFrame, fmt: str, title: str = "") -> None:
 
 # --------------------------------------------------------------------------------------------- runs
 def runs(runs_root: Path, experiment: str | None, status: str | None, last: int | None, fmt: str) -> None:
-    from tfmoe import catalog
+    from tfmoe.harness import catalog
 
     if not Path(runs_root).is_dir():
         print(f"no runs under {runs_root}")
@@ -243,7 +243,7 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
 
 
 def _show_conclusions(run_dir: Path) -> None:
-    from tfmoe.conclusions import markdown, read
+    from tfmoe.harness.conclusions import markdown, read
 
     df = read(run_dir)
     if not df.empty:
@@ -254,7 +254,7 @@ def _inferences(data: RunData) -> list[Any]:
     """Likely causes of the failed checks from the planted-bug catalogue (inferences, shown next to the checks)."""
     import yaml
 
-    from tfmoe.diagnosis import checks_mapping, diagnose
+    from tfmoe.harness.diagnosis import checks_mapping, diagnose
 
     try:
         cfg = yaml.safe_load(data.config) or {}
@@ -265,7 +265,7 @@ def _inferences(data: RunData) -> list[Any]:
 
 
 def _conclusions_records(run_dir: Path) -> list[dict[str, Any]]:
-    from tfmoe.conclusions import read
+    from tfmoe.harness.conclusions import read
 
     return read(run_dir).to_dict("records")
 
@@ -374,7 +374,7 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
         {"check": k, "A": cka.get(k), "B": ckb.get(k), "differs": cka.get(k) != ckb.get(k)}
         for k in sorted(set(cka) | set(ckb))])
     sections["expectations"] = _diff_expectations(a, b)
-    from tfmoe.code_capture import diff_code
+    from tfmoe.harness.code_capture import diff_code
 
     sections["code"] = diff_code(a.path, b.path)
     # tensors
@@ -558,8 +558,8 @@ def complete_sweep(sweep_dir: Path) -> int:
     """`tfmoe sweep-complete DIR`: write sweep.parquet (and sweep plots) for a sweep whose launching process died,
     print its jobs, and return the exit code the sweep would have had (a job not started counts as interrupted)."""
     from tfmoe.errors import BadInput
-    from tfmoe.rundir import RUN_FILE
-    from tfmoe.sweeps import has_unstarted_jobs, sweep_experiment, write_sweep_outputs
+    from tfmoe.harness.rundir import RUN_FILE
+    from tfmoe.harness.sweeps import has_unstarted_jobs, sweep_experiment, write_sweep_outputs
 
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():

@@ -131,9 +131,9 @@ def run_all(runs_root: Path, only: list[str] | None = None) -> int:
     """Run each claim's experiment; print claim -> verdict -> run id. 0 when every claim holds, else 1."""
     from rich.console import Console
 
-    from tfmoe.launch import run_experiment
+    from tfmoe.harness.launch import run_experiment
+    from tfmoe.harness.rundir import read_parquet
     from tfmoe.registry import EXPERIMENTS
-    from tfmoe.rundir import read_parquet
 
     chosen = [c for c in CLAIMS if not only or c.key in only]
     unknown = sorted(set(only or []) - {c.key for c in CLAIMS})

@@ -1,5 +1,5 @@
 """Hydra callbacks: a rich progress bar over a sweep's jobs, the sweep's faster composition (sweep_speed.py), and
-``sweep.parquet`` at the end of a multirun (written by :mod:`tfmoe.sweeps`).
+``sweep.parquet`` at the end of a multirun (written by :mod:`tfmoe.harness.sweeps`).
 
 ``sweep.parquet`` is also written when a sweep ends badly (a job killed, a launcher error, Ctrl-C/SIGTERM in the
 launching process: see launch.run_experiment, which calls :func:`complete_unfinished_sweeps`).
@@ -14,7 +14,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from tfmoe.sweeps import sweep_size, write_sweep_outputs
+from tfmoe.harness.sweeps import sweep_size, write_sweep_outputs
 
 log = logging.getLogger("tfmoe")
 
@@ -41,7 +41,7 @@ class SweepCallback(Callback):
         progress.start()
         from hydra.core.global_hydra import GlobalHydra
 
-        from tfmoe.sweep_speed import faster_composition, faster_job_records
+        from tfmoe.harness.sweep_speed import faster_composition, faster_job_records
 
         undo = [faster_job_records()]
         if GlobalHydra.instance().is_initialized():  # derive jobs' configs, parse each YAML file once

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tfmoe.errors import BadInput
-from tfmoe.rundir import (
+from tfmoe.harness.rundir import (
     CHECKS_SCHEMA,
     EXPECTATIONS_FILE,
     EXPECTATIONS_SCHEMA,
@@ -95,7 +95,7 @@ def environment(device: Any = None) -> dict[str, Any]:
     import numpy
     import torch
 
-    commit, dirty = git_state(Path(__file__).resolve().parent)
+    commit, dirty = git_state(Path(__file__).resolve().parents[1])
     cuda_ok = torch.cuda.is_available()
     return {
         "git_commit": commit, "git_dirty": dirty, "hostname": socket.gethostname(),
@@ -122,8 +122,8 @@ class RunWriter:
     sweep_dir: str | None = None
     started_at: dt.datetime = field(default_factory=utcnow)
     env: dict[str, Any] = field(default_factory=dict)
-    expectations: pd.DataFrame | None = None  # rows of EXPECTATIONS_SCHEMA (see tfmoe.expectations)
-    inference_lines: list[str] = field(default_factory=list)  # likely causes of failed checks (tfmoe.diagnosis)
+    expectations: pd.DataFrame | None = None  # rows of EXPECTATIONS_SCHEMA (see tfmoe.harness.expectations)
+    inference_lines: list[str] = field(default_factory=list)  # likely causes of failed checks (tfmoe.harness.diagnosis)
     process: dict[str, Any] = field(default_factory=lambda: process_identity())
     _checkpointed: tuple[int, int, int] = (0, 0, 0)  # metrics/checks/timings rows at the last checkpoint
 
@@ -149,7 +149,7 @@ class RunWriter:
 
     def write_code(self, df: pd.DataFrame) -> None:
         """code.parquet: the user-supplied files this run imported or read (copies under code/, see code_capture)."""
-        from tfmoe.code_capture import CODE_FILE, SCHEMA
+        from tfmoe.harness.code_capture import CODE_FILE, SCHEMA
 
         if len(df):
             write_parquet(df, self.run_dir / CODE_FILE, schema=SCHEMA)
@@ -454,7 +454,7 @@ def find_runs(runs_root: Path) -> list[Path]:
 def run_index(runs_root: Path) -> pd.DataFrame:
     """One row per run (run.parquet's columns, ``path``, ``checks_passed``/``checks_total``) from the catalog,
     synced with the directories first (see catalog.py); unreadable runs are listed as such."""
-    from tfmoe import catalog
+    from tfmoe.harness import catalog
 
     if not Path(runs_root).is_dir():
         return pd.DataFrame()
@@ -467,7 +467,7 @@ def run_index(runs_root: Path) -> pd.DataFrame:
 
 def resolve_run(ref: str, runs_root: Path) -> Path:
     """A run directory from a path, a run id, a unique prefix of one, or ``latest`` (looked up in the catalog)."""
-    from tfmoe import catalog
+    from tfmoe.harness import catalog
 
     path = Path(ref)
     if (path / RUN_FILE).exists():

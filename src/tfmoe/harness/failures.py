@@ -9,7 +9,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from tfmoe.errors import BadInput
-from tfmoe.notebook import load_run, resolve_run
+from tfmoe.harness.notebook import load_run, resolve_run
 from tfmoe.status import Status
 
 HEADER = ("# Failures log\n\nReal failures met while running experiments: phenomenon, hypothesis, evidence, fix and the "
@@ -79,7 +79,7 @@ def _when(t: object) -> str:
 
 def _metric_evidence(data: object, missed: object, max_rows: int = 8) -> list[str]:
     """The metrics rows each missed expectation was judged on (the run's own numbers), as short lines."""
-    from tfmoe.expectations import parse_one, select_rows
+    from tfmoe.harness.expectations import parse_one, select_rows
 
     out = []
     rows = data.metrics.to_dict("records") if not data.metrics.empty else []

@@ -43,7 +43,7 @@ LAUNCHER_PID: int | None = None
 
 
 def _run_name() -> str:
-    from tfmoe.rundir import utcnow
+    from tfmoe.harness.rundir import utcnow
 
     return f"{utcnow():%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
 
@@ -143,9 +143,9 @@ def _run_id(run_dir: Path, sweep_dir: str | None) -> str:
 
 def start_expectations(cfg: DictConfig, exp: Any, writer: Any) -> list:
     """Parse and validate ``cfg.expect`` and write expectations.parquet before the experiment runs."""
-    from tfmoe import expectations as ex
-    from tfmoe.declared_metrics import declared_for
-    from tfmoe.rundir import utcnow
+    from tfmoe.harness import expectations as ex
+    from tfmoe.harness.declared_metrics import declared_for
+    from tfmoe.harness.rundir import utcnow
 
     parsed = ex.parse(cfg.get("expect"))
     if parsed:
@@ -156,7 +156,7 @@ def start_expectations(cfg: DictConfig, exp: Any, writer: Any) -> list:
 
 def keep_code(cfg: DictConfig, writer: Any) -> None:
     """Copy the user-supplied modules and input files the config names into the run directory (code.parquet)."""
-    from tfmoe.code_capture import capture
+    from tfmoe.harness.code_capture import capture
 
     try:
         writer.write_code(capture(OmegaConf.to_container(cfg, resolve=True), writer.run_dir))
@@ -166,7 +166,7 @@ def keep_code(cfg: DictConfig, writer: Any) -> None:
 
 def explain_failures(experiment: str, rec: Any, cfg: DictConfig, writer: Any) -> list:
     """The planted-bug catalogue's likely causes for the failed checks (inferences; kept for summary.md)."""
-    from tfmoe.diagnosis import checks_mapping, diagnose, markdown
+    from tfmoe.harness.diagnosis import checks_mapping, diagnose, markdown
 
     try:
         found = diagnose(experiment, checks_mapping(rec.checks_rows), rec.metrics_rows,
@@ -180,8 +180,8 @@ def explain_failures(experiment: str, rec: Any, cfg: DictConfig, writer: Any) ->
 
 def finish_expectations(parsed: list, rec: Any, writer: Any) -> list[str]:
     """Judge each expectation on the recorded metrics, complete expectations.parquet; the misses, described."""
-    from tfmoe import expectations as ex
-    from tfmoe.rundir import utcnow
+    from tfmoe.harness import expectations as ex
+    from tfmoe.harness.rundir import utcnow
 
     if not parsed or rec is None:
         return []
@@ -202,7 +202,7 @@ def execute(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
     from rich.console import Console
 
-    from tfmoe.notebook import RunWriter
+    from tfmoe.harness.notebook import RunWriter
 
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -222,7 +222,7 @@ def execute(cfg: DictConfig) -> int:
 def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) -> int:
     from rich.markup import escape
 
-    from tfmoe.notebook import device_name, environment
+    from tfmoe.harness.notebook import device_name, environment
     from tfmoe.recorder import Recorder, device_peak, forget_device_peak
 
     rec = None

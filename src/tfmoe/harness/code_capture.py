@@ -35,7 +35,7 @@ SCHEMA = pa.schema([
     ("source", pa.string()), ("import_root", pa.string()), ("copy", pa.string()), ("sha256", pa.string()),
     ("bytes", pa.int64()),
 ])
-TFMOE_ROOT = Path(__file__).resolve().parent
+TFMOE_ROOT = Path(__file__).resolve().parents[1]
 
 
 def sha256(path: Path) -> str:
@@ -149,7 +149,7 @@ def capture(cfg_dict: dict[str, Any], run_dir: Path) -> pd.DataFrame:
 
 
 def read(run_dir: Path) -> pd.DataFrame:
-    from tfmoe.rundir import read_parquet
+    from tfmoe.harness.rundir import read_parquet
 
     path = Path(run_dir) / CODE_FILE
     return read_parquet(path) if path.exists() else pd.DataFrame(columns=SCHEMA.names)
