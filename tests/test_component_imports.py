@@ -11,6 +11,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from test_import_cycles import find_cycle  # one cycle finder for both tests (tests/ is on sys.path)
 
 import tfmoe.components
 
@@ -34,27 +35,6 @@ def component_imports(source: str) -> set[str]:
 
 def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
     return {name: component_imports(src) - {name} for name, src in sources.items()}
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle as a path ``[a, b, ..., a]``, or None (depth-first search)."""
-    state: dict[str, int] = {}  # 1 on the current path, 2 done
-
-    def visit(node: str, path: list[str]) -> list[str] | None:
-        state[node] = 1
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:  # back on the current path: that stretch of it is a cycle
-                full = path + [node]
-                return full[full.index(nxt):] + [nxt]
-            if nxt not in state and (cycle := visit(nxt, path + [node])):
-                return cycle
-        state[node] = 2
-        return None
-
-    for start in sorted(graph):
-        if start not in state and (cycle := visit(start, [])):
-            return cycle
-    return None
 
 
 def package_sources() -> dict[str, str]:
