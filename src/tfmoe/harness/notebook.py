@@ -34,6 +34,7 @@ from tfmoe.harness.rundir import (
     atomic_replace,
     metrics_frame,
     read_parquet,
+    read_table,
     timings_frame,
     utcnow,
     write_parquet,
@@ -341,15 +342,10 @@ def read_run_state(run_dir: Path) -> dict[str, Any]:
     ``status`` made :func:`effective_status` like :func:`read_run_row`: about 3x faster, for the readers that
     touch every job of a big sweep (its exit code, its outcome summary)."""
     path = Path(run_dir) / RUN_FILE
-    try:
-        parquet = pq.ParquetFile(path)
-        names = set(parquet.schema_arrow.names)
-        row = parquet.read(columns=[c for c in STATE_COLUMNS if c in names]).to_pylist()[0]
-    except FileNotFoundError:
-        raise BadInput(f"{path} is missing: is this a complete tfmoe run directory?") from None
-    except (pa.ArrowException, OSError, IndexError) as exc:
-        raise BadInput(f"{path} is not readable parquet ({type(exc).__name__}): the run is corrupt; "
-                       "re-run it with `tfmoe replay`") from None
+    rows = read_table(path, STATE_COLUMNS).to_pylist()
+    if not rows:
+        raise BadInput(f"{path} holds no row: the run is corrupt; re-run it with `tfmoe replay`")
+    row = rows[0]
     row["recorded_status"] = row.get("status")
     row["status"] = effective_status(row)
     return row

@@ -87,10 +87,7 @@ def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | Non
     table.print_to(console)
     if len(df) == 1 and not sweep_dirs:
         console.print(f"run directory: {df.iloc[0]['path']}", soft_wrap=True)
-    for s in sweep_dirs:
-        console.print(f"sweep: {s}/sweep.parquet", soft_wrap=True)
-        for line in sweep_problem_lines(s):
-            console.print(line, soft_wrap=True, markup=False, highlight=False)
+    print_sweep_lines(sweep_dirs)
 
 
 def _print_outcome_by_status(run_dirs: list[Path], sweep_dirs: list[Path], title: str | None) -> None:
@@ -104,6 +101,11 @@ def _print_outcome_by_status(run_dirs: list[Path], sweep_dirs: list[Path], title
     table.print_to(console)
     console.print(f"({len(run_dirs)} jobs: more than {OUTCOME_TABLE_MAX}, so one row per status; every job is in "
                   "sweep.parquet, `tfmoe runs` and `tfmoe sql`)", soft_wrap=True, markup=False, highlight=False)
+    print_sweep_lines(sweep_dirs)
+
+
+def print_sweep_lines(sweep_dirs: list[Path]) -> None:
+    """Each sweep's sweep.parquet path, then every job of it that did not end ok."""
     for s in sweep_dirs:
         console.print(f"sweep: {s}/sweep.parquet", soft_wrap=True)
         for line in sweep_problem_lines(s):
@@ -570,9 +572,7 @@ def complete_sweep(sweep_dir: Path) -> int:
     if dirs:
         print_outcome(dirs, [sweep_dir])
     else:
-        console.print(f"sweep: {sweep_dir}/sweep.parquet", soft_wrap=True)
-        for line in sweep_problem_lines(sweep_dir):
-            console.print(line, soft_wrap=True, markup=False, highlight=False)
+        print_sweep_lines([sweep_dir])
     codes = [exit_code_of(dirs)] if dirs else []
     if has_unstarted_jobs(sweep_dir):
         codes.append(Status.NOT_STARTED.exit_code)
