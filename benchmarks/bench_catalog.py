@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tfmoe.harness.catalog import CATALOG_FILE
+from tfmoe.harness.store.catalog import CATALOG_FILE
 
 TFMOE = str(Path(sys.executable).with_name("tfmoe"))
 SQL_JOIN = ("SELECT r.experiment, r.status, count(DISTINCT r.run_id) AS runs, avg(m.value) AS mean_loss, "

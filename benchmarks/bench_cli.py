@@ -77,9 +77,9 @@ def composition_per_job(jobs: int = 6, rounds: int = 3) -> tuple[float, float]:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    from tfmoe.harness import runner
-    from tfmoe.harness.launch import config_dir
-    from tfmoe.harness.sweep_speed import faster_composition
+    from tfmoe.harness.launching import runner
+    from tfmoe.harness.launching.launch import config_dir
+    from tfmoe.harness.launching.sweep_speed import faster_composition
 
     runner.register_resolvers()
     plain, fast = [], []
@@ -111,7 +111,7 @@ def sweep_file_at(jobs: int = 1000) -> tuple[float, float, int]:
     from rich.console import Console
     from rich.progress import Progress
 
-    from tfmoe.harness.sweeps import write_sweep_outputs
+    from tfmoe.harness.store.sweeps import write_sweep_outputs
 
     work = Path(tempfile.mkdtemp())
     try:
@@ -146,8 +146,8 @@ def settings_validation_per_job(jobs: int = 1000) -> dict[str, float]:
     """CPU seconds per job to build every job's settings before a sweep starts (launch.validate_sweep_settings,
     issue 12 item 7) for a ``jobs``-job sweep: each job's config derived from one composed config, then the
     experiment's settings(cfg)."""
-    from tfmoe.harness import runner
-    from tfmoe.harness.launch import validate_sweep_settings
+    from tfmoe.harness.launching import runner
+    from tfmoe.harness.launching.launch import validate_sweep_settings
     from tfmoe.registry import EXPERIMENTS
 
     runner.register_resolvers()
@@ -177,8 +177,9 @@ def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
     import importlib
     import io
 
-    import tfmoe.harness.sweep_speed as sweep_speed
-    from tfmoe.harness import launch, notebook, rundir
+    import tfmoe.harness.launching.sweep_speed as sweep_speed
+    from tfmoe.harness.launching import launch
+    from tfmoe.harness.store import notebook, rundir
     from tfmoe.registry import EXPERIMENTS
 
     module = importlib.import_module("tfmoe.experiments.shift_labels")

@@ -12,7 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tfmoe.experiments import route_layer, route_sim
+from tfmoe.experiments import route_sim
+from tfmoe.experiments.route_sim import layer as route_layer
 from tfmoe.runtime import check_threads, torch_threads
 from tfmoe.testing import compose, make_recorder
 

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from tfmoe import tokenizers_lab as lab
-from tfmoe.experiments import tokenize_input
+from tfmoe.experiments.tokenize import samples as tokenize_input
 
 NAMES = ["cl100k_base", "o200k_base", "bpe", "wordpiece", "unigram", "bytes", "chars"]
 

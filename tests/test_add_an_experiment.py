@@ -46,7 +46,7 @@ def my_exp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def test_the_readme_recipe_keeps_the_contract_and_runs_ok(my_exp) -> None:
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
 
     exp, module = my_exp
     assert {"Settings", "settings", "run"} <= set(vars(module))
@@ -73,7 +73,7 @@ def test_the_readme_check_can_fail(my_exp, monkeypatch: pytest.MonkeyPatch) -> N
     """A planted bug (a sum that drops the last element) fails sum_matches."""
     import torch
 
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
 
     exp, _ = my_exp
     real_sum = torch.Tensor.sum

@@ -21,7 +21,9 @@ from tfmoe.components.positions import (
     sinusoidal_positions,
 )
 from tfmoe.errors import BadInput
-from tfmoe.experiments import arch, arch_checks, arch_trace
+from tfmoe.experiments import arch
+from tfmoe.experiments.arch import checks as arch_checks
+from tfmoe.experiments.arch import trace as arch_trace
 from tfmoe.testing import check_passed, cpu_recorder
 
 V, D, H, L, T, TT = 40, 32, 4, 2, 8, 6
@@ -333,7 +335,7 @@ def test_rope_off_accepts_odd_head_size(base_cfg):
 
 # ----------------------------------------------------------------------------------------- CLI
 def test_cli_end_to_end_saves_matrices_pictures_and_trace(workdir):
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
     from tfmoe.testing import run_cli
 
     res = run_cli(["arch"], workdir)

@@ -18,7 +18,7 @@ from tfmoe.components.attention import (
 from tfmoe.components.chunked_attention import chunked_attention, naive_attention, naive_attention_bytes
 from tfmoe.components.masks import causal_mask, combine_masks, padding_mask_from_lengths, visible_queries
 from tfmoe.components.references import reference_dtype, sdpa_forward
-from tfmoe.experiments.attn.checks import dropout
+from tfmoe.experiments.attn_check.checks import dropout
 from tfmoe.memory import peak_memory_bytes
 
 

@@ -170,7 +170,7 @@ def test_user_module_in_the_current_directory_needs_no_pythonpath(tmp_path, monk
 
 def test_cli_runs_hf_llama_sdpa_exit_0(tmp_path):
     hf()
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
 
     res = run_cli(["attn-check", "impl=hf:llama", "hf.attn_implementation=sdpa", *SMALL], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr

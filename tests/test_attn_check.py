@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tfmoe.errors import BadInput
-from tfmoe.experiments.attn.checks import shapes
+from tfmoe.experiments.attn_check.checks import shapes
 from tfmoe.testing import run_cli, run_recorded
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -261,9 +261,9 @@ def test_settings_import_no_user_code_and_pick_the_battery():
 
 def test_metrics_written_in_the_battery_modules_are_declared():
     """Issue 12 (F-77): an expectation's metric is checked against the names the experiment's source writes; with
-    the checks moved to experiments/attn/, metrics written only there (fp64_forward_max_abs_err, and kernel
+    the checks moved to experiments/attn_check/, metrics written only there (fp64_forward_max_abs_err, and kernel
     mode's err / case_passed) would be refused as unknown."""
-    from tfmoe.harness import declared_metrics
+    from tfmoe.harness.method import declared_metrics
 
     declared = declared_metrics.declared_for("attn-check")
     assert {"fp64_forward_max_abs_err", "err", "case_passed", "sdpa_match"} - set(declared) == {"sdpa_match"}
@@ -272,7 +272,7 @@ def test_metrics_written_in_the_battery_modules_are_declared():
 
 # ----------------------------------------------------------------------------------------------- CLI
 def test_cli_default_run_exit_0_and_run_directory(tmp_path):
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
 
     res = run_cli(["attn-check"], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr

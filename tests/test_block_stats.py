@@ -26,9 +26,9 @@ from tfmoe.components.lm import TransformerStack, xavier_init_
 from tfmoe.components.norm_reference import plain_norm
 from tfmoe.errors import BadInput
 from tfmoe.experiments import block_stats as bs
-from tfmoe.experiments import block_stats_checks as bc
-from tfmoe.experiments import block_stats_plots as bp
-from tfmoe.experiments import block_stats_stacks as bst
+from tfmoe.experiments.block_stats import checks as bc
+from tfmoe.experiments.block_stats import plots as bp
+from tfmoe.experiments.block_stats import stacks as bst
 
 D, H = 32, 4
 CPU = torch.device("cpu")
@@ -564,7 +564,7 @@ def test_sweep_plots_boundary_single_depth_and_foreign_frame():
 
 # ------------------------------------------------------------------------------------------- CLI
 def test_cli_end_to_end(tmp_path):
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
     from tfmoe.testing import run_cli
 
     res = run_cli(["block-stats", "n_layers=2", "d_model=32", "seq_len=8", "lowp_dtypes=[bf16]"], tmp_path)
@@ -593,7 +593,7 @@ def test_cli_bad_input_exits_2(tmp_path):
 
 
 def test_cli_planted_causality_bug_exits_1(tmp_path, monkeypatch):
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
     from tfmoe.testing import run_cli
 
     monkeypatch.setattr(attention_mod, "combine_masks", lambda *a, **k: None)  # the causal mask is lost

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from tfmoe.errors import BadInput
-from tfmoe.harness import catalog, notebook, rundir
+from tfmoe.harness.store import catalog, notebook, rundir
 from tfmoe.status import Status
 
 OLD = time.time() - 3600  # directories "written an hour ago": their mtimes are trusted (not racy)
@@ -157,7 +157,7 @@ WRITER = textwrap.dedent("""
 READER = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from tfmoe.harness import notebook
+    from tfmoe.harness.store import notebook
     root = Path(sys.argv[1])
     for _ in range(int(sys.argv[2])):
         if root.exists():

@@ -14,9 +14,9 @@ import pytest
 import torch
 from claims_counterexamples import DenseMoE, SelfOnlyAttention
 
-from tfmoe.experiments import block_stats_checks as bc
-from tfmoe.experiments import complexity_checks as cxc
-from tfmoe.harness import claims
+from tfmoe.experiments.block_stats import checks as bc
+from tfmoe.experiments.complexity import checks as cxc
+from tfmoe.harness.launching import claims
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.testing import run_cli, run_recorded
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tfmoe.errors import BadInput
-from tfmoe.harness import failures, notebook, rundir
+from tfmoe.harness.method import failures
+from tfmoe.harness.store import notebook, rundir
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.testing import launched, run_cli
 
@@ -67,7 +68,7 @@ def test_cuda_without_cuda_says_use_cpu(workdir: Path) -> None:
 @pytest.mark.parametrize("override", ["ignore_index=-1e2", "model.d_model=64", "seed=range(0,2)", "seed=3,4"])
 def test_override_types_follow_hydras_grammar(override: str) -> None:
     """1e-5 is a float in Hydra's grammar (YAML 1.1 would read it as a string): no false type errors."""
-    from tfmoe.harness.launch import validate_overrides
+    from tfmoe.harness.launching.launch import validate_overrides
 
     exp = EXPERIMENTS["shift-labels"]
     if override.startswith("ignore_index"):
@@ -78,7 +79,7 @@ def test_override_types_follow_hydras_grammar(override: str) -> None:
 
 
 def test_small_float_overrides_are_accepted_and_typed_checks_still_bite(workdir: Path) -> None:
-    from tfmoe.harness.launch import validate_overrides
+    from tfmoe.harness.launching.launch import validate_overrides
 
     exp = EXPERIMENTS["route-sim"]
     for ok in (["aux_loss_coef=1e-5"], ["aux_loss_coef=1e-5,1e-3"], ["capacity_factor=1.25e0"], ["aux_loss_coef=0"]):
@@ -295,13 +296,13 @@ def test_a_non_editable_wheel_runs_from_any_directory(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert str(tmp_path / "site" / "tfmoe" / "conf") in subprocess.run(
-        [sys.executable, "-c", "from tfmoe.harness.launch import config_dir; print(config_dir())"], cwd=work, env=env,
+        [sys.executable, "-c", "from tfmoe.harness.launching.launch import config_dir; print(config_dir())"], cwd=work, env=env,
         capture_output=True, text=True, timeout=60).stdout
     assert len(notebook.find_runs(work / "runs")) == 1
 
 
 def test_diff_starts_with_a_summary_signs_changes_and_narrows(fake_experiment) -> None:
-    from tfmoe.harness import reports
+    from tfmoe.harness.reading import reports
 
     a = launched(fake_experiment, ["seed=1"])[1][-1]
     b = launched(fake_experiment, ["seed=2"])[1][-1]
@@ -350,7 +351,7 @@ def test_replay_that_cannot_start_is_bad_input_not_a_failed_reproduction(fake_ex
 def test_launch_chooses_its_directories_and_respects_a_users_own(fake_experiment) -> None:
     """No module-level list hands directories back: launch passes hydra.run.dir / hydra.sweep.dir to Hydra
     (conf/base.yaml's rule, or the user's own override of it) and so knows them."""
-    from tfmoe.harness import hydra_callbacks, runner
+    from tfmoe.harness.launching import hydra_callbacks, runner
 
     assert not hasattr(runner, "LAST_RUN_DIRS") and not hasattr(hydra_callbacks, "LAST_SWEEP_DIRS")
     code, dirs = launched(fake_experiment, [])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe.harness import notebook
+from tfmoe.harness.store import notebook
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 TFMOE = [sys.executable, "-m", "tfmoe.cli"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe.harness import code_capture
+from tfmoe.harness.store import code_capture
 from tfmoe.testing import launched, run_cli
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,8 +14,8 @@ from tfmoe.components import complexity_model as cm
 from tfmoe.components.block import TransformerBlock
 from tfmoe.errors import BadInput
 from tfmoe.experiments import complexity as cx
-from tfmoe.experiments import complexity_checks as cxc
-from tfmoe.experiments import complexity_measure as cxm
+from tfmoe.experiments.complexity import checks as cxc
+from tfmoe.experiments.complexity import measure as cxm
 from tfmoe.memory import peak_memory_bytes
 
 SMALL = cm.BlockShape(B=2, T=16, D=32, H=4)
@@ -469,7 +469,7 @@ def test_run_activation_bytes_match_in_low_and_high_precision(dtype, extra):
 
 
 def test_cli_exit_codes(tmp_path):
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
     from tfmoe.testing import run_cli
 
     ok = run_cli(["complexity", *QUICK], tmp_path)

@@ -1,4 +1,5 @@
-"""Data flows one way: through tfmoe.components (masks -> attention -> block -> lm), and from a recipe to its parts.
+"""Data flows one way: through tfmoe.components (masks -> attention -> block -> lm), and in each experiment's
+package from its recipe (``__init__``) to its parts.
 
 Read from the source with ``ast`` (every ``import``/``from ... import`` of a ``tfmoe.components`` module,
 at module level or inside a function), so a lazy import that closes a cycle is found too: Python only
@@ -11,7 +12,8 @@ import ast
 from pathlib import Path
 
 import pytest
-from test_import_cycles import find_cycle  # one cycle finder for both tests (tests/ is on sys.path)
+import test_import_cycles as whole  # the whole package's import graph (tests/ is on sys.path)
+from test_import_cycles import find_cycle  # one cycle finder for both tests
 
 import tfmoe.components
 
@@ -66,47 +68,44 @@ def test_cycle_check_fails_on_the_old_lazy_import(planted):
     assert cycle is not None and {"block", "lm"} <= set(cycle), cycle
 
 
-RECIPES = ("arch", "block_stats", "complexity", "shift_labels")  # recipes split into parts (issue 12 item 1)
+def experiment_packages() -> list[str]:
+    """Every experiment's package, from the registry (one package per experiment, issue 21)."""
+    from tfmoe.registry import EXPERIMENTS
 
-
-def experiment_part_sources() -> dict[str, str]:
-    """The sources of RECIPES and their parts (``experiments/<recipe>*.py``), by module name."""
-    folder = FOLDER.parent / "experiments"
-    return {p.stem: p.read_text() for r in RECIPES for p in folder.glob(f"{r}*.py")}
-
-
-def parts_graph(sources: dict[str, str]) -> dict[str, set[str]]:
-    """Imports among those modules, module level or lazy."""
-    graph: dict[str, set[str]] = {}
-    for name, source in sources.items():
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.ImportFrom) and node.module == "tfmoe.experiments":
-                deps.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tfmoe.experiments."):
-                deps.add(node.module.split(".")[2])
-        graph[name] = deps & set(sources) - {name}
-    return graph
+    return sorted(f"tfmoe.experiments.{e.module}" for e in EXPERIMENTS.values())
 
 
 def recipe_imported_by_a_part(graph: dict[str, set[str]]) -> list[str]:
-    return sorted(f"{part} -> {r}" for part, deps in graph.items() for r in RECIPES if r in deps)
+    """``part -> recipe`` for every module inside an experiment's package that imports the package's recipe
+    (its ``__init__``), TYPE_CHECKING imports included."""
+    return sorted(f"{m} -> {pkg}" for pkg in experiment_packages() for m, deps in graph.items()
+                  if m.startswith(pkg + ".") and pkg in deps)
+
+
+def test_every_experiment_is_a_package_with_settings():
+    names = whole.module_names()
+    for pkg in experiment_packages():
+        assert names[pkg].name == "__init__.py", f"{pkg} is a single module, not a package"
+        assert f"{pkg}.settings" in names, f"{pkg} has no settings.py"
 
 
 def test_experiment_parts_never_import_their_recipe():
     """A recipe imports its parts, the parts import each other one way and never the recipe."""
-    graph = parts_graph(experiment_part_sources())
-    assert {"complexity_measure", "block_stats_checks", "arch_trace", "shift_labels_batch"} <= set(graph)
-    assert "complexity_measure" in graph["complexity"] and "shift_labels_batch" in graph["shift_labels_checks"]
-    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+    graph = whole.import_graph(whole.package_sources())
+    assert "tfmoe.experiments.complexity.measure" in graph["tfmoe.experiments.complexity"]
+    assert "tfmoe.experiments.shift_labels.batch" in graph["tfmoe.experiments.shift_labels.checks"]
     assert recipe_imported_by_a_part(graph) == []
 
 
-def test_parts_check_fails_when_a_part_imports_its_recipe():
-    sources = experiment_part_sources()
-    sources["complexity_checks"] += "\n\ndef f():\n    from tfmoe.experiments.complexity import Settings\n"
-    graph = parts_graph(sources)
-    assert recipe_imported_by_a_part(graph) == ["complexity_checks -> complexity"]
+@pytest.mark.parametrize("planted", [
+    "\n\ndef f():\n    from tfmoe.experiments.complexity import Settings\n",
+    "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tfmoe.experiments.complexity import Settings\n",
+])
+def test_parts_check_fails_when_a_part_imports_its_recipe(planted: str):
+    sources = whole.package_sources()
+    sources["tfmoe.experiments.complexity.checks"] += planted
+    graph = whole.import_graph(sources)
+    assert recipe_imported_by_a_part(graph) == ["tfmoe.experiments.complexity.checks -> tfmoe.experiments.complexity"]
     assert find_cycle(graph) is not None  # the recipe imports its checks
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tfmoe.harness import conclusions
+from tfmoe.harness.method import conclusions
 from tfmoe.testing import launched, run_cli
 
 

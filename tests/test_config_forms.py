@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tfmoe.errors import BadInput
-from tfmoe.harness.launch import CONFIG_FORMS, config_dir, validate_overrides
+from tfmoe.harness.launching.launch import CONFIG_FORMS, config_dir, validate_overrides
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.testing import run_cli
 

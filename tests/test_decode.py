@@ -14,9 +14,9 @@ from tfmoe.components import sampling, sampling_reference
 from tfmoe.components.attention import KVCache
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
-from tfmoe.experiments import decode, decode_lm
-from tfmoe.experiments import decode_cache_checks as cache_checks
-from tfmoe.experiments import decode_sampling_checks as sampling_checks
+from tfmoe.experiments import decode
+from tfmoe.experiments.decode import cache_checks, sampling_checks
+from tfmoe.experiments.decode import lm as decode_lm
 from tfmoe.testing import check_passed, cpu_recorder
 
 SMALL = ["d_model=32", "n_heads=4", "n_layers=1", "train_steps=60", "batch_size=8", "block_size=32", "lr=1e-2",
@@ -503,7 +503,7 @@ def test_missing_corpus_file_is_bad_input(tmp_path):
 
 # --------------------------------------------------------------------------------------------- CLI
 def test_cli_end_to_end(workdir):
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
     from tfmoe.testing import run_cli
 
     res = run_cli(["decode", *SMALL], workdir)
@@ -528,7 +528,7 @@ def test_cli_untrained_model_fails_the_training_check(workdir):
 
     res = run_cli(["decode", *SMALL, "train_steps=0", "timing_lengths=[]"], workdir)
     assert res.exit_code == 1
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
 
     checks = load_run(res.run_dir).checks.set_index("check")["passed"]
     assert not checks["trained_beats_unigram"] and checks.drop("trained_beats_unigram").all()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe.harness import diagnosis
-from tfmoe.harness.diagnosis import checks_mapping, diagnose
+from tfmoe.harness.method import diagnosis
+from tfmoe.harness.method.diagnosis import checks_mapping, diagnose
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.testing import run_cli, run_recorded
 
@@ -81,7 +81,8 @@ def test_catalogue_reads_check_names_the_batteries_record() -> None:
 @pytest.mark.parametrize("bug", ["SoftmaxOverTokens", *(pytest.param(b, marks=pytest.mark.slow) for b in (
     "NotRenormalised", "ArgminRouting", "FirstComeCapacity"))])
 def test_route_layer_planted_bug_is_named(bug: str) -> None:
-    from tfmoe.experiments import route_layer, route_sim
+    from tfmoe.experiments import route_sim
+    from tfmoe.experiments.route_sim import layer as route_layer
     from tfmoe.testing import compose, make_recorder
 
     cfg = compose("route-sim", ["steps=0", f"impl=buggy_moe:{bug}", "layer.seq=8"])

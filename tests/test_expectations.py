@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 
 from tfmoe.errors import BadInput
-from tfmoe.harness import declared_metrics, expectations, failures, notebook
-from tfmoe.harness.expectations import judge, parse, parse_one
+from tfmoe.harness.method import declared_metrics, expectations, failures
+from tfmoe.harness.method.expectations import judge, parse, parse_one
+from tfmoe.harness.store import notebook
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.status import Status
 from tfmoe.testing import launched, run_cli

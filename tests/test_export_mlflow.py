@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from tfmoe.errors import BadInput
-from tfmoe.harness import export_mlflow, launch
+from tfmoe.harness.launching import launch
+from tfmoe.harness.reading import export_mlflow
 from tfmoe.testing import launched, run_cli
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe.harness import notebook, rundir
+from tfmoe.harness.store import notebook, rundir
 from tfmoe.testing import launched, run_cli
 
 TFMOE = [sys.executable, "-m", "tfmoe.cli"]
@@ -130,7 +130,7 @@ def test_effective_status_running_lost_and_other_hosts(fake_experiment) -> None:
     assert notebook.effective_status({"status": "running", "hostname": me["hostname"], "pid": None}) == "running"
     # every reader goes through it: runs, show, the sweep collector and exit codes
     _planted_running(run_dir, pid=dead_pid)
-    from tfmoe.harness import reports
+    from tfmoe.harness.reading import reports
 
     assert notebook.load_run(run_dir).run["status"] == "lost"
     assert notebook.run_index(Path("runs"))["status"].tolist() == ["lost"]
@@ -154,7 +154,7 @@ def test_worst_exit_code_ranks_signals() -> None:
 
 
 def test_bad_flush_interval_is_bad_input(fake_experiment) -> None:
-    from tfmoe.harness import launch
+    from tfmoe.harness.launching import launch
 
     assert launch.run_experiment(fake_experiment, ["flush_every_s=0"], quiet=True) == 2
     assert launch.run_experiment(fake_experiment, ["flush_every_s=null"], quiet=True) == 0
@@ -163,7 +163,7 @@ def test_bad_flush_interval_is_bad_input(fake_experiment) -> None:
 def test_interrupted_sweep_still_writes_a_complete_sweep_parquet_and_can_be_completed_later(fake_experiment) -> None:
     """Jobs 0 ok, 1 crashes, 2 is interrupted (stops the in-process sweep), 3 never starts: sweep.parquet lists
     all four with their state; `tfmoe sweep-complete` rebuilds it, also after a job's process is lost."""
-    from tfmoe.harness import hydra_callbacks, launch
+    from tfmoe.harness.launching import hydra_callbacks, launch
 
     made: list[Path] = []
     with pytest.raises(KeyboardInterrupt):
@@ -195,7 +195,7 @@ def _dead_pid() -> int:
 
 
 def test_a_sweep_with_failed_jobs_names_them(fake_experiment) -> None:
-    from tfmoe.harness import reports
+    from tfmoe.harness.reading import reports
 
     code, dirs = launched(fake_experiment, ["mode=ok,fail_check,bad_input"], multirun=True)
     assert code == 2
@@ -211,7 +211,7 @@ def test_a_signal_inside_the_run_is_recorded_and_stops_the_sweep(fake_experiment
     import signal as signal_module
 
     from tfmoe.errors import Terminated
-    from tfmoe.harness import launch
+    from tfmoe.harness.launching import launch
 
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
     before = signal_module.getsignal(signal_module.SIGTERM)
@@ -255,7 +255,7 @@ def test_a_big_sweep_outcome_is_one_row_per_status_and_names_the_bad_jobs(fake_e
     """Past OUTCOME_TABLE_MAX jobs a per-job table is unreadable and slow (10 s at 1,000 jobs): one row per status."""
     import shutil
 
-    from tfmoe.harness import reports
+    from tfmoe.harness.reading import reports
 
     code, dirs = launched(fake_experiment, ["mode=ok,fail_check"], multirun=True)
     assert code == 1

@@ -1,9 +1,10 @@
 """No import cycles anywhere in tfmoe: data flows one way (toolkit <- components <- experiments <- harness <- cli).
 
-Read from the source with ``ast``: every ``import``/``from ... import`` of a tfmoe module, at module level or inside
-a function (a lazy import only hides a cycle until the function runs); imports under ``if TYPE_CHECKING:`` are
-annotations, not data flow, and are left out. tests/test_component_imports.py holds the finer rules inside
-components/.
+Read from the source with ``ast``: every ``import``/``from ... import`` of a tfmoe module, at module level, inside
+a function (a lazy import only hides a cycle until the function runs) or under ``if TYPE_CHECKING:`` (an annotation
+that needs its recipe draws the same circle in a picture of the imports, issue 21). The harness's four rooms import
+one way: store <- method <- reading <- launching. tests/test_component_imports.py holds the finer rules inside
+components/ and inside each experiment's package.
 """
 
 from __future__ import annotations
@@ -27,15 +28,9 @@ def module_names(src: Path = SRC) -> dict[str, Path]:
 
 
 def imported(source: str, modules: set[str]) -> set[str]:
-    """The tfmoe modules a source imports anywhere, outside ``if TYPE_CHECKING:`` blocks."""
-    tree = ast.parse(source)
-    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
-                   for n in ast.walk(block)}
+    """The tfmoe modules a source imports anywhere (``if TYPE_CHECKING:`` blocks included)."""
     found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name in modules}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -77,7 +72,7 @@ def package_sources() -> dict[str, str]:
 
 def test_tfmoe_has_no_import_cycle() -> None:
     graph = import_graph(package_sources())
-    assert {"tfmoe.cli", "tfmoe.registry", "tfmoe.harness.notebook", "tfmoe.experiments.attn_check"} <= set(graph)
+    assert {"tfmoe.cli", "tfmoe.registry", "tfmoe.harness.store.notebook", "tfmoe.experiments.attn_check"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
 
@@ -91,21 +86,61 @@ def test_the_harness_is_imported_by_no_experiment_component_or_adapter() -> None
 
 
 @pytest.mark.parametrize("planted", [
-    "def sync():\n    from tfmoe.harness import notebook  # a lazy import back\n",
-    "from tfmoe.harness.notebook import read_parquet\n",
-    "import tfmoe.harness.notebook\n",
+    "def sync():\n    from tfmoe.harness.store import notebook  # a lazy import back\n",
+    "from tfmoe.harness.store.notebook import read_parquet\n",
+    "import tfmoe.harness.store.notebook\n",
 ])
 def test_cycle_check_fails_on_a_planted_cycle(planted: str) -> None:
     sources = package_sources()
-    notebook_deps = import_graph(sources)["tfmoe.harness.notebook"]
+    notebook_deps = import_graph(sources)["tfmoe.harness.store.notebook"]
     target = next(iter(sorted(d for d in notebook_deps if d.startswith("tfmoe.harness"))), None)
     assert target is not None, "notebook imports no other harness module: pick another planted edge"
     sources[target] += "\n" + planted
     cycle = find_cycle(import_graph(sources))
-    assert cycle is not None and "tfmoe.harness.notebook" in cycle
+    assert cycle is not None and "tfmoe.harness.store.notebook" in cycle
 
 
-def test_type_checking_imports_are_not_data_flow() -> None:
+def test_type_checking_imports_count() -> None:
+    """A part that imports its recipe only for an annotation still closes a circle (issue 21)."""
     graph = import_graph({"tfmoe.a": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tfmoe.b import B\n",
                           "tfmoe.b": "from tfmoe.a import A\n"})
-    assert find_cycle(graph) is None
+    assert find_cycle(graph) == ["tfmoe.a", "tfmoe.b", "tfmoe.a"]
+
+
+ROOMS = ("store", "method", "reading", "launching")  # bottom to top
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "harness" else None
+
+
+def upward_room_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a harness room into a room above it."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() if (r := room_of(m))
+                  for d in deps if (rd := room_of(d)) and ROOMS.index(rd) > ROOMS.index(r))
+
+
+def test_harness_rooms_import_one_way() -> None:
+    graph = import_graph(package_sources())
+    rooms = {room_of(m) for m in graph} - {None}
+    assert rooms == set(ROOMS), f"harness rooms changed: {sorted(rooms)}; update ROOMS and the harness docstring"
+    flat = [m for m in graph if m.startswith("tfmoe.harness.") and room_of(m) is None and m.count(".") == 2
+            and m.rsplit(".", 1)[1] not in ROOMS]
+    assert flat == [], f"harness modules outside a room: {flat}"
+    assert upward_room_imports(graph) == []
+
+
+def test_room_check_fails_on_an_upward_import() -> None:
+    sources = package_sources()
+    sources["tfmoe.harness.store.rundir"] += "\n\ndef f():\n    from tfmoe.harness.reading import reports\n"
+    assert upward_room_imports(import_graph(sources)) == ["tfmoe.harness.store.rundir -> tfmoe.harness.reading.reports"]
+
+
+def test_pyproject_lists_every_package() -> None:
+    """A non-editable install ships only the packages pyproject.toml names: a new sub-package must be listed."""
+    import tomllib
+
+    listed = set(tomllib.loads((SRC.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in module_names().items() if path.name == "__init__.py"}
+    assert packages - listed == set(), f"add to pyproject.toml [tool.setuptools] packages: {sorted(packages - listed)}"

@@ -10,7 +10,8 @@ import torch
 
 from tfmoe import runtime
 from tfmoe.errors import BadInput
-from tfmoe.harness import launch, notebook, rundir
+from tfmoe.harness.launching import launch
+from tfmoe.harness.store import notebook, rundir
 from tfmoe.testing import launched
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32, torch.bool]
@@ -164,7 +165,7 @@ def test_atomic_write_uses_the_usual_file_mode(tmp_path: Path) -> None:
 
 
 def test_diff_ignores_measured_metrics_and_timings_but_not_results(fake_experiment) -> None:
-    from tfmoe.harness import reports
+    from tfmoe.harness.reading import reports
 
     _, a = _run_fake(fake_experiment, "seed=7")
     _, b = _run_fake(fake_experiment, "seed=7")

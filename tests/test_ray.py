@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe.harness import notebook
+from tfmoe.harness.store import notebook
 from tfmoe.testing import run_cli
 
 

@@ -16,7 +16,8 @@ from tfmoe.adapters import moe_layers
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
-from tfmoe.experiments import route_layer, route_sim
+from tfmoe.experiments import route_sim
+from tfmoe.experiments.route_sim import layer as route_layer
 from tfmoe.testing import compose, make_recorder, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def test_course_toy_moe_listing_verbatim_passes_through_the_cli(tmp_path, monkey
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     res = run_cli(["route-sim", "impl=course_toy_moe:ToyMoE"], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
 
     run = load_run(res.run_dir)
     checks = set(run.checks["check"])

@@ -23,8 +23,11 @@ from omegaconf import OmegaConf
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as moe_ref
 from tfmoe.errors import BadInput
-from tfmoe.experiments import route_checks, route_course, route_plots, route_training
 from tfmoe.experiments import route_sim as rs
+from tfmoe.experiments.route_sim import checks as route_checks
+from tfmoe.experiments.route_sim import course as route_course
+from tfmoe.experiments.route_sim import plots as route_plots
+from tfmoe.experiments.route_sim import training as route_training
 from tfmoe.testing import compose, make_recorder, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -638,7 +641,7 @@ def test_sweep_plots():
 
 # ------------------------------------------------------------------------------- CLI
 def test_cli_run_bad_input_and_interrupt(tmp_path, monkeypatch):
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
 
     res = run_cli(["route-sim", "steps=5", "train_tokens=64"], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr
@@ -677,7 +680,7 @@ def test_cli_run_bad_input_and_interrupt(tmp_path, monkeypatch):
 def test_real_ctrl_c_stops_fast(tmp_path):
     """A real SIGINT to a long run: the loop stops and the records are written within a second, the process
     exits 130 (interpreter teardown included) within a few, and the steps done so far are readable."""
-    from tfmoe.harness.notebook import find_runs, load_run
+    from tfmoe.harness.store.notebook import find_runs, load_run
 
     tfmoe_bin = Path(sys.executable).with_name("tfmoe")
     proc = subprocess.Popen([str(tfmoe_bin), "route-sim", "steps=100000"], cwd=tmp_path, text=True,

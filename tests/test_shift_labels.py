@@ -8,8 +8,8 @@ import torch
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
 from tfmoe.experiments import shift_labels as sl
-from tfmoe.experiments import shift_labels_batch as slb
-from tfmoe.experiments import shift_labels_checks as slc
+from tfmoe.experiments.shift_labels import batch as slb
+from tfmoe.experiments.shift_labels import checks as slc
 from tfmoe.testing import run_recorded
 
 SEQS = [[1, 3, 4, 5, 2], [1, 5, 7, 2], [1, 6, 2]]  # BOS 我 爱 猫 EOS / BOS 猫 睡 EOS / BOS 狗 EOS

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe.experiments.shift_labels_batch import encode_texts
+from tfmoe.experiments.shift_labels.batch import encode_texts
 from tfmoe.testing import check_passed, run_cli, run_recorded
 
 

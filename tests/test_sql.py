@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tfmoe.errors import BadInput
-from tfmoe.harness import sql
+from tfmoe.harness.reading import sql
 from tfmoe.testing import launched, run_cli
 
 

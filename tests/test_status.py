@@ -25,8 +25,8 @@ def test_each_status_is_its_stored_string_and_has_its_exit_code() -> None:
 
 
 def test_a_run_writes_the_same_status_strings_to_parquet(tmp_path: Path) -> None:
-    from tfmoe.harness.notebook import RunWriter
-    from tfmoe.harness.rundir import RUN_FILE
+    from tfmoe.harness.store.notebook import RunWriter
+    from tfmoe.harness.store.rundir import RUN_FILE
 
     writer = RunWriter(run_dir=tmp_path / "r", run_id="r", experiment="x", seed=0, argv=[], overrides=[],
                        device="cpu", dtype="fp32")

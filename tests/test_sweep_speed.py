@@ -13,9 +13,9 @@ from hydra.errors import ConfigCompositionException
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from tfmoe.harness import runner
-from tfmoe.harness.launch import config_dir
-from tfmoe.harness.sweep_speed import derivable, faster_composition, parse
+from tfmoe.harness.launching import runner
+from tfmoe.harness.launching.launch import config_dir
+from tfmoe.harness.launching.sweep_speed import derivable, faster_composition, parse
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ TRICKY = ["yes", "Off", "1e3", "0x1F", "null", "~", "a: b", "- x", "#hash", "it'
 def test_libyaml_saves_are_byte_identical_to_omegaconfs() -> None:
     """The .hydra/*.yaml of a sweep's jobs (config.yaml, hydra.yaml, overrides.yaml) written through libyaml are
     the bytes OmegaConf.to_yaml writes, for every experiment's config and for awkward strings."""
-    from tfmoe.harness.sweep_speed import omegaconf_yaml
+    from tfmoe.harness.launching.sweep_speed import omegaconf_yaml
     from tfmoe.registry import EXPERIMENTS
 
     runner.register_resolvers()

@@ -13,9 +13,9 @@ import pytest
 from tfmoe import tokenizers_lab as lab
 from tfmoe.errors import BadInput
 from tfmoe.experiments import tokenize as tk
-from tfmoe.experiments import tokenize_checks as tk_checks
-from tfmoe.experiments import tokenize_input
-from tfmoe.experiments import tokenize_measures as measures
+from tfmoe.experiments.tokenize import checks as tk_checks
+from tfmoe.experiments.tokenize import measures
+from tfmoe.experiments.tokenize import samples as tokenize_input
 
 CORPUS = tokenize_input.shipped_corpus()
 
@@ -510,7 +510,7 @@ def test_training_only_on_english_shows_unk_and_a_higher_premium():
 
 
 def test_cli_end_to_end_and_bad_input_exit_codes(tmp_path):
-    from tfmoe.harness.notebook import load_run
+    from tfmoe.harness.store.notebook import load_run
     from tfmoe.testing import run_cli
 
     user = tmp_path / "mine.txt"

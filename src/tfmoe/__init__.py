@@ -14,7 +14,7 @@ __all__ = ["__version__", "load_run", "load_tensor", "load_tensors"]
 
 def __getattr__(name: str):  # lazy: keep `import tfmoe` (and the CLI) free of torch/pandas
     if name in {"load_run", "load_tensor", "load_tensors"}:
-        from tfmoe.harness import notebook
+        from tfmoe.harness.store import notebook
 
         return getattr(notebook, name)
     raise AttributeError(name)

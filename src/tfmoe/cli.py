@@ -82,7 +82,7 @@ def _experiment_command(exp: Experiment):
             "--expect", help='Your prediction, judged by the run: "METRIC OP VALUE", e.g. "cv < 0.1" '
                              '(repeatable; exit 4 if it misses).')] = None,
     ) -> None:
-        from tfmoe.harness.launch import run_experiment
+        from tfmoe.harness.launching.launch import run_experiment
 
         typed = []
         if device is not None:
@@ -93,7 +93,7 @@ def _experiment_command(exp: Experiment):
             typed.append(f"seed={seed}")
         with bad_input_exits_2():
             if expect:
-                from tfmoe.harness.expectations import cli_override
+                from tfmoe.harness.method.expectations import cli_override
 
                 typed += cli_override(expect)
             code = run_experiment(exp, [*ctx.args, *typed], multirun=multirun)
@@ -116,8 +116,8 @@ for _exp in EXPERIMENTS.values():
 @app.command("all")
 def run_all(device: Device = None, runs_root: RunsRoot = DEFAULT_RUNS_ROOT) -> None:
     """Run every registered experiment with its defaults, then print a table of the runs made."""
-    from tfmoe.harness.launch import run_experiment
-    from tfmoe.harness.reports import print_runs_table
+    from tfmoe.harness.launching.launch import run_experiment
+    from tfmoe.harness.reading.reports import print_runs_table
 
     codes, made = [], []
     for exp in EXPERIMENTS.values():
@@ -143,7 +143,7 @@ def runs_cmd(
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """List runs: id, experiment, status, started, wall, device, dtype, overrides."""
-    from tfmoe.harness import reports
+    from tfmoe.harness.reading import reports
 
     if experiment is not None and experiment not in EXPERIMENTS:
         raise fail(f"unknown experiment {experiment!r}: choose one of {', '.join(EXPERIMENTS)}")
@@ -165,7 +165,7 @@ def show_cmd(
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """One run: config, environment, checks, metrics, timings, tensors, plots."""
-    from tfmoe.harness import reports
+    from tfmoe.harness.reading import reports
 
     with bad_input_exits_2():
         reports.show(run, runs_root, fmt.value)
@@ -185,7 +185,7 @@ def diff_cmd(
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """What differs between two runs, summary first. Exit 0: nothing beyond tolerance (timings excluded); 1: it does."""
-    from tfmoe.harness import reports
+    from tfmoe.harness.reading import reports
 
     with bad_input_exits_2():
         code = reports.diff(a, b, runs_root, all_rows, force, fmt.value, metric=metric, top=top)
@@ -198,7 +198,7 @@ def replay_cmd(
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """Re-run with the recorded config and seed, then diff the new run against the old one."""
-    from tfmoe.harness.launch import replay
+    from tfmoe.harness.launching.launch import replay
 
     with bad_input_exits_2():
         code = replay(run, runs_root)
@@ -219,7 +219,7 @@ def sql_cmd(
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """Read-only SQL (DuckDB) over every run: views runs, metrics, checks, timings (each with run_id)."""
-    from tfmoe.harness import sql
+    from tfmoe.harness.reading import sql
 
     with bad_input_exits_2():
         sql.emit(sql.query(runs_root, query), fmt.value)
@@ -234,7 +234,7 @@ def export_mlflow_cmd(
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """Export runs to MLflow: params, metrics, tags, artifacts; a sweep becomes a parent run. Idempotent."""
-    from tfmoe.harness import export_mlflow
+    from tfmoe.harness.reading import export_mlflow
 
     with bad_input_exits_2():
         export_mlflow.report(export_mlflow.export(list(runs or []), runs_root, tracking_uri), tracking_uri)
@@ -246,7 +246,7 @@ def sweep_complete_cmd(
 ) -> None:
     """Write sweep.parquet for a sweep whose launching process died (killed, machine lost): every job, with the
     state it is in (ok/failed/.../lost/running/not_started). Exit code: the worst of its jobs'."""
-    from tfmoe.harness.reports import complete_sweep
+    from tfmoe.harness.reading.reports import complete_sweep
 
     with bad_input_exits_2():
         code = complete_sweep(sweep_dir)
@@ -264,7 +264,7 @@ def failures_add(
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """Append an entry to failures.md: phenomenon, hypothesis, evidence, fix, regression test."""
-    from tfmoe.harness import failures
+    from tfmoe.harness.method import failures
 
     with bad_input_exits_2():
         entry_title = failures.add(run, runs_root, file, title, hypothesis, fix, test)
@@ -284,7 +284,7 @@ def claims_cmd(
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """The chapter's six self-test claims: experiment, overrides and the check(s) that would fail were each false."""
-    from tfmoe.harness import claims
+    from tfmoe.harness.launching import claims
 
     if not run:
         claims.print_list(fmt.value)
@@ -305,7 +305,7 @@ def conclude_cmd(
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """Append conclusions (never rewriting earlier ones) to the run's conclusions.parquet and summary.md."""
-    from tfmoe.harness import conclusions
+    from tfmoe.harness.method import conclusions
 
     entries = [("proven", t) for t in proven or []] + [("inferred", t) for t in inferred or []] + \
         [("unverified", t) for t in unverified or []]
@@ -317,7 +317,7 @@ def conclude_cmd(
 @failures_app.command("list")
 def failures_list(file: Annotated[Path, typer.Option("--file")] = Path("failures.md")) -> None:
     """List the entries of failures.md."""
-    from tfmoe.harness import failures
+    from tfmoe.harness.method import failures
 
     with bad_input_exits_2():
         failures.list_entries(file)

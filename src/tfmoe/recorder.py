@@ -1,7 +1,7 @@
 """The experiment-side half of the lab notebook: an in-memory recorder.
 
 An experiment is ``run(cfg, rec)``: it computes and calls ``rec.metric/check/tensor/timing/plot/...``.
-It never touches the disk; :mod:`tfmoe.harness.notebook` writes what the recorder holds (also after a crash
+It never touches the disk; :mod:`tfmoe.harness.store.notebook` writes what the recorder holds (also after a crash
 or Ctrl-C, so the steps done so far stay readable).
 """
 

@@ -2,7 +2,8 @@
 
 Kept free of heavy imports: `tfmoe --help` reads this without importing torch.
 
-Every experiment module ``tfmoe.experiments.<module>`` keeps one contract, :class:`ExperimentModule`:
+Every experiment is a package ``tfmoe.experiments.<module>`` (its recipe is the package's ``__init__``, its
+settings types are in ``settings.py``, one module per concern beside them) and keeps one contract, :class:`ExperimentModule`:
 
 - ``Settings``: a frozen dataclass holding every value the run reads, typed and already validated;
 - ``settings(cfg) -> Settings``: builds it once from the composed Hydra config, raising ``BadInput`` (exit 2) with

@@ -22,7 +22,7 @@ def run_cli(args: list[str], cwd: Path) -> CliResult:
     from typer.testing import CliRunner
 
     from tfmoe.cli import app
-    from tfmoe.harness.notebook import find_runs
+    from tfmoe.harness.store.notebook import find_runs
 
     cwd = Path(cwd)
     before = set(find_runs(cwd / "runs"))
@@ -39,7 +39,7 @@ def run_cli(args: list[str], cwd: Path) -> CliResult:
 
 def launched(exp, args: list[str], multirun: bool = False) -> tuple[int, list[Path]]:
     """``launch.run_experiment`` (quiet) -> (its exit code, the run directories it made: a sweep's job dirs)."""
-    from tfmoe.harness.launch import run_experiment
+    from tfmoe.harness.launching.launch import run_experiment
 
     made: list[Path] = []
     code = run_experiment(exp, list(args), multirun=multirun, quiet=True, made=made)
@@ -52,8 +52,8 @@ def compose(experiment: str, overrides: list[str] | None = None) -> DictConfig:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from tfmoe.harness import runner
-    from tfmoe.harness.launch import config_dir
+    from tfmoe.harness.launching import runner
+    from tfmoe.harness.launching.launch import config_dir
     from tfmoe.registry import EXPERIMENTS
 
     del runner  # imported for its resolver
@@ -93,7 +93,7 @@ def check_passed(rec, name: str) -> bool:
 
 def run_recorded(experiment: str, overrides: list[str] | None = None):
     """compose + make_recorder + the experiment's run(); returns the Recorder (no files written)."""
-    from tfmoe.harness.runner import run_module
+    from tfmoe.harness.launching.runner import run_module
     from tfmoe.registry import EXPERIMENTS
     from tfmoe.runtime import check_threads, torch_threads
 

@@ -1,0 +1,175 @@
+"""The kernel battery (``tfmoe attn-check kernel=SPEC``): every case of the matrix, one check per family,
+each family judged only on cases whose prerequisite families passed; a conformance summary."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from tfmoe.errors import BadInput
+from tfmoe.experiments.attn_check.kernel_cases import FAMILIES, Case, make_inputs
+from tfmoe.experiments.attn_check.kernel_judging import Outcome, missing_params, run_case
+from tfmoe.experiments.attn_check.kernels import load_kernel
+from tfmoe.memory import available_memory_bytes
+from tfmoe.recorder import Recorder
+from tfmoe.tables import Rows
+
+if TYPE_CHECKING:
+    from tfmoe.experiments.attn_check.settings import KernelSettings
+
+
+PREREQ_TEXT = {"scale": "kernel_scale (plain attention)", "gqa": "kernel_gqa (Hkv < Hq)",
+               "padding_bool": "kernel_padding_bool (boolean masks)",
+               "padding_additive": "kernel_padding_additive (float masks)"}
+
+
+def prerequisites(case: Case, Hq: int) -> list[str]:
+    """The families a case's verdict rests on: a failure there would fail this case for another reason."""
+    needs = [] if case.family == "scale" else ["scale"]
+    if case.Hkv != Hq and case.family != "gqa":
+        needs.append("gqa")
+    if case.family == "fully_masked":
+        needs.append("padding_additive" if case.mask == "fully_masked_additive" else "padding_bool")
+    return needs
+
+
+def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_blocked: str) -> str:
+    """One check ``kernel_<family>`` over its cases (pass / fail), or a note when nothing was judged (n/a).
+    Returns the family's verdict: pass | fail | n/a."""
+    name = f"kernel_{family}"
+    by = {s: [o for o in outcomes if o.status == s] for s in ("pass", "fail", "n/a", "skipped", "blocked")}
+    counts = ", ".join(f"{len(v)} {s}" for s, v in by.items() if v)
+    extras = []
+    if by["skipped"]:
+        extras.append(f"skipped: {by['skipped'][0].detail}")
+    if by["n/a"]:
+        extras.append(f"not applicable: {by['n/a'][0].detail}")
+    if by["blocked"]:
+        extras.append(f"not judged: {reason_blocked}")
+        if by["pass"] or by["fail"]:
+            rec.note(f"{name}: {len(by['blocked'])} cases not judged: {reason_blocked}")
+    if not by["pass"] and not by["fail"]:
+        rec.note(f"{name} n/a ({counts or 'no cases'}): " + "; ".join(extras))
+        return "n/a"
+    failed = sorted(by["fail"], key=lambda o: -o.ratio)
+    if failed:
+        worst = failed[0]
+        others = [o.case.label() for o in failed[1:4]]
+        more = f" +{len(failed) - 4} more" if len(failed) > 4 else ""
+        detail = (f"{len(failed)} of {len(by['pass']) + len(failed)} cases failed ({counts}); worst "
+                  f"{worst.detail}" + (f"; also {', '.join(others)}{more}" if others else ""))
+    else:
+        worst = max(by["pass"], key=lambda o: o.ratio)
+        detail = f"all {len(by['pass'])} judged cases within FlashAttention's rule ({counts}); closest {worst.detail}"
+    if extras:
+        detail += " | " + " | ".join(extras)
+    rec.check(name, not failed, float(len(failed)), 0.0, detail, evidence=failed[0].evidence if failed else None)
+    return "fail" if failed else "pass"
+
+
+def run_kernel_battery(s: KernelSettings, rec: Recorder) -> None:
+    """The kernel battery: every case of the matrix, one check per family, a conformance summary.
+
+    On CPU with ``threads`` unset it runs on one intra-op thread: its tensors are at most a few MB, and on a
+    shared 2-core machine OpenMP's hand-offs cost more than the maths (the default matrix took 215 s wall /
+    55 s CPU on 2 threads vs 30 s / 7 s on 1 at load 15: benchmarks/bench_attn_kernels.py)."""
+    from tfmoe.runtime import torch_threads
+
+    one = rec.device.type == "cpu" and s.threads is None
+    if one:
+        rec.note("kernel mode on CPU: 1 intra-op thread (threads=null; pass threads=N to choose)")
+    with torch_threads(1 if one else None):
+        _run_battery(s, rec)
+
+
+def _run_battery(s: KernelSettings, rec: Recorder) -> None:
+    device, dtype = rec.device, rec.dtype
+    kernel = load_kernel(s.spec, s.causal_align, device)
+    if kernel.causal_align and s.causal_align and kernel.causal_align != s.causal_align:
+        raise BadInput(f"causal_align={s.causal_align} contradicts {s.spec}, whose is_causal is "
+                       f"{kernel.causal_align.replace('_', '-')} aligned: drop causal_align or pass "
+                       f"causal_align={kernel.causal_align}")
+    align = s.causal_align or kernel.causal_align or "top_left"
+    need = max(8 * s.B * s.Hq * c.Tq * c.Tk * 6 for c in s.cases)  # fp64 scores, weights and their grads
+    if need > available_memory_bytes(device):
+        raise BadInput(f"the largest case needs about {need / 2**30:.1f} GiB for the fp64 reference: "
+                       "use smaller cases.shapes")
+    for n in kernel.notes:
+        rec.note(n)
+    rec.note(f"kernel mode: {s.spec}, causal_align={align}, B={s.B}, Hq={s.Hq}, {len(s.cases)} forward cases; "
+             "reference = fp64 first-principles attention (tfmoe.components.reference_attention); "
+             f"rule: err <= 2·plain + rounding (output), {s.grad_factor:g}·plain + rounding (dq, dk, dv)")
+    if s.module_keys_set:
+        rec.note("kernel mode ignores the module-mode keys (impl, B, T, d_model, ...)")
+
+    verdict: dict[str, str] = {}
+    outcomes: dict[str, list[Outcome]] = {f: [] for f in FAMILIES}
+    policies: dict[str, set[str]] = {}
+    t0 = time.perf_counter()
+    backward_outcomes: dict[int, Outcome] = {}
+    for family in FAMILIES[:-1]:
+        idx = [i for i, c in enumerate(s.cases) if c.family == family]
+        if not idx:
+            continue
+        with rec.stage("kernel_family", family=family):
+            for i in idx:
+                case = s.cases[i]
+                blocked = [p for p in prerequisites(case, s.Hq) if verdict.get(p) == "fail"]
+                inp = make_inputs(case, s.B, s.Hq, align, rec.seed, i, device, dtype)
+                missing = missing_params(kernel, inp.kwargs)
+                if blocked:
+                    o = Outcome(case, "blocked", f"{case.label()}: needs {', '.join(blocked)}")
+                elif missing:
+                    o = Outcome(case, "skipped", f"{case.label()}: the kernel's signature has no "
+                                f"{', '.join(missing)}")
+                else:
+                    o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, s.backward, s.grad_factor, rec)
+                    if o.policy != "none":
+                        policies.setdefault(case.mask, set()).add(o.policy)
+                    rec.metric("case_passed", float(o.status == "pass"), status=o.status, policy=o.policy,
+                               **case.tags())
+                    if bwd is not None:
+                        backward_outcomes[i] = bwd
+                if s.backward:
+                    backward_outcomes.setdefault(i, Outcome(case, o.status, o.detail) if o.status in (
+                        "n/a", "skipped") else Outcome(case, "blocked", f"{case.label()}: its forward did not pass"))
+                outcomes[family].append(o)
+        blocked_by = sorted({p for o in outcomes[family] if o.status == "blocked"
+                             for p in prerequisites(o.case, s.Hq) if verdict.get(p) == "fail"})
+        verdict[family] = record_family(rec, family, outcomes[family],
+                                        "prerequisite " + ", ".join(PREREQ_TEXT[p] for p in blocked_by)
+                                        + " failed: fix that first")
+    if s.backward:
+        outcomes["backward"] = [backward_outcomes[i] for i in sorted(backward_outcomes)]
+        verdict["backward"] = record_family(rec, "backward", outcomes["backward"],
+                                            "the backward of a case whose forward did not pass is not judged")
+    else:
+        rec.note("kernel_backward not run: kernel_checks.backward=false")
+        verdict["backward"] = "n/a"
+    wall = time.perf_counter() - t0
+    rec.metric("matrix_wall_s", wall, measured=True)
+    for mask, kinds in sorted(policies.items()):
+        rec.note(f"rows that see no key ({mask} cases): the kernel gives {', '.join(sorted(kinds))}")
+    if not any(v in ("pass", "fail") for v in verdict.values()):
+        rec.check("kernel_ran", False, None, None, f"{s.spec} ran no case of the matrix (every family n/a): "
+                  "see the notes for the kernel's reasons")
+    _kernel_summary(rec, s, align, dtype, verdict, outcomes, policies, wall)
+
+
+def _kernel_summary(rec: Recorder, s: KernelSettings, align: str, dtype: torch.dtype, verdict: dict[str, str],
+                    outcomes: dict[str, list[Outcome]], policies: dict[str, set[str]], wall: float) -> None:
+    table = Rows(f"attn-check kernel={s.spec} ({str(dtype).removeprefix('torch.')}, causal_align={align})",
+                 ["family", "verdict", "pass", "fail", "n/a", "skipped", "not judged"])
+    for family in FAMILIES:
+        outs = outcomes[family]
+        n = [sum(o.status == st for o in outs) for st in ("pass", "fail", "n/a", "skipped", "blocked")]
+        v = verdict.get(family, "n/a")
+        table.add(f"kernel_{family}", v, *n, style="red" if v == "fail" else None)
+    table.print_to(rec.console)
+    pol = "; ".join(f"{m}: {', '.join(sorted(k))}" for m, k in sorted(policies.items())) or "none observed"
+    rec.print(f"rows that see no key: {pol}; matrix {wall:.1f} s")
+    rec.summary(f"### attn-check kernel mode: `{s.spec}`, {str(dtype).removeprefix('torch.')}, causal_align={align}, "
+                f"B={s.B}, Hq={s.Hq}, {len(s.cases)} cases\n\n" + table.markdown()
+                + f"\n\nRows that see no key: {pol}. Matrix wall time {wall:.1f} s.")

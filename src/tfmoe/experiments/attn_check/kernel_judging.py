@@ -1,0 +1,148 @@
+"""One case of the kernel battery: run the kernel, the fp64 reference and the plain same-dtype implementation,
+and judge the forward (and then dq, dk, dv) by FlashAttention's rule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from tfmoe.components.comparison import Comparison, classify_rows, judge
+from tfmoe.components.reference_attention import kv_head_index, plain_attention, reference_attention
+from tfmoe.experiments.attn_check.kernel_cases import POLICIES, Case, CaseInputs
+from tfmoe.experiments.attn_check.kernels import Kernel
+from tfmoe.recorder import Recorder
+
+
+@dataclass
+class Outcome:
+    """What one case (forward, or its backward) gave."""
+
+    case: Case
+    status: str  # pass | fail | n/a | skipped | blocked
+    detail: str = ""
+    ratio: float = 0.0  # err / limit of the worst comparison (inf for a crash or a wrong policy)
+    policy: str = "none"  # the kernel's output on rows that see no key
+    evidence: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def missing_params(kernel: Kernel, kwargs: dict[str, Any]) -> list[str]:
+    return [] if kernel.params is None else [p for p in kwargs if p not in kernel.params]
+
+
+def call_kernel(kernel: Kernel, inp: CaseInputs, q, k, v) -> torch.Tensor:
+    out = kernel.fn(q, k, v, **inp.kwargs)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the kernel returned {type(out).__name__}, not a tensor")
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"the kernel returned shape {tuple(out.shape)}, expected (B, Hq, Tq, D) = {tuple(q.shape)}")
+    if out.dtype != q.dtype:
+        raise ValueError(f"the kernel returned {out.dtype} for {q.dtype} inputs (SDPA returns the inputs' dtype)")
+    return out
+
+
+def _raised(exc: Exception) -> str:
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"
+
+
+def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, scale: float,
+                       dtype: torch.dtype) -> dict[str, float]:
+    """Rounding floors for the gradients, where FlashAttention's "rounding at the reference's scale" is 0 or
+    far below what any fp32-accumulating kernel can reach (eps_acc = fp32's eps, fp64's for fp64 runs;
+    independent roundings add in quadrature; each floor is twice the estimate):
+
+    - dq, dk carry dS = P∘(dP - δ), δ_i = dO_i·O_i, a difference that cancels exactly when a row's softmax is
+      constant (Tk = 1: dq = dk = 0 exactly, so the plain implementation's error is 0 too). A kernel forming δ
+      from dO·O (FlashAttention's way) rounds it: e_i ≈ eps_acc·Σ_d|dO_id·O_id|, reaching dq_i as
+      scale·e_i·(Σ_j P_ij²)^½·max|k| and dk_j as scale·(Σ_i (P_ij·e_i)²)^½·max|q|.
+    - dv_j = Σ_i P_ij·dO_i sums n = (Hq/Hkv)·Tq terms; a kernel that accumulates them one block after
+      another (SDPA's CPU backward) rounds each partial sum: ≈ eps_acc·√n·(Σ_i P_ij²)^½·max|dO|."""
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    e = eps * (inp.grad_out.double().abs() * ref_out.detach().abs()).sum(dim=-1, keepdim=True)  # (B,Hq,Tq,1)
+    w = weights.detach()
+    B, Hq, Tq, Tk = w.shape
+    Hkv = inp.k.shape[1]
+    dq = scale * float((e * w.pow(2).sum(dim=-1, keepdim=True).sqrt()).max()) * float(inp.k.double().abs().max())
+    dk = scale * float((w * e).pow(2).reshape(B, Hkv, -1, Tq, Tk).sum(dim=(2, 3)).max().sqrt()) \
+        * float(inp.q.double().abs().max())
+    p2 = w.pow(2).reshape(B, Hkv, -1, Tq, Tk).sum(dim=(2, 3))  # (B,Hkv,Tk): Σ over the group's queries
+    dv = eps * math.sqrt(Hq // Hkv * Tq) * float(p2.max().sqrt()) * float(inp.grad_out.double().abs().max())
+    return {"dq": 2.0 * dq, "dk": 2.0 * dk, "dv": 2.0 * dv}
+
+
+def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, expect: tuple[str, ...],
+             backward: bool, grad_factor: float, rec: Recorder) -> tuple[Outcome, Outcome | None]:
+    """One case: the forward (kernel vs reference on rows that see a key; the policy on rows that see none),
+    then — if the forward passed and backward is on — dq (rows that see a key), dk, dv."""
+    tensors = {"q": inp.q, "k": inp.k, "v": inp.v, **{k: v for k, v in inp.kwargs.items()
+                                                      if isinstance(v, torch.Tensor)}}
+    try:
+        with torch.no_grad():
+            out = call_kernel(kernel, inp, inp.q, inp.k, inp.v)
+    except NotImplementedError as exc:
+        return Outcome(case, "n/a", f"{case.label()}: {_raised(exc)}"), None
+    except Exception as exc:  # the kernel crashed on this case: a failure, never a crash of the battery
+        return Outcome(case, "fail", f"{case.label()}: the kernel raised {_raised(exc)}", math.inf,
+                       evidence=tensors), None
+    leaves = {name: [t.detach().to(cast).requires_grad_(backward) for t in (inp.q, inp.k, inp.v)]
+              for name, cast in (("ref", torch.float64), ("plain", dtype))}
+    with torch.set_grad_enabled(backward):
+        ref, weights = reference_attention(*leaves["ref"], inp.visible, inp.bias, case.scale, return_weights=True)
+        plain = plain_attention(*leaves["plain"], inp.visible, inp.bias, case.scale)
+    j = judge(out, ref, plain, dtype, 2.0, inp.seen)
+    rec.metric("err", j.err, tensor="out", plain_err=j.plain_err, limit=j.threshold, **case.tags())
+    policy = "none"
+    if not bool(inp.seen.all()):
+        heads = kv_head_index(out.shape[1], case.Hkv, out.device)
+        mean_v = inp.v.double().mean(dim=2, keepdim=True)[:, heads].expand_as(ref)  # uniform weights' output
+        kind = classify_rows(out[~inp.seen], mean_v[~inp.seen], dtype)
+        policy = {"mean_of_v": "uniform"}.get(kind, kind)
+    ratio = j.ratio
+    problems = [] if j.passed else [j.text("out")]
+    if case.family == "fully_masked" and policy not in expect:
+        problems.append(f"rows that see no key give {policy}, expected {'|'.join(expect)} "
+                        f"(kernel_checks.fully_masked_expect; set it to {policy} if that is your kernel's "
+                        "documented policy)" if policy in POLICIES else
+                        f"rows that see no key give {policy} (neither zeros, NaN nor the uniform average of v)")
+        ratio = math.inf
+    evidence = {**tensors, "out": out, "ref": ref.detach()}
+    fwd = Outcome(case, "fail" if problems else "pass",
+                  f"{case.label()}: " + ("; ".join(problems) if problems else j.text("out")), ratio, policy, evidence)
+    if not backward or fwd.status != "pass":
+        return fwd, None
+    floors = accumulation_atols(inp, ref, weights, 1.0 / math.sqrt(case.D) if case.scale is None else case.scale,
+                                dtype)
+    return fwd, run_backward(kernel, case, inp, dtype, grad_factor, ref, plain, leaves, tensors, floors, rec)
+
+
+def run_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, factor: float,
+                 ref: torch.Tensor, plain: torch.Tensor, leaves: dict[str, list[torch.Tensor]],
+                 tensors: dict[str, torch.Tensor], floors: dict[str, float], rec: Recorder) -> Outcome:
+    """dq (rows that see a key), dk, dv of the kernel vs the fp64 reference's, next to the plain's."""
+    evidence = {**tensors, "grad_out": inp.grad_out}
+    try:
+        mine = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
+        got = torch.autograd.grad(call_kernel(kernel, inp, *mine), mine, inp.grad_out)
+    except NotImplementedError as exc:
+        return Outcome(case, "n/a", f"{case.label()}: backward: {_raised(exc)}")
+    except Exception as exc:
+        hint = " (a forward-only kernel: pass kernel_checks.backward=false)" if "grad" in str(exc) else ""
+        return Outcome(case, "fail", f"{case.label()}: backward raised {_raised(exc)}{hint}", math.inf,
+                       evidence=evidence)
+    ref_g = torch.autograd.grad(ref, leaves["ref"], inp.grad_out.double())
+    plain_g = torch.autograd.grad(plain, leaves["plain"], inp.grad_out)
+    judged: dict[str, Comparison] = {}
+    for i, name in enumerate(("dq", "dk", "dv")):
+        j = judge(got[i], ref_g[i], plain_g[i], dtype, factor, inp.seen if name == "dq" else None)
+        judged[name] = replace(j, atol=max(j.atol, floors[name]))
+        rec.metric("err", j.err, tensor=name, plain_err=j.plain_err, limit=judged[name].threshold, **case.tags())
+    worst_name, worst = max(judged.items(), key=lambda kv: kv[1].ratio)
+    bad = [j.text(n) for n, j in judged.items() if not j.passed]
+    for i, n in enumerate(("dq", "dk", "dv")):
+        evidence[f"{n}_kernel"], evidence[f"{n}_ref"] = got[i], ref_g[i]
+    detail = f"{case.label()}: " + ("; ".join(bad) if bad else worst.text(worst_name))
+    return Outcome(case, "fail" if bad else "pass", detail, worst.ratio, evidence=evidence)
+

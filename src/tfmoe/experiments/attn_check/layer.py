@@ -1,0 +1,155 @@
+"""The layer under test on the battery's main case: what every check group of the module battery shares.
+
+:class:`LayerUnderTest` holds the adapter, the built layer, the main case's input and masks (the reference's own,
+from :mod:`tfmoe.components.references`), the main forward's output (written by the shapes check) and what
+that forward revealed that stops other groups (see ``module_battery.unmet_prerequisite``); it builds fresh
+instances, calls the layer and computes the reference and the plain yardstick on its weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from tfmoe.adapters import AttentionAdapter
+from tfmoe.components.comparison import COARSER, Comparison, compare
+from tfmoe.components.references import (
+    Projections,
+    lengths_to_key_padding,
+    plain_attention,
+    reference_dtype,
+    rows_with_a_key,
+    sdpa_attention,
+    visibility,
+)
+from tfmoe.recorder import Recorder
+
+if TYPE_CHECKING:
+    from tfmoe.experiments.attn_check.settings import ModuleSettings
+
+
+@dataclass
+class LayerUnderTest:
+    """The layer under test and the main case, shared by every check group of one run."""
+
+    s: ModuleSettings
+    rec: Recorder
+    adapter: AttentionAdapter
+    module: nn.Module
+    x: torch.Tensor  # (B,T,D) at the run's dtype
+    padding_mask: torch.Tensor  # (B,T) True = real token (all True when nothing is padded)
+    mask: torch.Tensor | None  # broadcastable (B|1,1,T,T) True = visible, or None (the reference's own)
+    valid: torch.Tensor  # (B,T) queries that see at least one key
+    device: torch.device
+    dtype: torch.dtype
+    chunked_fn: Callable[..., torch.Tensor]
+    # the main forward, written by the shapes check (which always runs first); None if the layer raised there
+    out: torch.Tensor | None = None
+    attn: torch.Tensor | None = None  # also None when the layer returns no weights
+    # what the main forward revealed (see module_battery.unmet_prerequisite); '' / 0 = nothing wrong
+    bad_output_shape: str = ""
+    bad_weights_shape: str = ""
+    random_eval_forward: float = 0.0  # how far two eval-mode calls on the same input differ
+
+    @classmethod
+    def start(cls, s: ModuleSettings, rec: Recorder, adapter: AttentionAdapter,
+              chunked_fn: Callable[..., torch.Tensor]) -> LayerUnderTest:
+        """Build the layer (random weights from the run's seed) and draw the main case: x (B,T,D), the key
+        padding of ``s.lengths`` and the reference's own visibility mask."""
+        device, dtype = rec.device, rec.dtype
+        module = adapter.build(s.d_model, s.n_heads, n_kv_heads=s.n_kv_heads, causal=s.causal, dropout=s.dropout,
+                               seed=None, dtype=dtype, device=device)
+        for text in adapter.notes:
+            rec.note(f"{adapter.name}: {text}")
+        x = torch.randn(s.B, s.T, s.d_model, device=device).to(dtype)  # (B,T,D)
+        padding_mask = lengths_to_key_padding(s.lengths, s.T, device=device)  # (B,T)
+        pm_arg = None if bool(padding_mask.all()) else padding_mask
+        mask = visibility(s.T, s.T, s.causal, pm_arg, device=device)  # the reference's own mask
+        valid = rows_with_a_key(mask, s.B, s.T)
+        if not bool(valid.all()):
+            rec.note(f"{int((~valid).sum())} query rows of the main case see no key (length 0 rows): excluded "
+                     "from comparisons (policy)")
+        return cls(s, rec, adapter, module, x, padding_mask, mask, valid, device, dtype, chunked_fn)
+
+    @property
+    def pm_arg(self) -> torch.Tensor | None:
+        """What the module gets as padding_mask: None when nothing is padded (the common call)."""
+        return None if bool(self.padding_mask.all()) else self.padding_mask
+
+    def build(self, n_heads: int | None = None, causal: bool | None = None, dropout: float | None = None,
+              dtype: torch.dtype | None = None, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        """A fresh instance of the layer under test (eval mode), optionally with another instance's weights."""
+        s = self.s
+        h = s.n_heads if n_heads is None else n_heads
+        module = self.adapter.build(s.d_model, h, n_kv_heads=s.n_kv_heads if n_heads is None else h,
+                                    causal=s.causal if causal is None else causal,
+                                    dropout=s.dropout if dropout is None else dropout, seed=None,
+                                    dtype=self.dtype if dtype is None else dtype, device=self.device)
+        if state is not None:
+            module.load_state_dict(state)
+        return module
+
+    def call(self, module: nn.Module, x: torch.Tensor, padding_mask: torch.Tensor | None, causal: bool | None = None,
+             cache: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.adapter.forward(module, x, padding_mask, causal=self.s.causal if causal is None else causal,
+                                    cache=cache)
+
+    def proj(self, module: nn.Module | None = None, n_heads: int | None = None) -> Projections:
+        """The layer's projections (detached) as the reference reads them."""
+        m = self.module if module is None else module
+        h = self.s.n_heads if n_heads is None else n_heads
+        params = {k: v.detach() for k, v in self.adapter.parameters(m).items()}
+        return self.adapter.projections(params, h, self.s.n_kv_heads if n_heads is None else h)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def reference(self, x: torch.Tensor, mask: torch.Tensor | None, p: Projections | None = None) -> torch.Tensor:
+        rd = reference_dtype(self.dtype)
+        return sdpa_attention(x.to(rd), (self.proj() if p is None else p).to(rd), mask)
+
+    def plain(self, x: torch.Tensor, mask: torch.Tensor | None, p: Projections | None = None) -> torch.Tensor:
+        return plain_attention(x, (self.proj() if p is None else p).to(x.dtype), mask)
+
+    def evidence(self, **more: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The failing inputs (saved as failing.<check>.<name> tensors when a check fails)."""
+        base: dict[str, Any] = {"x": self.x, "padding_mask": self.padding_mask, **projection_tensors(self.proj())}
+        base.update(more)
+        return {k: v for k, v in base.items() if isinstance(v, torch.Tensor)}
+
+
+def projection_tensors(p: Projections) -> dict[str, torch.Tensor]:
+    """w_qkv (q, k, v rows stacked), w_out and the biases, as saved in a run."""
+    out = {"w_qkv": torch.cat([p.w_q, p.w_k, p.w_v]), "w_out": p.w_o}
+    for name in ("b_q", "b_k", "b_v", "b_o"):
+        out[name] = getattr(p, name)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def precision_diagnosis(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, p: Projections,
+                        mask: torch.Tensor | None, valid: torch.Tensor | None, dtype: torch.dtype) -> str:
+    """'' or the coarser dtype the layer evidently computes in: its error vs the reference is too large for
+    ``dtype``'s rule but within the rule of a plain implementation in that coarser dtype (e.g. a ``.float()``
+    softmax in an fp64 run)."""
+    for coarse in COARSER.get(dtype, ()):
+        plain = plain_attention(x.to(coarse), p.to(coarse), mask)
+        if compare(out, ref, plain, coarse, valid).passed:
+            return str(coarse).removeprefix("torch.")
+    return ""
+
+
+def record_comparison(layer: LayerUnderTest, name: str, comparison: str, c: Comparison, detail: str,
+                       evidence: dict[str, torch.Tensor]) -> None:
+    tag = str(layer.dtype).removeprefix("torch.")
+    layer.rec.metric("max_abs_err", c.err, comparison=comparison, dtype=tag)
+    layer.rec.metric("max_rel_err", c.rel_err, comparison=comparison, dtype=tag)
+    layer.rec.metric("plain_max_abs_err", c.plain_err, comparison=comparison, dtype=tag)
+    layer.rec.metric("threshold", c.threshold, comparison=comparison, dtype=tag)
+    layer.rec.check(name, c.passed, c.err, c.threshold,
+                  f"{detail}; max abs err {c.err:.3g} (rel {c.rel_err:.3g}) vs plain {tag} {c.plain_err:.3g}; "
+                  f"threshold 2·plain + {c.atol:.2g}", evidence=evidence)
+

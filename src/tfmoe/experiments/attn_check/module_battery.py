@@ -1,0 +1,185 @@
+"""The module battery (``tfmoe attn-check impl=...``): the check groups in order, each behind its prerequisites.
+
+The shapes check always runs first (it is the main forward the other groups read); then every group the config
+asks for (``checks=``), skipped with a note when the adapter cannot drive it, and not judged (a note names the
+check to fix first) when the main forward showed something that would fail it for another reason. A layer that
+raises inside a group fails that group's remaining checks with the error, never the run. ``mode=chunked``
+runs only the chunked path's probe (no layer is built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tfmoe.adapters import load_adapter
+from tfmoe.components.chunked_attention import naive_attention_bytes
+from tfmoe.components.references import reference_dtype
+from tfmoe.errors import BadInput
+from tfmoe.experiments.attn_check.checks import (
+    GROUPS,
+    chunked,
+    dropout,
+    fully_masked,
+    gradients,
+    invariances,
+    kv_cache,
+    masks,
+    sdpa,
+    shapes,
+)
+from tfmoe.experiments.attn_check.checks.chunked import gib
+from tfmoe.experiments.attn_check.heatmap import attention_heatmap
+from tfmoe.experiments.attn_check.layer import LayerUnderTest
+from tfmoe.memory import available_memory_bytes
+from tfmoe.recorder import Recorder
+from tfmoe.tables import Rows
+from tfmoe.user_code import load_object
+
+if TYPE_CHECKING:
+    from tfmoe.experiments.attn_check.settings import ModuleSettings
+
+
+def refuse_if_too_big(s: ModuleSettings, device: torch.device, dtype: torch.dtype) -> None:
+    """BadInput before allocating if the naive (B,H,T,T) path cannot fit in the memory available."""
+    available = available_memory_bytes(device)
+    if s.mode == "full":
+        need = naive_attention_bytes(s.B, s.n_heads, s.T, s.T, dtype) * 2  # module + reference side by side
+        if need > available:
+            raise BadInput(f"the naive attention path needs about {gib(need)} for B={s.B}, H={s.n_heads}, T={s.T} "
+                           f"but {gib(available)} is available: lower T/B, or check only the chunked path "
+                           "with mode=chunked (O(T·block) memory)")
+    probe_need = naive_attention_bytes(1, s.probe_heads, s.probe_T, s.probe_T, torch.float32)
+    if s.mode == "full" and probe_need > available:
+        raise BadInput(f"chunked.probe_T={s.probe_T} needs about {gib(probe_need)} for the naive side of the memory "
+                       f"probe but {gib(available)} is available: lower chunked.probe_T, or use mode=chunked")
+
+
+def unmet_prerequisite(layer: LayerUnderTest, group: str) -> str:
+    """Why a group cannot judge this module ('' if it can): every group reads the module's output, so a wrong
+    output shape stops all but chunked (which reads only the weights); a random eval-mode forward stops all but
+    the dropout and chunked groups (dropout_eval_identity names it); wrong-shaped weights stop the mask checks."""
+    if group in ("shapes", "chunked"):
+        return ""
+    if layer.bad_output_shape:
+        return f"the module's output has the wrong shape ({layer.bad_output_shape}; see shapes)"
+    if layer.random_eval_forward and group != "dropout":
+        return (f"the module's eval-mode forward is random (two calls on the same input differ by "
+                f"{layer.random_eval_forward:.3g}; see dropout_eval_identity)")
+    if group == "masks" and layer.bad_weights_shape:
+        return f"the returned weights have the wrong shape ({layer.bad_weights_shape}; see shapes)"
+    return ""
+
+
+def guarded(rec: Recorder, names: list[str], run: Callable[[], None],
+            evidence: Callable[[], dict[str, torch.Tensor]] = dict, blocked: str = "") -> None:
+    """Run one group of checks unless a prerequisite fails (``blocked``: then a note says which check to fix
+    first); if the code under test raises, the group's not-yet-recorded checks fail with the error."""
+    if blocked:
+        rec.note(f"{', '.join(names)} not judged: {blocked}")
+        return
+    before = {c.check for c in rec.checks_rows}
+    try:
+        run()
+    except (BadInput, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        detail = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        done = {c.check for c in rec.checks_rows} - before
+        for name in names:
+            if name not in done:
+                rec.check(name, False, None, None, detail, evidence=evidence())
+        rec.note(f"{', '.join(n for n in names if n not in done)}: the module {detail}")
+
+
+def run_module_battery(s: ModuleSettings, rec: Recorder) -> None:
+    """Load the user's code (BadInput, exit 2, when it cannot be), refuse sizes that cannot fit, run the groups."""
+    device, dtype = rec.device, rec.dtype
+    chunked_fn = load_object(s.chunked_impl, "chunked.impl")
+    if not callable(chunked_fn):
+        raise BadInput(f"chunked.impl={s.chunked_impl!r} is not callable: point it at a function "
+                       "(q, k, v, *, causal, key_padding_mask, block_size) -> out")
+    refuse_if_too_big(s, device, dtype)
+    rec.note(f"mode={s.mode}; impl={s.impl}; reference = SDPA in {str(reference_dtype(dtype)).removeprefix('torch.')}")
+    if device.type == "cpu":
+        rec.note("peak memory measured with torch.profiler(profile_memory=True): CPU allocator allocations/frees")
+    if s.mode == "chunked":
+        guarded(rec, ["chunked_match_large", "chunked_memory"],
+                lambda: chunked.chunked_probe(s, rec, chunked_fn, s.B, s.n_heads, s.T, s.d_head, dtype,
+                                              s.probe_block_size, measure_naive=False))
+        summarize(rec, s, dtype)
+        return
+    layer = LayerUnderTest.start(s, rec, load_adapter(s.impl, s.hf_attn_implementation), chunked_fn)
+    run_groups(layer)
+    if layer.attn is not None and layer.attn.dim() == 4:
+        b = _padded_row(layer.padding_mask)
+        mask = layer.mask
+        vis = torch.ones(s.T, s.T, dtype=torch.bool) if mask is None else mask.expand(s.B, 1, s.T, s.T)[b, 0].cpu()
+        rec.plot("attention_heatmap", attention_heatmap(
+            layer.attn, vis, b, 0, f"{layer.adapter.name}: batch row {b} (length {s.lengths[b]}), head 0"))
+    summarize(rec, s, dtype)
+
+
+def run_groups(layer: LayerUnderTest) -> None:
+    """Every asked-for group, in the battery's order (see the module docstring)."""
+    s, rec, adapter = layer.s, layer.rec, layer.adapter
+
+    def group(name: str, checks: list[str], fn: Callable[[LayerUnderTest], None]) -> None:
+        guarded(rec, checks, lambda: fn(layer), layer.evidence, unmet_prerequisite(layer, name))
+
+    group("shapes", ["shapes"], shapes.check_shapes)  # always: it runs the main forward the other checks read
+    asked = set(s.groups)
+    if "masks" in asked and not adapter.returns_weights:
+        rec.note(f"row_sums, causal_zero, padding_zero not applicable: {adapter.name} returns no attention weights")
+    elif "masks" in asked:
+        group("masks", ["row_sums"] + (["causal_zero"] if s.causal else [])
+              + (["padding_zero"] if not bool(layer.padding_mask.all()) else []), masks.check_rows_and_masks)
+    if "sdpa" in asked:
+        group("sdpa", ["sdpa_match"], sdpa.check_sdpa)
+    if "fully_masked" in asked:
+        group("fully_masked", ["fully_masked_rows"], fully_masked.check_fully_masked)
+    if "gradients" in asked:
+        group("gradients", ["gradcheck", "grad_match"], gradients.check_gradients)
+    if "kv_cache" in asked:
+        if adapter.takes_cache:
+            group("kv_cache", ["kv_cache_decode"], kv_cache.check_kv_cache)
+        else:
+            rec.note(f"kv_cache_decode not run: {adapter.name}'s forward takes no tfmoe KVCache (`cache` argument)")
+    if "chunked" in asked:
+        group("chunked", ["chunked_match", "chunked_match_large", "chunked_memory"], chunked.check_chunked)
+    if "invariances" in asked:
+        group("invariances", ["batch_independence", "batch_sizes", "head_counts"], invariances.check_invariances)
+    if "dropout" in asked:
+        why = dropout.dropout_not_applicable(s, adapter)
+        if why:
+            rec.note(f"dropout checks not run: {why}")
+        else:
+            group("dropout", ["dropout_eval_identity", "dropout_rate", "dropout_scale", "dropout_seed"],
+                  dropout.check_dropout)
+    skipped = [g for g in GROUPS if g not in asked]
+    if skipped:
+        rec.note(f"check groups not run (checks=...): {', '.join(skipped)}")
+
+
+def _padded_row(pm: torch.Tensor) -> int:
+    rows = (~pm).any(dim=1).nonzero()
+    return int(rows[0]) if len(rows) else 0
+
+
+def summarize(rec: Recorder, s: ModuleSettings, dtype: torch.dtype) -> None:
+    """The checks table on the terminal; in summary.md (which already holds passed / observed / threshold) the
+    case and each check's detail."""
+    tag = str(dtype).removeprefix("torch.")
+    table = Rows(f"attn-check: {s.impl if s.mode == 'full' else 'chunked path'} ({tag})",
+                 ["check", "passed", "observed", "threshold"])
+    details = Rows("", ["check", "detail"])
+    for c in rec.checks_rows:
+        table.add(c.check, "yes" if c.passed else "NO", "" if c.observed is None else f"{c.observed:.3g}",
+                  "" if c.threshold is None else f"{c.threshold:.3g}", style=None if c.passed else "red")
+        details.add(c.check if c.passed else f"**{c.check}**", c.detail)
+    table.print_to(rec.console)
+    rec.summary(f"### attn-check: `{s.impl}`, mode={s.mode}, {tag}, B={s.B}, T={s.T}, D={s.d_model}, "
+                f"H={s.n_heads}, causal={s.causal}, lengths={list(s.lengths)}, dropout={s.dropout}\n\n"
+                + details.markdown())

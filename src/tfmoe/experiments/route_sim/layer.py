@@ -1,0 +1,365 @@
+"""route-sim's layer battery: judge one MoE layer (the package's own, a Hugging Face sparse block, or any
+class in the course's ToyMoE interface) against the independent float64 reference of
+:mod:`tfmoe.components.moe_reference`.
+
+Checks (each named ``layer.<check>`` in checks.parquet):
+  output_vs_reference      layer output vs the float64 dense reference, within 2x the error of the same
+                           mixture computed plainly in the run's dtype (+ a few ulps of the output's scale)
+  routing_selection        the experts each token reached (router hook) = the reference's choice
+  routing_weights          the combine weights (router hook) = the reference's, within the router's dtype
+  probs_sum_to_one         the layer's full router distribution sums to 1 per token (where it exposes one)
+  topk_weights_sum         the k weights sum to 1 (times routed_scaling_factor) where the design normalises
+  loads_sum / cv_maxvio    loads from the captured routing sum to tokens*k; CV and MaxVio recomputed
+  permutation_equivariance permuting the tokens permutes the output
+  batch_independence       each sequence's output alone = its output inside the batch
+  finite.fp16 / .bf16      finite outputs in half precision, on tokens scaled so router logits reach ~16
+  aux_loss_vs_switch       the model's own load-balancing loss = the Switch formula from captured routing
+  bias_exercised           (correction-bias designs) the drawn bias changes some token's selection, so
+                           selection-vs-weighting is actually tested
+Design probes (metrics ``layer.alt.<name>``): the output error of plausible misreadings of the design
+(e.g. DeepSeek-V3 weighting with bias-corrected scores); each must sit far above the tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from tfmoe.adapters import load_layer
+from tfmoe.adapters.moe_layers import Captured, LayerUnderTest, OwnLayer
+from tfmoe.components import moe
+from tfmoe.components import moe_reference as ref
+from tfmoe.experiments.route_sim.checks import check_cv_maxvio, check_loads_sum
+from tfmoe.experiments.route_sim.settings import LayerSettings
+from tfmoe.recorder import Recorder
+from tfmoe.tables import Rows
+
+PREFIX = "layer."
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+LOGIT_TARGET = 16.0  # half-precision probe: scale tokens until the largest router logit is about this
+
+
+# ------------------------------------------------------------------------------ helpers
+def _ulps(*dtypes: torch.dtype) -> float:
+    """Machine epsilon of the coarsest of ``dtypes``."""
+    return max(torch.finfo(d).eps for d in dtypes)
+
+
+def _router_ulps(lut: LayerUnderTest, o: Observation) -> float:
+    """Epsilon of the precision the combine weights carry: the run's dtype, the captured weights' dtype, and the
+    precision the design routes in (fp32 for HF's and the package's routers, even in an fp64 run)."""
+    extra = (lut.router_precision,) if lut.router_precision is not None else ()
+    return _ulps(o.x.dtype, o.cap.weights.dtype, *extra)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _max_abs(a: torch.Tensor) -> float:
+    return float(a.abs().max()) if a.numel() else 0.0
+
+
+def _cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    return copy.deepcopy(module).to(dtype)
+
+
+@dataclass
+class Observation:
+    x: torch.Tensor  # (B,T,D) run dtype
+    out: torch.Tensor  # (B,T,D)
+    cap: Captured
+    ref_out: torch.Tensor  # (N,D) float64
+    ref: ref.ReferenceRouting
+    clear: torch.Tensor  # (N,) bool: tokens whose decision is not within rounding of a tie
+
+
+def observe(lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights, x: torch.Tensor,
+            sem: ref.RoutingSemantics | None = None) -> Observation:
+    out, cap = lut.run(module, x)
+    sem = sem or lut.semantics
+    ref_out, r = ref.forward(_flat(x).double(), sem, weights)
+    return Observation(x, out, cap, ref_out, r, r.margin > score_rounding(lut, sem, weights, x, r))
+
+
+def score_rounding(lut: LayerUnderTest, sem: ref.RoutingSemantics, weights: ref.LayerWeights, x: torch.Tensor,
+                   r: ref.ReferenceRouting) -> float:
+    """How far the layer's scores can sit from the float64 ones by rounding alone: the same router computed
+    plainly (logits in the run's dtype, or fp32 where the design computes them so; scores in fp32), 4x its
+    worst score error + 4 fp32 ulps. A decision closer to a tie than this may go either way."""
+    ld = torch.float32 if lut.logits_in_fp32 else x.dtype
+    logits = (_flat(x).to(ld) @ weights.router.to(ld).T).float()
+    if weights.router_bias is not None:
+        logits = logits + weights.router_bias.float()
+    scores = logits.softmax(dim=-1) if sem.score_func == "softmax" else logits.sigmoid()
+    return 4 * _max_abs(scores.double() - r.scores) + 4 * _ulps(torch.float32)
+
+
+# ------------------------------------------------------------------------------- checks
+def check_output(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: ref.LayerWeights) -> bool:
+    """FlashAttention's rule: error vs the float64 reference <= 2x the error of the same mixture computed
+    plainly in the run's dtype (the reference's routing, the layer's weights cast), + 4 ulps of the scale."""
+    dtype = o.out.dtype
+    x = _flat(o.x)
+    plain = ref.combine(x.to(dtype), o.ref.weights.to(dtype), lut.semantics, weights.to(dtype)) \
+        if dtype != torch.float64 else o.ref_out
+    keep = o.clear
+    err = _max_abs((_flat(o.out).double() - o.ref_out)[keep])
+    plain_err = _max_abs((plain.double() - o.ref_out)[keep])
+    scale = max(_max_abs(o.ref_out), 1e-30)
+    tol = 2 * plain_err + 4 * _ulps(dtype) * scale
+    if _router_ulps(lut, o) > _ulps(dtype):  # a router that computes its weights coarser than the run (fp32 in fp64)
+        tol += 4 * _router_ulps(lut, o) * scale
+    skipped = int((~keep).sum())
+    return rec.check_le(f"{PREFIX}output_vs_reference", err, tol,
+                        f"max |out - float64 reference| over {int(keep.sum())} tokens"
+                        + (f" ({skipped} within rounding of a routing tie left out)" if skipped else "")
+                        + f"; plain {str(dtype).removeprefix('torch.')} mixture error {plain_err:.3g}",
+                        evidence={"out": o.out, "reference": o.ref_out})
+
+
+def check_routing(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: ref.LayerWeights) -> None:
+    keep = o.clear
+    wrong = (o.cap.selected != o.ref.selected).any(dim=-1) & keep
+    n_wrong = int(wrong.sum())
+    first = int(wrong.nonzero()[0]) if n_wrong else None
+    detail = f"tokens whose captured experts differ from the reference's: {n_wrong} of {int(keep.sum())}"
+    if first is not None:
+        detail += (f"; token {first}: layer chose {o.cap.selected[first].nonzero().flatten().tolist()}, reference "
+                   f"{o.ref.selected[first].nonzero().flatten().tolist()}")
+    rec.check(f"{PREFIX}routing_selection", n_wrong == 0, n_wrong, 0.0, detail,
+              evidence={"captured_selected": o.cap.selected, "reference_selected": o.ref.selected})
+    same = keep & ~wrong
+    dtype = o.x.dtype
+    err = _max_abs((o.cap.weights.double() - o.ref.weights)[same])
+    # FlashAttention's rule again: the same routing computed plainly in the run's dtype sets the scale
+    plain = ref.route(_flat(o.x), lut.semantics, weights.to(dtype)) if dtype != torch.float64 else o.ref
+    agree = same & (plain.selected == o.ref.selected).all(dim=-1)
+    plain_err = _max_abs((plain.weights.double() - o.ref.weights)[agree])
+    tol = 2 * plain_err + 8 * _router_ulps(lut, o) * max(1.0, _max_abs(o.ref.weights))
+    rec.check_le(f"{PREFIX}routing_weights", err, tol,
+                 f"max |captured combine weight - reference| over {int(same.sum())} tokens with the same experts; "
+                 f"plain {str(dtype).removeprefix('torch.')} routing error {plain_err:.3g}",
+                 evidence={"captured_weights": o.cap.weights, "reference_weights": o.ref.weights})
+
+
+def check_sums(rec: Recorder, lut: LayerUnderTest, o: Observation) -> list[str]:
+    """Returns the checks that do not apply to this layer (for the conformance table)."""
+    na = []
+    if lut.exposes_probs and o.cap.probs is not None:
+        probs = o.cap.probs.double()
+        err = _max_abs(probs.sum(dim=-1) - 1.0)
+        rec.check_le(f"{PREFIX}probs_sum_to_one", err, 8 * _ulps(o.cap.probs.dtype) * probs.shape[-1],
+                     f"max over tokens of |sum over {probs.shape[-1]} experts of the router probabilities - 1|",
+                     evidence={"probs": o.cap.probs})
+    else:
+        na.append("probs_sum_to_one")
+    sem = lut.semantics
+    if sem.normalize:
+        sums = o.cap.weights.double().sum(dim=-1)
+        err = _max_abs(sums - sem.scaling)
+        tol = 8 * _router_ulps(lut, o) * max(1.0, sem.scaling)
+        rec.check_le(f"{PREFIX}topk_weights_sum", err, tol,
+                     f"max over tokens of |sum of the k combine weights - {sem.scaling:g}| (the design normalises)",
+                     evidence={"captured_weights": o.cap.weights})
+    else:
+        na.append("topk_weights_sum")
+    return na
+
+
+def check_loads(rec: Recorder, lut: LayerUnderTest, o: Observation) -> None:
+    """Loads, CV, MaxVio computed by the package from the captured routing; recomputed in numpy."""
+    s = lut.sizes
+    sel = o.cap.selected
+    k_per_token = sel.sum(dim=-1)
+    idx = sel.nonzero()[:, 1]
+    load = moe.expert_load(idx, s.n_experts)
+    cv, maxvio = float(moe.load_cv(load)), float(moe.load_maxvio(load))
+    rec.metric(f"{PREFIX}cv", cv)
+    rec.metric(f"{PREFIX}maxvio", maxvio)
+    rec.tensor(f"{PREFIX}expert_load", load)
+    n = sel.shape[0]
+    check_loads_sum(rec, f"{PREFIX}loads_sum", load, n, s.top_k)
+    if bool((k_per_token == s.top_k).all()):
+        topk_idx = idx.view(n, s.top_k)
+        rec.tensor(f"{PREFIX}topk_idx", topk_idx)
+        check_cv_maxvio(rec, f"{PREFIX}cv_maxvio", rec.tensors_saved[f"{PREFIX}topk_idx"], s.n_experts, cv, maxvio)
+    else:
+        rec.check(f"{PREFIX}cv_maxvio", False, int((k_per_token != s.top_k).sum()), 0.0,
+                  f"tokens that reached a number of experts other than top_k={s.top_k}: CV/MaxVio undefined")
+
+
+def check_permutation(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: Observation,
+                      gen: torch.Generator) -> None:
+    b, t, d = o.x.shape
+    perm = torch.randperm(b * t, generator=gen)
+    x_perm = _flat(o.x)[perm].view(b, t, d)
+    out_perm, _ = lut.run(module, x_perm)
+    err = _max_abs(_flat(out_perm).double() - _flat(o.out).double()[perm])
+    tol = 8 * _ulps(o.out.dtype) * max(_max_abs(o.out.double()), 1e-30)
+    rec.check_le(f"{PREFIX}permutation_equivariance", err, tol,
+                 f"max |layer(permuted tokens) - permuted layer(tokens)| over {b * t} tokens",
+                 evidence={"out": o.out, "out_of_permuted": out_perm})
+
+
+def check_batch(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: Observation) -> None:
+    worst, where = 0.0, 0
+    for i in range(o.x.shape[0]):
+        alone, _ = lut.run(module, o.x[i : i + 1])
+        err = _max_abs(alone[0].double() - o.out[i].double())
+        if err > worst or not math.isfinite(err):
+            worst, where = err, i
+    tol = 8 * _ulps(o.out.dtype) * max(_max_abs(o.out.double()), 1e-30)
+    rec.check_le(f"{PREFIX}batch_independence", worst, tol,
+                 f"max over the {o.x.shape[0]} sequences of |layer(sequence alone) - its row of layer(batch)| "
+                 f"(worst: sequence {where})")
+
+
+def check_low_precision(rec: Recorder, lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights,
+                        x: torch.Tensor) -> None:
+    """fp16 and bf16 copies of the layer on tokens scaled so the largest router logit is ~LOGIT_TARGET."""
+    logits = _flat(x).double() @ weights.router.T
+    scale = LOGIT_TARGET / max(_max_abs(logits), 1e-30)
+    for dtype in LOW_PRECISION:
+        name = str(dtype).removeprefix("torch.").replace("float", "fp").replace("bfp16", "bf16")
+        low = _cast(module, dtype)
+        xs = (x.double() * scale).to(x.device, dtype)
+        out, _ = lut.run(low, xs)
+        bad = int((~torch.isfinite(out)).sum())
+        ref_out, _ = ref.forward(_flat(xs).double(), lut.semantics, weights)
+        rel = _max_abs(_flat(out).double() - ref_out) / max(_max_abs(ref_out), 1e-30)
+        rec.metric(f"{PREFIX}{name}.rel_error", rel if math.isfinite(rel) else float("nan"))
+        rec.check(f"{PREFIX}finite.{name}", bad == 0, bad, 0.0,
+                  f"non-finite outputs of a {name} copy on tokens scaled x{scale:.3g} (router logits up to "
+                  f"{LOGIT_TARGET:g}); max relative error vs float64 {rel:.3g} (recorded, not judged)",
+                  evidence={"out": out} if bad else None)
+
+
+def check_aux_loss(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: Observation) -> bool:
+    """The model's own loss vs the Switch formula E * sum_i f_i * P_i recomputed in numpy float64 from the
+    captured routing: P_i the mean router probability (the layer's own, else softmax of the captured logits),
+    f_i = load_i / tokens for HF (Mixtral's normalisation, balanced value k) and load_i / (tokens*k) for the
+    package (balanced value 1)."""
+    value = lut.aux_loss(module, o.cap)
+    if value is None:
+        return False
+    source = o.cap.probs if o.cap.probs is not None else o.cap.logits
+    if o.cap.probs is not None:
+        p = o.cap.probs.double().cpu().numpy()
+    else:
+        z = o.cap.logits.double().cpu().numpy()
+        z = z - z.max(axis=-1, keepdims=True)
+        p = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
+    sel = o.cap.selected.cpu().numpy()
+    n, e = sel.shape
+    k = lut.sizes.top_k
+    per_assignment = isinstance(lut, OwnLayer)
+    f = sel.sum(axis=0) / (n * k if per_assignment else n)
+    expected = float(e * np.sum(f * p.mean(axis=0)))
+    err = abs(value - expected)
+    tol = 8 * _ulps(source.dtype, torch.float32) * abs(expected) + 1e-7  # the loss is computed in that dtype
+    rec.metric(f"{PREFIX}aux_loss", value)
+    rec.check_le(f"{PREFIX}aux_loss_vs_switch", err, tol,
+                 f"{lut.aux_loss_name} = {value:.8g} vs E*sum f_i*P_i from the captured routing = {expected:.8g} "
+                 f"(f_i = load_i/{'(tokens*k)' if per_assignment else 'tokens'})")
+    return True
+
+
+def check_bias_exercised(rec: Recorder, lut: LayerUnderTest, weights: ref.LayerWeights, o: Observation) -> bool:
+    """Where the design has a selection-only bias and the battery drew one (layer.bias_scale > 0)."""
+    if not lut.draws_correction_bias or weights.correction_bias is None or lut.sizes.bias_scale == 0:
+        return False
+    unbiased = ref.route(_flat(o.x).double(), lut.semantics.variant(use_correction_bias=False), weights)
+    changed = int((unbiased.selected != o.ref.selected).any(dim=-1).sum())
+    rec.metric(f"{PREFIX}tokens_bias_changed", changed)
+    rec.check(f"{PREFIX}bias_exercised", changed > 0, changed, 0.0,
+              f"tokens whose reference selection changes when the correction bias is dropped ({changed} of "
+              f"{o.ref.selected.shape[0]}): >0 means selection and weighting are tested apart")
+    return True
+
+
+def probe_designs(rec: Recorder, lut: LayerUnderTest, weights: ref.LayerWeights, o: Observation) -> None:
+    """Each misreading's output error, next to the design's own (it must be far larger)."""
+    x = _flat(o.x).double()
+    out = _flat(o.out).double()
+    rec.metric(f"{PREFIX}design.output_error", _max_abs(out - o.ref_out))
+    for name, sem in lut.alternatives().items():
+        alt_out, _ = ref.forward(x, sem, weights)
+        rec.metric(f"{PREFIX}alt.{name}", _max_abs(out - alt_out))
+
+
+# ------------------------------------------------------------------------------- battery
+ALL_CHECKS = ("output_vs_reference", "routing_selection", "routing_weights", "probs_sum_to_one", "topk_weights_sum",
+              "loads_sum", "cv_maxvio", "permutation_equivariance", "batch_independence", "finite.fp16",
+              "finite.bf16", "aux_loss_vs_switch", "bias_exercised")
+
+
+@torch.no_grad()
+def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
+    """Every check on one layer. Checks that do not apply are named in the run's notes ("n/a: ...")."""
+    t0 = time.perf_counter()
+    lut = load_layer(p.impl, p.sizes)
+    module = lut.build(rec.seed).to(rec.device, rec.dtype)
+    weights = lut.reference_weights(module)
+    gen = torch.Generator().manual_seed(rec.seed + 11)
+    s = lut.sizes
+    x = torch.randn(p.batch, p.seq, s.d_model, generator=gen).to(rec.device, rec.dtype)  # (B,T,D)
+    o = observe(lut, module, weights, x)
+    rec.tensor(f"{PREFIX}x", x)
+    rec.tensor(f"{PREFIX}out", o.out)
+    rec.tensor(f"{PREFIX}reference_out", o.ref_out)
+    rec.tensor(f"{PREFIX}captured_weights", o.cap.weights)
+    rec.tensor(f"{PREFIX}reference_weights", o.ref.weights)
+    rec.metric(f"{PREFIX}tokens_near_tie", int((~o.clear).sum()))
+    na: list[str] = []
+    check_output(rec, lut, o, weights)
+    check_routing(rec, lut, o, weights)
+    na += check_sums(rec, lut, o)
+    check_loads(rec, lut, o)
+    check_permutation(rec, lut, module, o, gen)
+    check_batch(rec, lut, module, o)
+    check_low_precision(rec, lut, module, weights, x)
+    if not check_aux_loss(rec, lut, module, o):
+        na.append("aux_loss_vs_switch")
+    if not check_bias_exercised(rec, lut, weights, o):
+        na.append("bias_exercised")
+    probe_designs(rec, lut, weights, o)
+    for note in lut.notes():
+        rec.note(note)
+    for name in na:
+        rec.note(f"n/a: {PREFIX}{name} ({lut.label})")
+    rec.metric(f"{PREFIX}battery_s", time.perf_counter() - t0, measured=True)
+    rec.note(f"layer battery on {lut.label}: {p.batch}x{p.seq} tokens, d_model {s.d_model}, {s.n_experts} experts, "
+             f"top-{s.top_k}; reference = float64 dense recomputation from the layer's weights ({lut.semantics})")
+    return lut
+
+
+# ------------------------------------------------------------------------------ reporting
+def battery_rows(rec: Recorder, label: str) -> Rows:
+    """(check, pass/FAIL/n/a, detail) for every battery check, in ALL_CHECKS order."""
+    got = {c.check.removeprefix(PREFIX): c for c in rec.checks_rows if c.check.startswith(PREFIX)}
+    na = {n.removeprefix("n/a: " + PREFIX).split(" (")[0] for n in rec.notes if n.startswith("n/a: " + PREFIX)}
+    rows = Rows(f"layer battery: {label}", ("check", "result", "detail"))
+    for name in ALL_CHECKS:
+        if name in got:
+            rows.add(name, "pass" if got[name].passed else "FAIL", got[name].detail)
+        elif name in na:
+            rows.add(name, "n/a", f"not defined for {label}")
+    return rows
+
+
+def battery_summary(rec: Recorder, lut: LayerUnderTest) -> str:
+    lines = [f"## Layer battery: {lut.label}", "", battery_rows(rec, lut.label).markdown()]
+    alts = [(r["name"].removeprefix(PREFIX + "alt."), r["value"]) for r in rec.metrics_rows
+            if r["name"].startswith(PREFIX + "alt.")]
+    if alts:
+        own = next(r["value"] for r in rec.metrics_rows if r["name"] == PREFIX + "design.output_error")
+        lines += ["", f"Design probes: max |out - reference| is {own:.3g} for the design as documented; for "
+                  "misreadings: " + ", ".join(f"{n} {v:.3g}" for n, v in alts) + "."]
+    return "\n".join(lines)

@@ -1,0 +1,41 @@
+"""route-sim's settings, built and validated by the recipe's ``settings(cfg)`` (:mod:`tfmoe.experiments.route_sim`): frozen, typed, already resolved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tfmoe.adapters.moe_layers import LayerSizes
+
+
+@dataclass(frozen=True)
+class LayerSettings:
+    """The battery's part of route-sim's Settings (validated by ``route_sim.settings``)."""
+
+    impl: str | None  # null = the package's own layer, hf:<type>, or pkg.module:Class
+    sizes: LayerSizes
+    batch: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every value a route-sim run reads, validated by :func:`settings`."""
+
+    tokens: int  # the course case's batch
+    n_experts: int
+    top_k: int
+    capacity_factor: float | None  # None: dropless
+    score_func: str
+    d_model: int
+    d_hidden: int
+    dispatch: str  # the training simulation's dispatch (the course case runs both)
+    strategies: tuple[str, ...]
+    steps: int  # 0 skips the training simulation
+    train_tokens: int
+    clusters: int
+    init_skew: float
+    lr: float
+    aux_loss_coef: float
+    z_loss_coef: float
+    bias_update_rate: float
+    layer: LayerSettings  # the layer battery's

@@ -1,0 +1,424 @@
+"""Starting experiments through Hydra's real `@hydra.main` path (so multirun and launcher plugins work)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tfmoe.errors import BadInput
+from tfmoe.paths import CHECKOUT_ROOT
+from tfmoe.registry import EXPERIMENTS, Experiment
+from tfmoe.status import Status, worst_exit_code
+
+# Hydra's own error path (a bad config, a launcher that lost a job) is bad input: exit 2
+EXIT_FROM_HYDRA = Status.ERROR.exit_code
+
+HYDRA_FLAGS_WITH_VALUE = {"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                          "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"}
+
+
+def config_dir() -> Path:
+    """conf/ of this checkout (editable install), the packaged copy, or $TFMOE_CONF."""
+    env = os.environ.get("TFMOE_CONF")
+    if env:
+        return Path(env).resolve()
+    source = CHECKOUT_ROOT / "conf"
+    if (source / "base.yaml").exists():
+        return source
+    from importlib.resources import files
+
+    return Path(str(files("tfmoe.conf")))
+
+
+def split_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """(overrides, hydra flags) from the extra command-line arguments."""
+    overrides, flags = [], []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("-"):
+            flags.append(a)
+            takes_value = a in HYDRA_FLAGS_WITH_VALUE and a not in {"--info", "-i"}
+            optional_value = a in {"--info", "-i"}
+            if (takes_value or optional_value) and i + 1 < len(args) and "=" not in args[i + 1] \
+                    and not args[i + 1].startswith("-"):
+                flags.append(args[i + 1])
+                i += 1
+        else:
+            if "=" not in a:
+                raise BadInput(f"{a!r} is not an override: write key=value (e.g. seed=1)")
+            overrides.append(a)
+        i += 1
+    return overrides, flags
+
+
+# Keys whose documented forms (the comments in conf/<config>.yaml) have more than one type: the CLI accepts
+# every one of them. Without an entry a value must have the default's type (checks: all -> a string only).
+CONFIG_FORMS: dict[tuple[str, str], tuple[type, ...]] = {
+    ("attn_check", "checks"): (str, list),  # checks: all | [masks, sdpa, ...]
+}
+
+
+def _type_name(v: Any) -> str:
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a mapping"}.get(type(v), type(v).__name__)
+
+
+def _compatible(default: Any, value: Any) -> bool:
+    if default is None or value is None:
+        return True
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    if isinstance(default, list):
+        return isinstance(value, list)
+    if isinstance(default, dict):
+        return isinstance(value, dict)
+    return True
+
+
+def _example(form: type) -> Any:
+    """A value of type ``form`` (what :func:`_compatible` compares against)."""
+    return form()
+
+
+def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
+    """Refuse (BadInput) unknown keys, bad syntax and values whose type differs from the default's,
+    before Hydra starts (Hydra itself would print a multi-line error and exit 1)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Transformer
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    from tfmoe.harness.launching import runner  # registers the run-name resolver
+
+    del runner
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as exc:
+        hint = ""
+        if any(not ch.isascii() for o in overrides for ch in o):
+            hint = " (Hydra's override grammar needs non-ASCII text quoted, e.g. 'sequences=[[BOS,\"我\",EOS]]')"
+        raise BadInput(f"cannot parse overrides {' '.join(overrides)!r}: {str(exc).splitlines()[0]}{hint}") from None
+    first_values, checks = [], []
+    for o in parsed:
+        key = o.key_or_group
+        try:
+            if o.is_sweep_override():
+                text_values = list(o.sweep_string_iterator())
+                typed_values = list(o.sweep_iterator(transformer=Transformer.identity))
+            else:
+                text_values, typed_values = [o.get_value_element_as_str()], [o.value()]
+        except Exception:
+            text_values, typed_values = [], []
+        if not text_values:
+            first_values.append(o.input_line)
+            continue
+        prefix = {"ADD": "+", "DEL": "~", "FORCE_ADD": "++"}.get(o.type.name, "")
+        first_values.append(f"{prefix}{key}={text_values[0]}")
+        if not o.is_hydra_override() and "/" not in key and o.type.name == "CHANGE":
+            checks.append((key, list(zip(text_values, typed_values, strict=False))))
+    for o in parsed:
+        check_launcher_installed(o.key_or_group, first_values)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            defaults = compose(config_name=exp.config)
+            composed = compose(config_name=exp.config, overrides=first_values, return_hydra_config=True)
+    except HydraException as exc:
+        msg = " ".join(str(exc).split())
+        for o in parsed:
+            if f"Could not override '{o.key_or_group}'" in str(exc) or f"Key '{o.key_or_group}'" in str(exc):
+                raise BadInput(f"unknown config key {o.key_or_group!r} for {exp.name}: "
+                               f"`tfmoe {exp.name} --cfg job` lists the keys") from None
+        raise BadInput(f"bad override for {exp.name}: {msg[:300]}") from None
+    except Exception as exc:  # Hydra raises plain ValueErrors for some malformed overrides
+        raise BadInput(f"bad override {' '.join(overrides)!r} for {exp.name}: {' '.join(str(exc).split())[:300]}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    for key, values in checks:  # values typed by Hydra's own override grammar (1e-5 is a float there)
+        default = OmegaConf.select(defaults, key, throw_on_missing=False)
+        if OmegaConf.is_config(default):
+            default = OmegaConf.to_container(default)
+        forms = CONFIG_FORMS.get((exp.config, key))
+        for text, value in values:
+            if isinstance(value, str) and "${" in value:
+                continue  # an interpolation: OmegaConf resolves and types it later
+            if forms is not None:
+                if not any(_compatible(_example(form), value) for form in forms):
+                    raise BadInput(f"{key}={text}: expected {' or '.join(_type_name(_example(f)) for f in forms)} "
+                                   f"(default {key}={default!r}): fix the value")
+            elif not _compatible(default, value):
+                raise BadInput(f"{key}={text}: expected {_type_name(default)} like the default "
+                               f"({key}={default!r}): fix the value")
+    return composed
+
+
+def force_expect(override: str) -> str:
+    """``expect={cv: "< 0.1"}`` / ``expect.cv=...`` -> ``++expect...``: Hydra's struct mode refuses new keys in
+    the empty default mapping otherwise."""
+    if override.startswith(("expect=", "expect.", "+expect=", "+expect.")):
+        return "++" + override.lstrip("+")
+    return override
+
+
+def validate_expectations(exp: Experiment, composed: Any) -> None:
+    """Refuse a malformed expectation, or one on a metric or tag the experiment does not record, before any
+    run (or any job of a sweep) starts."""
+    from tfmoe.harness.method import expectations
+    from tfmoe.harness.method.declared_metrics import declared_for
+
+    parsed = expectations.parse(composed.get("expect"))
+    if parsed:
+        expectations.validate(parsed, declared_for(exp.name), exp.name)
+
+
+# Launchers that come from an optional extra: hydra/launcher=<name> -> (plugin module, extra)
+OPTIONAL_LAUNCHERS = {"ray": ("hydra_plugins.hydra_ray_launcher", "ray")}
+
+
+def check_launcher_installed(key: str, overrides: list[str]) -> None:
+    """``hydra/launcher=ray`` without Hydra's Ray launcher installed: one line naming the extra, not Hydra's error."""
+    import importlib.util
+
+    if key != "hydra/launcher":
+        return
+    for o in overrides:
+        name = o.partition("=")[2] if o.startswith("hydra/launcher=") else None
+        if name in OPTIONAL_LAUNCHERS:
+            module, extra = OPTIONAL_LAUNCHERS[name]
+            if importlib.util.find_spec(module) is None:
+                raise BadInput(f"hydra/launcher={name} needs Hydra's {name} launcher plugin, not installed: "
+                               f"pip install -e '.[{extra}]' (make test installs it)")
+
+
+def check_writable(run_root: str) -> None:
+    """Refuse an unwritable runs root before any run starts (nothing is lost, nothing half-written)."""
+    import tempfile
+
+    root = Path(run_root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as exc:
+        raise BadInput(f"cannot write runs under {root} ({exc.strerror or exc}): pass run_root=DIR that you "
+                       "can write, or fix the permissions") from None
+
+
+def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
+    """Each job's task overrides, in job order, as Hydra's basic sweeper enumerates them; None for another sweeper
+    (it enumerates its own jobs)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    from tfmoe.harness.launching.sweep_speed import parse
+
+    parsed = parse(overrides)
+    if any(o.key_or_group == "hydra/sweeper" or o.key_or_group.startswith("hydra.sweeper") for o in parsed):
+        return None
+    task = [o for o in parsed if not o.is_hydra_override()]
+    return [job for batch in BasicSweeper.split_arguments(task, None) for job in batch]
+
+
+def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
+    """Build every job's settings (the experiment contract's ``settings(cfg)``) before any job of a sweep starts:
+    BadInput naming the first refused job's overrides, the problem and the fix. Each job's config is derived
+    from one composed config (sweep_speed.JobConfigs), as the sweep itself will compose it. Skipped for sweepers
+    other than Hydra's basic one; a job whose config does not compose, or whose settings() fails other than with
+    BadInput (e.g. a ``${hydra:...}`` interpolation, which only resolves inside the job), is left to the sweep to
+    report."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+    from omegaconf import open_dict, read_write
+
+    from tfmoe.harness.launching.sweep_speed import JobConfigs, parse
+
+    module = exp.load()
+    jobs = sweep_job_overrides(overrides)
+    if not jobs:
+        return
+    refused: list[tuple[int, list[str], str]] = []
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            loader = GlobalHydra.instance().config_loader()
+            hydra_overrides = [o.input_line for o in parse(overrides) if o.is_hydra_override()]
+
+            def compose(master_config: Any, sweep_overrides: list[str]) -> Any:  # load_sweep_config's composition
+                return loader.load_configuration(exp.config, [*hydra_overrides, *sweep_overrides], RunMode.RUN)
+
+            try:
+                base = compose(None, [])
+            except Exception:
+                return  # Hydra reports it when the sweep starts
+            configs = JobConfigs(loader, None, compose, base=base)
+            for i, job in enumerate(jobs):
+                try:
+                    cfg = configs(job)
+                    with read_write(cfg), open_dict(cfg):  # the job's config, as run_job hands it over
+                        del cfg["hydra"]
+                    module.settings(cfg)
+                except BadInput as exc:
+                    refused.append((i, job, str(exc)))
+                except Exception:  # not bad input: the job itself records what happens
+                    continue
+    finally:
+        GlobalHydra.instance().clear()
+    if refused:
+        i, job, problem = refused[0]
+        more = f" ({len(refused)} of {len(jobs)} jobs refused)" if len(jobs) > 1 else ""
+        raise BadInput(f"sweep job {i} ({' '.join(job) or 'no overrides'}): {problem}{more}; nothing was run")
+
+
+def output_dir(composed: Any, multirun: bool) -> tuple[str, Path]:
+    """(key, directory): where Hydra will put this run (``hydra.run.dir``) or sweep (``hydra.sweep.dir``),
+    resolved once here from the composed config (conf/base.yaml's naming rule, or the user's own override of that
+    key), so that launch passes it to Hydra and knows it outright."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    hc = HydraConfig.instance()
+    before = hc.cfg
+    try:
+        hc.set_config(composed)  # a user's own dir may use ${hydra:...}
+        return key, Path(str(OmegaConf.select(composed, key, throw_on_missing=True)))
+    except Exception as exc:
+        raise BadInput(f"cannot resolve {key} ({' '.join(str(exc).split())[:200]}): give a plain path, "
+                       f"e.g. {key}=runs/mine") from None
+    finally:
+        hc.cfg = before
+
+
+def dir_override(key: str, path: Path, overrides: list[str]) -> list[str]:
+    """``overrides`` with ``key=<path>`` (quoted for Hydra's grammar) in place of any override of ``key``."""
+    text = str(path)
+    quote = "'" if "'" not in text else '"'
+    if quote in text or "\\" in text:
+        raise BadInput(f"{key}={text}: Hydra cannot take this path (quotes or backslashes in it): choose another")
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+") != key]
+    return [*kept, f"{key}={quote}{text}{quote}"]
+
+
+def made_dirs(out: Path, multirun: bool) -> tuple[list[Path], list[Path]]:
+    """(run directories, sweep directories) that a launch into ``out`` produced: the run directory, or every job
+    directory under the sweep directory (whichever process ran it: in-process, joblib, submitit), in job order."""
+    from tfmoe.harness.store.rundir import RUN_FILE
+
+    if not multirun:
+        return ([out.resolve()] if (out / RUN_FILE).exists() else []), []
+    jobs = sorted((p.parent.resolve() for p in out.glob(f"*/{RUN_FILE}")), key=lambda p: (len(p.name), p.name))
+    return jobs, ([out] if (out / "sweep.parquet").exists() else [])
+
+
+def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, quiet: bool = False,
+                   made: list[Path] | None = None) -> int:
+    """Compose and launch through `@hydra.main`; returns the exit code the runs' statuses call for. ``made``
+    receives the run directories (a sweep's job directories), also when the launch is interrupted."""
+    import hydra
+    from hydra.core.global_hydra import GlobalHydra
+
+    from tfmoe.harness.launching import hydra_callbacks, runner
+    from tfmoe.harness.reading.reports import exit_code_of, print_outcome
+    from tfmoe.harness.store.sweeps import has_unstarted_jobs
+
+    overrides, flags = split_args(args)
+    overrides = [force_expect(o) for o in overrides]
+    composed = validate_overrides(exp, overrides)
+    validate_expectations(exp, composed)
+    if not any(f in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for f in flags):
+        if multirun:
+            validate_sweep_settings(exp, overrides)
+        check_writable(str(composed.run_root))
+    key, out = output_dir(composed, multirun)
+    overrides = dir_override(key, out, overrides)
+    if multirun:
+        flags = ["--multirun", *flags]
+    runner.LAUNCHER_PID = os.getpid()
+    saved_argv = sys.argv
+    sys.argv = [f"tfmoe {exp.name}", *flags, *overrides]
+    GlobalHydra.instance().clear()
+    main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=exp.config)(runner.execute)
+    hydra_failed = False
+    dirs: list[Path] = []
+    sweeps: list[Path] = []
+    try:
+        main()
+    except SystemExit as exc:  # Hydra's own error path: a bad config, or a launcher that lost a job
+        hydra_failed = exc.code not in (0, None)
+    finally:
+        sys.argv = saved_argv
+        GlobalHydra.instance().clear()
+        # a sweep that stopped early (a job killed, a launcher error, Ctrl-C/SIGTERM here) still gets its
+        # sweep.parquet: the jobs that finished and the state of the others
+        hydra_callbacks.complete_unfinished_sweeps()
+        dirs, sweeps = made_dirs(out, multirun)
+        if made is not None:
+            made.extend(dirs)
+    if hydra_failed and not sweeps and not dirs:
+        return EXIT_FROM_HYDRA
+    if not dirs:
+        return 0  # --cfg / --info: Hydra printed and ran nothing
+    if not quiet:
+        print_outcome(dirs, sweeps)
+    codes = [exit_code_of(dirs)]
+    if any(has_unstarted_jobs(s) for s in sweeps):
+        codes.append(Status.NOT_STARTED.exit_code)
+    if hydra_failed:
+        codes.append(EXIT_FROM_HYDRA)
+    return worst_exit_code(codes)
+
+
+def replay(ref: str, runs_root: Path) -> int:
+    """Rerun RUN with its recorded overrides (seed included), then diff new against old.
+
+    A replay that cannot start (the experiment refuses its recorded config, e.g. a user module that can no longer
+    be imported) is bad input (BadInput: exit 2, one line), not a failed reproduction."""
+    from tfmoe.harness.reading import reports
+    from tfmoe.harness.store.notebook import load_run, resolve_run
+
+    old_dir = resolve_run(ref, runs_root)
+    old = load_run(old_dir)
+    exp = EXPERIMENTS.get(str(old.run["experiment"]))
+    if exp is None:
+        raise BadInput(f"{old_dir} is a run of unknown experiment {old.run['experiment']!r}")
+    overrides = [o for o in list(old.run["overrides"]) if not o.startswith("run_root=")]
+    overrides += [f"seed={int(old.run['seed'])}", f"run_root={runs_root}"]
+    from tfmoe.harness.store import code_capture
+
+    for line in code_capture.changes_since(old_dir):  # the user's code: replay the recorded copy, say so
+        print(line)
+    said = io.StringIO()  # the run's own stderr lines: replayed below unless the run could not start
+    with code_capture.recorded_code(old_dir) as file_overrides, contextlib.redirect_stderr(said):
+        new_dirs: list[Path] = []
+        code = run_experiment(exp, _dedupe(overrides + file_overrides), multirun=False, quiet=True, made=new_dirs)
+    if len(new_dirs) != 1:
+        raise BadInput("replay could not find the new run directory")
+    new = load_run(new_dirs[0])
+    if code == Status.ERROR.exit_code and new.run["status"] == Status.ERROR and old.run["status"] != Status.ERROR:
+        raise BadInput(f"replay of {old.run['run_id']} could not start: {new.run['error']} "
+                       f"(the attempt is recorded in {new_dirs[0]})")
+    sys.stderr.write(said.getvalue())
+    code = reports.diff(str(old_dir), str(new_dirs[0]), runs_root, False, False, "table")
+    print("reproduced" if code == 0 else "NOT reproduced: see the differences above")
+    return code
+
+
+def _dedupe(overrides: list[str]) -> list[str]:
+    """Last value of each key wins (Hydra refuses the same key twice)."""
+    seen: dict[str, str] = {}
+    for o in overrides:
+        seen[o.split("=", 1)[0]] = o
+    return list(seen.values())

@@ -1,0 +1,303 @@
+"""Runs one experiment inside a Hydra job and hands its records to the notebook layer.
+
+``execute(cfg)`` is the Hydra task function (every launcher calls it, in-process or in a worker).
+It never raises for bad input or failed checks: the outcome is the run's status and exit code in
+run.parquet, which the CLI turns into the process's exit code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import signal
+import sys
+import threading
+import traceback
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from tfmoe.errors import BadInput, Terminated
+from tfmoe.registry import EXPERIMENTS
+from tfmoe.runtime import (
+    check_seed,
+    check_threads,
+    resolve_device,
+    resolve_dtype,
+    seed_everything,
+    torch_threads,
+)
+from tfmoe.status import Status
+
+log = logging.getLogger("tfmoe")
+
+
+# The process that launched the sweep (set by launch.run_experiment). A job interrupted there stops the whole
+# sweep (the interrupt is re-raised); a job in a worker (joblib, submitit, SLURM, Ray) returns its exit code.
+LAUNCHER_PID: int | None = None
+
+
+def _run_name() -> str:
+    from tfmoe.harness.store.rundir import utcnow
+
+    return f"{utcnow():%Y%m%dT%H%M%SZ}-{uuid.uuid4().hex[:8]}"
+
+
+def register_resolvers() -> None:
+    """``${tfmoe_run_name:}`` -> '<UTC timestamp>-<8 hex>': cached per config, so a sweep's jobs share it."""
+    if not OmegaConf.has_resolver("tfmoe_run_name"):
+        OmegaConf.register_new_resolver("tfmoe_run_name", _run_name, use_cache=True)
+
+
+register_resolvers()
+
+
+def check_flush_every(cfg: DictConfig) -> float | None:
+    every = cfg.get("flush_every_s", 2.0)
+    if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or not every > 0):
+        raise BadInput(f"flush_every_s={every!r} must be a positive number of seconds (or null: write only at "
+                       "the end): pass flush_every_s=2")
+    return None if every is None else float(every)
+
+
+def stop_signals() -> tuple[int, ...]:
+    """SIGTERM always; inside a submitit job (local or SLURM) also SIGUSR2, submitit's warning that the time limit
+    is ``hydra.launcher.signal_delay_s`` away (its own handler would raise inside the experiment)."""
+    return (signal.SIGTERM, signal.SIGUSR2) if os.environ.get("SUBMITIT_EXECUTOR") else (signal.SIGTERM,)
+
+
+SIGNAL_CAUSES = {"SIGTERM": "SLURM sends it at a job's time limit; `kill` sends it by default",
+                 "SIGUSR2": "submitit's warning that the job's time limit (hydra.launcher.timeout_min) is "
+                            "hydra.launcher.signal_delay_s away"}
+
+
+@contextlib.contextmanager
+def terminate_on(signums: tuple[int, ...] | None = None) -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread, as Ctrl-C raises
+    KeyboardInterrupt, so the run records what it has. A second signal while that happens is logged, not raised
+    (the records are being written). Previous handlers are restored afterwards. SIGKILL cannot be caught: the
+    heartbeat's periodic writes are what survive it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    raised = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if raised:
+            log.warning("%s again while the records are written: ignored", signal.Signals(signum).name)
+            return
+        raised.append(signum)
+        raise Terminated(signum)
+
+    previous = {s: signal.signal(s, handler) for s in (signums or stop_signals())}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class Heartbeat:
+    """A background thread that, every ``every_s`` seconds, writes the run's records so far and a heartbeat
+    (:meth:`RunWriter.checkpoint`), so a SIGKILL loses at most the last interval."""
+
+    def __init__(self, writer: Any, every_s: float | None) -> None:
+        self.writer, self.every_s, self.rec = writer, every_s, None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Heartbeat:
+        if self.every_s is not None:
+            self._thread = threading.Thread(target=self._loop, name="tfmoe-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.writer.checkpoint(self.rec)
+            except Exception as exc:  # a failed periodic write must not stop the run; the final write decides
+                log.warning("periodic write of the records failed: %s: %s", type(exc).__name__, exc)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _peak_rss_bytes() -> int:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kb * (1 if sys.platform == "darwin" else 1024))
+
+
+def _run_id(run_dir: Path, sweep_dir: str | None) -> str:
+    if sweep_dir:
+        return f"{Path(sweep_dir).name.removeprefix('multirun-')}-{run_dir.name}"
+    return run_dir.name
+
+
+def start_expectations(cfg: DictConfig, exp: Any, writer: Any) -> list:
+    """Parse and validate ``cfg.expect`` and write expectations.parquet before the experiment runs."""
+    from tfmoe.harness.method import expectations as ex
+    from tfmoe.harness.method.declared_metrics import declared_for
+    from tfmoe.harness.store.rundir import utcnow
+
+    parsed = ex.parse(cfg.get("expect"))
+    if parsed:
+        ex.validate(parsed, declared_for(exp.name), exp.name)
+        writer.write_expectations(ex.frame(parsed, utcnow()))
+    return parsed
+
+
+def keep_code(cfg: DictConfig, writer: Any) -> None:
+    """Copy the user-supplied modules and input files the config names into the run directory (code.parquet)."""
+    from tfmoe.harness.store.code_capture import capture
+
+    try:
+        writer.write_code(capture(OmegaConf.to_container(cfg, resolve=True), writer.run_dir))
+    except Exception as exc:  # the run goes on; its log says what could not be kept
+        log.warning("could not keep the code this run used: %s: %s", type(exc).__name__, exc)
+
+
+def explain_failures(experiment: str, rec: Any, cfg: DictConfig, writer: Any) -> list:
+    """The planted-bug catalogue's likely causes for the failed checks (inferences; kept for summary.md)."""
+    from tfmoe.harness.method.diagnosis import checks_mapping, diagnose, markdown
+
+    try:
+        found = diagnose(experiment, checks_mapping(rec.checks_rows), rec.metrics_rows,
+                         OmegaConf.to_container(cfg, resolve=True))
+    except Exception as exc:  # an explanation must never cost the run its records
+        log.warning("could not match the failure pattern: %s: %s", type(exc).__name__, exc)
+        return []
+    writer.inference_lines = markdown(found)
+    return found
+
+
+def finish_expectations(parsed: list, rec: Any, writer: Any) -> list[str]:
+    """Judge each expectation on the recorded metrics, complete expectations.parquet; the misses, described."""
+    from tfmoe.harness.method import expectations as ex
+    from tfmoe.harness.store.rundir import utcnow
+
+    if not parsed or rec is None:
+        return []
+    judged = [ex.judge(e, rec.metrics_rows) for e in parsed]
+    written_at = writer.expectations["written_at"].iloc[0]
+    writer.write_expectations(ex.frame(parsed, written_at, judged, utcnow()))
+    return [ex.describe_miss(e, j) for e, j in zip(parsed, judged, strict=True) if not j.held]
+
+
+def run_module(exp: Any, cfg: DictConfig, rec: Any) -> None:
+    """The experiment's contract (registry.ExperimentModule): settings built once from cfg, then run."""
+    module = exp.load()
+    module.run(module.settings(cfg), rec)
+
+
+def execute(cfg: DictConfig) -> int:
+    """Hydra task function: run ``cfg.experiment`` and record everything. Returns the exit code."""
+    from hydra.core.hydra_config import HydraConfig
+    from rich.console import Console
+
+    from tfmoe.harness.store.notebook import RunWriter
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    sweep_dir = str(hc.sweep.dir) if hc.mode.name == "MULTIRUN" else None
+    exp = EXPERIMENTS[cfg.experiment]
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    writer = RunWriter(
+        run_dir=run_dir, run_id=_run_id(run_dir, sweep_dir), experiment=exp.name,
+        seed=cfg.seed if isinstance(cfg.get("seed"), int) else -1, argv=list(sys.argv),
+        overrides=list(hc.overrides.task), device=str(cfg.get("device")), dtype=str(cfg.get("dtype")),
+        sweep_dir=sweep_dir,
+    )
+    with terminate_on():
+        return _execute(cfg, exp, writer, err, run_dir)
+
+
+def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) -> int:
+    from rich.markup import escape
+
+    from tfmoe.harness.store.notebook import device_name, environment
+    from tfmoe.recorder import Recorder, device_peak, forget_device_peak
+
+    rec = None
+    status, code, error = Status.OK, Status.OK.exit_code, None
+    device = None
+    expectations: list = []
+    stop: BaseException | None = None
+    heartbeat = Heartbeat(writer, None)
+    try:
+        writer.env = environment()
+        writer.start()
+        heartbeat = Heartbeat(writer, check_flush_every(cfg)).__enter__()
+        expectations = start_expectations(cfg, exp, writer)
+        keep_code(cfg, writer)
+        seed = check_seed(cfg)
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        writer.device = str(device)
+        writer.env["device_name"] = device_name(device)  # the rest of the environment is already known
+        seed_everything(seed)
+        forget_device_peak()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(device)
+        threads = check_threads(cfg)
+        rec = Recorder(cfg=cfg, device=device, dtype=dtype, seed=seed)
+        heartbeat.rec = rec
+        with torch_threads(threads):
+            if device.type == "cpu":
+                import torch
+
+                rec.note(f"{torch.get_num_threads()} torch intra-op thread(s) (config threads={threads})")
+            run_module(exp, cfg, rec)
+        if not rec.all_passed:
+            status, code = Status.FAILED, Status.FAILED.exit_code
+            failed = [c.check for c in rec.checks_rows if not c.passed]
+            err.print(f"[red]{exp.name}: {len(failed)} check(s) failed:[/] ", escape(", ".join(failed)), sep="")
+            for inference in explain_failures(exp.name, rec, cfg, writer):
+                err.print(inference.line(), markup=False)
+        missed = finish_expectations(expectations, rec, writer)
+        if missed:
+            err.print(f"[yellow]{exp.name}: {len(missed)} expectation(s) did not hold:[/] ", escape("; ".join(missed)),
+                      sep="")
+            if status == Status.OK:
+                status, code = Status.UNEXPECTED, Status.UNEXPECTED.exit_code
+    except BadInput as exc:
+        status, code, error = Status.ERROR, Status.ERROR.exit_code, str(exc)
+        err.print(f"error: {exc}", markup=False, emoji=False)  # hf:llama: is not an emoji
+    except KeyboardInterrupt as exc:
+        status, code, error, stop = Status.INTERRUPTED, Status.INTERRUPTED.exit_code, "interrupted by the user (Ctrl-C)", exc
+        err.print(f"{exp.name}: interrupted; the records so far are in {run_dir}", markup=False)
+    except Terminated as exc:
+        status, code, stop = Status.INTERRUPTED, exc.exit_code, exc
+        error = f"{exc} ({SIGNAL_CAUSES.get(exc.signal_name, 'a signal that ends the process')})"
+        err.print(f"{exp.name}: {exc}; the records so far are in {run_dir}", markup=False)
+    except Exception as exc:  # a bug: keep the records, point at the log
+        status, code = Status.CRASHED, Status.CRASHED.exit_code
+        error = f"{type(exc).__name__}: {exc}"
+        log.error("run crashed:\n%s", traceback.format_exc())
+        err.print(f"{exp.name} crashed ({error}); traceback in {run_dir}/{exp.name}.log", markup=False)
+    except BaseException as exc:  # SystemExit from a library, GeneratorExit...: never recorded as ok
+        status, code, error = Status.CRASHED, Status.CRASHED.exit_code, f"{type(exc).__name__}: {exc}"
+        log.error("run stopped by %s:\n%s", type(exc).__name__, traceback.format_exc())
+        raise
+    finally:
+        heartbeat.__exit__()
+        if rec is not None and expectations and writer.expectations is not None \
+                and writer.expectations["held"].isna().all():  # crashed or interrupted: judge what was recorded
+            with contextlib.suppress(Exception):
+                finish_expectations(expectations, rec, writer)
+        peak_dev = device_peak(device) if device is not None else None
+        writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
+                      int(cfg.get("tensor_max_numel", 1_000_000)))
+        log.info("run %s: %s (exit %d) in %s", writer.run_id, status, code, run_dir)
+    if stop is not None and os.getpid() == LAUNCHER_PID:
+        raise stop  # stop the whole in-process sweep too; the CLI exits 130 (Ctrl-C) or 143 (SIGTERM)
+    return code

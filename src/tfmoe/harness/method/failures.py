@@ -1,0 +1,124 @@
+"""failures.md: an append-only log of real failures, one entry per failed run, safe under concurrent appends."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from tfmoe.errors import BadInput
+from tfmoe.harness.store.notebook import load_run, resolve_run
+from tfmoe.status import Status
+
+HEADER = ("# Failures log\n\nReal failures met while running experiments: phenomenon, hypothesis, evidence, fix and the "
+          "regression test that now guards it. Append-only (`tfmoe failures add RUN`).\n")
+ENTRY_RE = re.compile(r"^## F-(\d+): (.*)$", re.M)
+
+
+def _lock(path: Path) -> FileLock:
+    return FileLock(str(path) + ".lock", timeout=30)
+
+
+def format_entry(number: int, run_ref: str, runs_root: Path, title: str | None, hypothesis: str, fix: str,
+                 test: str) -> str:
+    data = load_run(resolve_run(run_ref, runs_root))
+    run = data.run
+    failed = data.checks[~data.checks["passed"]] if not data.checks.empty else data.checks
+    missed = data.expectations[data.expectations["held"] == False] if not data.expectations.empty \
+        else data.expectations  # noqa: E712 (a nullable column)
+    if failed.empty and missed.empty and run["status"] == Status.OK:
+        raise BadInput(f"run {run['run_id']} passed all its checks and met its expectations: there is no failure "
+                       "to log (pass a failed or surprising run, e.g. from `tfmoe runs --status failed`)")
+    lines = []
+    for e in missed.to_dict("records"):
+        obs = "no rows" if e["observed"] is None or e["observed"] != e["observed"] else f"{e['observed']:.6g}"
+        by = "" if e["miss"] is None or e["miss"] != e["miss"] else f" (misses by {e['miss']:.4g})"
+        lines.append(f"  - expected `{e['selector']} {e['expected']}` (written {_when(e['written_at'])}), "
+                     f"observed {obs}{by} — {e['detail']}")
+    for c in failed.itertuples(index=False):
+        obs = "" if c.observed is None or c.observed != c.observed else f" observed {c.observed:.6g}"
+        thr = "" if c.threshold is None or c.threshold != c.threshold else f" vs threshold {c.threshold:.6g}"
+        lines.append(f"  - `{c.check}`{obs}{thr}{' — ' + c.detail if c.detail else ''}")
+    error = run.get("error")
+    if isinstance(error, str) and error:
+        lines.append(f"  - run status `{run['status']}`: {error}")
+    saved = [n for n in data.tensor_table.get("name", []) if str(n).startswith("failing.")]
+    if title is None and failed.empty and not missed.empty:
+        title = f"{run['experiment']}: expected " + ", ".join(f"{e['selector']} {e['expected']}"
+                                                             for e in missed.to_dict("records"))
+    title = title or (f"{run['experiment']}: " + ", ".join(failed["check"]) if not failed.empty
+                      else f"{run['experiment']}: {run['status']}")
+    overrides = " ".join(run["overrides"]) or "(none)"
+    day = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    return "\n".join([
+        f"## F-{number}: {title}",
+        "",
+        f"*Logged {day} from run `{run['run_id']}`.*",
+        "",
+        "- **Phenomenon**:",
+        *lines,
+        f"- **Hypothesis**: {hypothesis}",
+        f"- **Evidence**: run `{data.path}` (experiment `{run['experiment']}`, overrides `{overrides}`, seed "
+        f"{run['seed']}, device {run['device']} / {run['dtype']}; torch {run['torch']}, python {run['python']}, "
+        f"git {str(run['git_commit'])[:12]}{' dirty' if run['git_dirty'] else ''}); failing tensors saved: "
+        f"{', '.join(f'`{s}`' for s in saved) or 'none'}",
+        *[f"  - {line}" for line in _metric_evidence(data, missed)],
+        f"- **Fix**: {fix}",
+        f"- **Regression test**: {test}",
+        "",
+    ])
+
+
+def _when(t: object) -> str:
+    import pandas as pd
+
+    return "?" if t is None else pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _metric_evidence(data: object, missed: object, max_rows: int = 8) -> list[str]:
+    """The metrics rows each missed expectation was judged on (the run's own numbers), as short lines."""
+    from tfmoe.harness.method.expectations import parse_one, select_rows
+
+    out = []
+    rows = data.metrics.to_dict("records") if not data.metrics.empty else []
+    for e in missed.to_dict("records"):
+        picked = select_rows(parse_one(e["label"], f"{e['selector']} {e['expected']}"), rows)
+        shown = []
+        for r in picked[-max_rows:]:
+            tags = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("name", "value", "measured")
+                            and v is not None and not (isinstance(v, float) and v != v) and str(v) != "<NA>")
+            shown.append(f"{r['value']:.6g}" + (f" ({tags})" if tags else ""))
+        more = f" (last {max_rows} of {len(picked)})" if len(picked) > max_rows else ""
+        out.append(f"metrics.parquet rows of `{e['selector']}` in run `{data.run['run_id']}`{more}: "
+                   + ("; ".join(shown) or "none"))
+    return out
+
+
+def add(run_ref: str, runs_root: Path, file: Path, title: str | None, hypothesis: str, fix: str, test: str) -> str:
+    """Append one entry (never rewriting earlier ones); returns its heading."""
+    if file.exists() and not file.is_file():
+        raise BadInput(f"{file} is not a file: pass --file path/to/failures.md")
+    try:
+        with _lock(file):
+            text = file.read_text(encoding="utf-8") if file.exists() else ""
+            numbers = [int(n) for n, _ in ENTRY_RE.findall(text)]
+            number = max(numbers, default=0) + 1
+            entry = format_entry(number, run_ref, runs_root, title, hypothesis, fix, test)
+            with open(file, "a", encoding="utf-8") as fh:
+                if not text:
+                    fh.write(HEADER + "\n")
+                fh.write(("\n" if text and not text.endswith("\n\n") else "") + entry)
+    except Timeout:
+        raise BadInput(f"{file} is locked by another process for 30 s: retry, or remove a stale {file}.lock") from None
+    except PermissionError:
+        raise BadInput(f"cannot write {file}: check its permissions or pass --file") from None
+    return entry.splitlines()[0].removeprefix("## ")
+
+
+def list_entries(file: Path) -> None:
+    if not file.exists():
+        raise BadInput(f"{file} does not exist: `tfmoe failures add RUN` creates it")
+    for number, title in ENTRY_RE.findall(file.read_text(encoding="utf-8")):
+        print(f"F-{number}: {title}")

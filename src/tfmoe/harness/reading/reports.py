@@ -1,0 +1,579 @@
+"""Read-side formatting for the notebook commands: runs, show, diff, and the outcome of a launch."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+
+from tfmoe.errors import BadInput
+from tfmoe.harness.store.notebook import (
+    RunData,
+    load_run,
+    read_run_row,
+    read_run_state,
+    resolve_run,
+    where_running,
+    with_effective_status,
+)
+from tfmoe.harness.store.rundir import EXPECTATIONS_FILE, read_parquet
+from tfmoe.status import Status, exit_code_for, worst_exit_code
+from tfmoe.tables import Rows, cell, from_frame
+
+console = Console(highlight=False)
+STATUS_STYLES = {Status.OK: "green", Status.FAILED: "red", Status.ERROR: "yellow"}  # any other: magenta
+
+# Metric rows that are measurements of this machine (speed, memory) are reported by diff but do not make
+# two runs "differ": like timings, they move from run to run.
+MEASURED_NAME = re.compile(r"(^|_)(ms|s|wall|time|times|seconds|per_s|flops_per_s|gflops|tflops|peak_fraction|"
+                           r"rss|throughput|speedup|latency|measured)(_|$)")
+ENV_KEYS = ["device", "device_name", "dtype", "python", "torch", "cuda", "cudnn", "numpy", "pandas", "pyarrow",
+            "hydra", "hostname", "platform", "git_commit", "git_dirty"]
+
+
+def exit_code_of(run_dirs: list[Path]) -> int:
+    """The exit code of these runs together: the worst of each one's (its status's, while it records none)."""
+    codes = []
+    for d in run_dirs:
+        run = read_run_state(d)
+        code = run.get("exit_code")
+        if run["status"] in (Status.LOST, Status.RUNNING) or code is None or pd.isna(code):  # none recorded (yet)
+            codes.append(exit_code_for(run["status"]))
+        else:
+            codes.append(int(code))
+    return worst_exit_code(codes)
+
+
+def _runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
+    rows = []
+    for d in run_dirs:  # only run.parquet and checks.parquet: the summary needs no tensors or metrics
+        run = read_run_row(d)
+        checks = read_parquet(d / "checks.parquet") if (d / "checks.parquet").exists() else pd.DataFrame()
+        n_ok = int(checks["passed"].sum()) if not checks.empty else 0
+        rows.append({"run_id": run["run_id"], "experiment": run["experiment"], "status": run["status"],
+                     "checks": f"{n_ok}/{len(checks)}", "expected": _expectations_cell(d),
+                     "wall_s": round(float(run["wall_s"] or 0.0), 2), "path": str(d)})
+    df = pd.DataFrame(rows)
+    if not df.empty and (df["expected"] == "").all():
+        df = df.drop(columns=["expected"])
+    return df
+
+
+def _expectations_cell(run_dir: Path) -> str:
+    """'1/2 held' for the outcome table ('' when the run stated no expectation)."""
+    path = run_dir / EXPECTATIONS_FILE
+    if not path.exists():
+        return ""
+    df = read_parquet(path)
+    return f"{int((df['held'] == True).sum())}/{len(df)} held" if len(df) else ""  # noqa: E712 (nullable)
+
+
+OUTCOME_TABLE_MAX = 50  # a sweep with more jobs gets one row per status; `tfmoe runs` / `tfmoe sql` list every job
+
+
+def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | None = None) -> None:
+    if len(run_dirs) > OUTCOME_TABLE_MAX:
+        _print_outcome_by_status(run_dirs, sweep_dirs, title)
+        return
+    df = _runs_frame(run_dirs)
+    table_df = df.drop(columns=["path"])
+    table = from_frame(table_df, title or ("tfmoe run" if len(df) == 1 else f"tfmoe sweep: {len(df)} jobs"))
+    table.styles = [STATUS_STYLES.get(s, "magenta") for s in table_df["status"]]
+    table.print_to(console)
+    if len(df) == 1 and not sweep_dirs:
+        console.print(f"run directory: {df.iloc[0]['path']}", soft_wrap=True)
+    print_sweep_lines(sweep_dirs)
+
+
+def _print_outcome_by_status(run_dirs: list[Path], sweep_dirs: list[Path], title: str | None) -> None:
+    """A big sweep's outcome: jobs per status (and their wall time), then every job that did not end ok."""
+    states = pd.DataFrame([read_run_state(d) for d in run_dirs])
+    states["wall_s"] = pd.to_numeric(states.get("wall_s"), errors="coerce")
+    table = Rows(title or f"tfmoe sweep: {len(run_dirs)} jobs", ["status", "jobs", "exit", "wall_s total"])
+    for status, group in states.groupby("status", sort=False):
+        table.add(status, len(group), exit_code_for(str(status)), round(float(group["wall_s"].sum()), 1),
+                  style=STATUS_STYLES.get(str(status), "magenta"))
+    table.print_to(console)
+    console.print(f"({len(run_dirs)} jobs: more than {OUTCOME_TABLE_MAX}, so one row per status; every job is in "
+                  "sweep.parquet, `tfmoe runs` and `tfmoe sql`)", soft_wrap=True, markup=False, highlight=False)
+    print_sweep_lines(sweep_dirs)
+
+
+def print_sweep_lines(sweep_dirs: list[Path]) -> None:
+    """Each sweep's sweep.parquet path, then every job of it that did not end ok."""
+    for s in sweep_dirs:
+        console.print(f"sweep: {s}/sweep.parquet", soft_wrap=True)
+        for line in sweep_problem_lines(s):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
+
+
+def sweep_problem_lines(sweep_dir: Path) -> list[str]:
+    """'job N (overrides): status: error' for every job of a sweep that did not end ok."""
+    from tfmoe.harness.store.sweeps import sweep_jobs
+
+    path = Path(sweep_dir) / "sweep.parquet"
+    if not path.exists():
+        return []
+    df = read_parquet(path).drop_duplicates("job")
+    jobs = sweep_jobs(Path(sweep_dir)) or []
+    lines = []
+    for row in df.to_dict("records"):
+        if row["status"] == Status.OK:
+            continue
+        job = str(row["job"])
+        overrides = " ".join(jobs[int(job)]) if job.isdigit() and int(job) < len(jobs) else ""
+        error = row.get("error")
+        lines.append(f"job {job}{f' ({overrides})' if overrides else ''}: {row['status']}"
+                     + (f": {error}" if isinstance(error, str) and error else ""))
+    return lines
+
+
+def print_runs_table(run_dirs: list[Path]) -> None:
+    if run_dirs:
+        print_outcome(run_dirs, [], title=f"tfmoe all: {len(run_dirs)} runs")
+
+
+def print_frame(df: pd.DataFrame, fmt: str, title: str = "") -> None:
+    """``df`` on stdout as json (row objects), md (a titled markdown table) or a terminal table."""
+    if fmt == "json":
+        print(df.to_json(orient="records", date_format="iso", default_handler=str))
+    elif fmt == "md":
+        if title:
+            print(f"\n### {title}\n")
+        print(from_frame(df).markdown() if not df.empty else "(none)")
+    else:
+        from_frame(df, title).print_to(console)
+
+
+# --------------------------------------------------------------------------------------------- runs
+def runs(runs_root: Path, experiment: str | None, status: str | None, last: int | None, fmt: str) -> None:
+    from tfmoe.harness.store import catalog
+
+    if not Path(runs_root).is_dir():
+        print(f"no runs under {runs_root}")
+        return
+    conn = catalog.open_catalog(Path(runs_root))
+    try:
+        if catalog.count(conn) == 0:
+            print(f"no runs under {runs_root}")
+            return
+        where, params = [], []
+        if experiment:
+            where.append("experiment = ?")
+            params.append(experiment)
+        derived = status in (Status.RUNNING, Status.LOST)  # the catalog holds the recorded status: derive, filter
+        if status:
+            where.append("status = ?")
+            params.append(Status.RUNNING.value if derived else status)
+        clause = ("WHERE " + " AND ".join(where)) if where else ""
+        if last and not derived:  # the newest N by start time (runs not started yet sort first, as before)
+            clause += (" AND" if where else "WHERE") + (
+                " path IN (SELECT path FROM runs " + clause + " ORDER BY started_at IS NULL, started_at DESC, "
+                "path DESC LIMIT ?)")
+            params = [*params, *params, last]
+        index = with_effective_status(catalog.frame(conn, Path(runs_root), catalog.LIST_COLUMNS, clause,
+                                                    tuple(params)))
+    finally:
+        conn.close()
+    if derived:
+        index = index[index["status"] == status]
+        index = index.tail(last) if last else index
+    cols = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
+    out = index.reindex(columns=cols).copy()
+    if (out["status"] == Status.RUNNING).any():  # where each running run runs (another host: shown running there)
+        out.insert(3, "where", [where_running(read_run_row(Path(p))) if st == Status.RUNNING else ""
+                                for st, p in zip(index["status"], index["path"], strict=True)])
+    out["overrides"] = out["overrides"].map(lambda o: " ".join(o) if o is not None and len(o) else "")
+    out["wall_s"] = out["wall_s"].map(lambda w: "" if pd.isna(w) else f"{w:.2f}")
+    out["started_at"] = out["started_at"].map(lambda t: "" if pd.isna(t) else pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S"))
+    print_frame(out, fmt, f"runs under {runs_root}")
+
+
+# --------------------------------------------------------------------------------------------- show
+def show(ref: str, runs_root: Path, fmt: str) -> None:
+    data = load_run(resolve_run(ref, runs_root))
+    if fmt == "json":
+        print(json.dumps({
+            "path": str(data.path), "run": {k: _jsonable(v) for k, v in data.run.items()},
+            "config": data.config, "checks": data.checks.to_dict("records"),
+            "expectations": data.expectations.to_dict("records"),
+            "metrics": data.metrics.to_dict("records"), "timings": data.timings.to_dict("records"),
+            "tensors": data.tensor_table.drop(columns=["values"], errors="ignore").to_dict("records"),
+            "plots": [str(p) for p in data.plots],
+            "conclusions": _conclusions_records(data.path),
+        }, default=_jsonable))
+        return
+    run = dict(data.run)
+    if run["status"] == Status.RUNNING:
+        run["status"] = f"running {where_running(run)}"
+    elif run["status"] == Status.LOST:
+        run["status"] = (f"lost (recorded running, but its process {cell(run.get('pid'))} is gone from "
+                         f"{cell(run.get('hostname'))}; last heartbeat {cell(run.get('heartbeat_at'))})")
+    head = pd.DataFrame([{"key": k, "value": cell(run.get(k))} for k in
+                         ["run_id", "experiment", "status", "started_at", "wall_s", "seed", "overrides",
+                          "error", "peak_rss_bytes", "peak_device_mem_bytes", "notes", *ENV_KEYS,
+                          "pid", "process_started_at", "heartbeat_at"]])
+    print_frame(head, fmt, f"run {run['run_id']} ({data.path})")
+    if fmt == "md":
+        print("\n### config\n\n```yaml\n" + data.config + "```")
+    else:
+        console.print("[bold]config[/]\n" + data.config)
+    if not data.checks.empty:
+        print_frame(data.checks, fmt, "checks")
+        for inference in _inferences(data):
+            print(inference.line())
+    if not data.expectations.empty:
+        print_frame(data.expectations.drop(columns=["label", "metric", "aggregate", "judged_at"], errors="ignore"), fmt,
+              "expectations (your predictions, written before the run)")
+    if not data.metrics.empty:
+        m = data.metrics
+        print_frame(m.head(60), fmt, f"metrics ({len(m)} rows{', first 60' if len(m) > 60 else ''})")
+    if not data.timings.empty:
+        print_frame(data.timings, fmt, "timings")
+    if not data.tensor_table.empty:
+        t = data.tensor_table.drop(columns=["values"])
+        print_frame(t, fmt, "tensors")
+    plots = data.plots
+    if plots:
+        print("plots: " + ", ".join(str(p) for p in plots))
+    _show_conclusions(data.path)
+
+
+def _show_conclusions(run_dir: Path) -> None:
+    from tfmoe.harness.method.conclusions import markdown, read
+
+    df = read(run_dir)
+    if not df.empty:
+        print("\nconclusions\n\n" + "\n".join(markdown(df)).rstrip())
+
+
+def _inferences(data: RunData) -> list[Any]:
+    """Likely causes of the failed checks from the planted-bug catalogue (inferences, shown next to the checks)."""
+    import yaml
+
+    from tfmoe.harness.method.diagnosis import checks_mapping, diagnose
+
+    try:
+        cfg = yaml.safe_load(data.config) or {}
+    except yaml.YAMLError:
+        cfg = {}
+    metrics = data.metrics.to_dict("records") if not data.metrics.empty else []
+    return diagnose(str(data.run["experiment"]), checks_mapping(data.checks), metrics, cfg)
+
+
+def _conclusions_records(run_dir: Path) -> list[dict[str, Any]]:
+    from tfmoe.harness.method.conclusions import read
+
+    return read(run_dir).to_dict("records")
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    if isinstance(v, pd.Timestamp):
+        return v.isoformat()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v
+
+
+# --------------------------------------------------------------------------------------------- diff
+def flatten_keys(d: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as one level of dotted keys (``{"a": {"b": 1}}`` -> ``{"a.b": 1}``)."""
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten_keys(v, f"{prefix}{k}."))
+    else:
+        out[prefix[:-1]] = d
+    return out
+
+
+def _config_dict(data: RunData) -> dict[str, Any]:
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(data.config) or {}
+    except yaml.YAMLError:
+        raise BadInput(f"{data.path}/.hydra/config.yaml is not valid YAML: the run is corrupt") from None
+    flat = flatten_keys(cfg)
+    flat.pop("run_root", None)
+    return flat
+
+
+def _same(a: Any, b: Any, rtol: float = 1e-9) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        if math.isnan(a) and math.isnan(b):
+            return True
+        return math.isclose(a, b, rel_tol=rtol, abs_tol=0.0)
+    return a == b
+
+
+def dtype_tolerance(dtype_a: str, dtype_b: str) -> float:
+    """Relative tolerance for comparing saved tensors: a few ulps of the coarser dtype (0 for exact types)."""
+    eps = {"float16": 9.77e-4, "bfloat16": 7.81e-3, "float32": 1.19e-7, "float64": 2.22e-16}
+    return 4 * max(eps.get(dtype_a, 0.0), eps.get(dtype_b, 0.0))
+
+
+def _is_measured(metrics_row: pd.Series) -> bool:
+    flag = metrics_row.get("measured")
+    if flag is not None and not (isinstance(flag, float) and math.isnan(flag)) and str(flag) in ("True", "true", "1"):
+        return True
+    return bool(MEASURED_NAME.search(str(metrics_row["name"])))
+
+
+def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]:
+    """Every section of a diff as a DataFrame with a boolean ``differs`` column."""
+    import torch
+
+    sections: dict[str, pd.DataFrame] = {}
+    ca, cb = _config_dict(a), _config_dict(b)
+    sections["config"] = pd.DataFrame([
+        {"key": k, "A": cell(ca.get(k, "(absent)")), "B": cell(cb.get(k, "(absent)")),
+         "differs": not _same(ca.get(k, "(absent)"), cb.get(k, "(absent)"))}
+        for k in sorted(set(ca) | set(cb))])
+    sections["environment"] = pd.DataFrame([
+        {"key": k, "A": cell(a.run.get(k)), "B": cell(b.run.get(k)), "differs": cell(a.run.get(k)) != cell(b.run.get(k))}
+        for k in ENV_KEYS])
+    # metrics: join on name + step + tags
+    ma, mb = a.metrics.copy(), b.metrics.copy()
+    keys = sorted((set(ma.columns) | set(mb.columns)) - {"value", "measured"})
+    for df in (ma, mb):
+        for k in keys:
+            if k not in df:
+                df[k] = None
+            df[k] = df[k].astype(object).where(df[k].notna(), None).map(lambda v: "" if v is None else str(v))
+        df["_dup"] = df.groupby(keys, dropna=False).cumcount() if keys else 0
+    if keys:
+        merged = ma.merge(mb, on=[*keys, "_dup"], how="outer", suffixes=("_A", "_B"))
+        rows = []
+        for r in merged.to_dict("records"):
+            va, vb = r.get("value_A"), r.get("value_B")
+            va = None if va is None or (isinstance(va, float) and math.isnan(va) and "value_A" not in r) else va
+            flag = r.get("measured_A", r.get("measured"))
+            if flag is None or (isinstance(flag, float) and math.isnan(flag)):
+                flag = r.get("measured_B")
+            measured = _is_measured(pd.Series({"name": r["name"], "measured": flag}))
+            missing = pd.isna(va) and not pd.isna(vb) or pd.isna(vb) and not pd.isna(va)
+            delta = (vb - va) if not (pd.isna(va) or pd.isna(vb)) else None
+            rel = (delta / abs(va)) if delta is not None and va not in (0, 0.0) else None  # signed: B vs A
+            differs = (missing or not _same(float(va), float(vb))) if not measured else False
+            tags = " ".join(f"{k}={r[k]}" for k in keys if k not in ("name", "step") and r[k] != "")
+            rows.append({"name": r["name"], "step": r.get("step", ""), "tags": tags, "A": va, "B": vb,
+                         "delta": delta, "rel_delta": rel, "measured": measured, "differs": bool(differs)})
+        sections["metrics"] = pd.DataFrame(rows)
+    else:
+        sections["metrics"] = pd.DataFrame(columns=["name", "differs"])
+    # checks whose pass/fail changed
+    cka = dict(zip(a.checks.get("check", []), a.checks.get("passed", []), strict=False))
+    ckb = dict(zip(b.checks.get("check", []), b.checks.get("passed", []), strict=False))
+    sections["checks"] = pd.DataFrame([
+        {"check": k, "A": cka.get(k), "B": ckb.get(k), "differs": cka.get(k) != ckb.get(k)}
+        for k in sorted(set(cka) | set(ckb))])
+    sections["expectations"] = _diff_expectations(a, b)
+    from tfmoe.harness.store.code_capture import diff_code
+
+    sections["code"] = diff_code(a.path, b.path)
+    # tensors
+    ta, tb = a.tensor_table, b.tensor_table
+    rows = []
+    names = sorted(set(ta.get("name", [])) | set(tb.get("name", [])))
+    tens_a, tens_b = a.tensors, b.tensors
+    for n in names:
+        ra = ta[ta["name"] == n].iloc[0] if n in set(ta.get("name", [])) else None
+        rb = tb[tb["name"] == n].iloc[0] if n in set(tb.get("name", [])) else None
+        row: dict[str, Any] = {"tensor": n}
+        if ra is None or rb is None:
+            row.update(note="only in " + ("B" if ra is None else "A"), differs=True)
+        elif list(ra["shape"]) != list(rb["shape"]) or ra["dtype"] != rb["dtype"]:
+            row.update(note=f"shape/dtype {list(ra['shape'])} {ra['dtype']} vs {list(rb['shape'])} {rb['dtype']}",
+                       differs=True)
+        elif n not in tens_a or n not in tens_b:
+            same = all(_same(ra[k], rb[k]) for k in ("min", "max", "mean", "std"))
+            row.update(note="summarised: compared min/max/mean/std", differs=not same)
+        else:
+            x, y = tens_a[n].double(), tens_b[n].double()
+            both_nan = torch.isnan(x) & torch.isnan(y)
+            d = torch.where(both_nan, torch.zeros_like(x), (x - y).abs())
+            d = torch.nan_to_num(d, nan=math.inf)
+            max_abs = d.max().item() if d.numel() else 0.0
+            scale = x.abs().max().item() if x.numel() else 0.0
+            max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+            tol = dtype_tolerance(ra["dtype"], rb["dtype"])
+            row.update(max_abs=max_abs, max_rel=max_rel, tolerance=tol, note="", differs=bool(max_rel > tol))
+        rows.append(row)
+    sections["tensors"] = pd.DataFrame(rows, columns=["tensor", "max_abs", "max_rel", "tolerance", "note", "differs"])
+    # timings: ratios only, never "differ"
+    tma, tmb = a.timings, b.timings
+    trows = []
+    if not tma.empty and not tmb.empty:
+        for stage in [s for s in tma["stage"].unique() if s in set(tmb["stage"])]:
+            wa = float(tma[tma["stage"] == stage]["wall_ms"].iloc[0])
+            wb = float(tmb[tmb["stage"] == stage]["wall_ms"].iloc[0])
+            trows.append({"stage": stage, "A_ms": wa, "B_ms": wb, "B/A": wb / wa if wa else math.inf, "differs": False})
+    sections["timings"] = pd.DataFrame(trows)
+    if not all_rows:
+        for k, df in sections.items():
+            if "differs" in df and k != "timings":
+                sections[k] = df[df["differs"]]
+    return sections
+
+
+def _diff_expectations(a: RunData, b: RunData) -> pd.DataFrame:
+    """Each expectation (by selector and expected) in A and B: held or not, observed; differs when it moved."""
+    def keyed(data: RunData) -> dict[tuple[str, str], dict[str, Any]]:
+        df = data.expectations
+        return {} if df.empty else {(r["selector"], r["expected"]): r for r in df.to_dict("records")}
+
+    ea, eb = keyed(a), keyed(b)
+    rows = []
+    for key in sorted(set(ea) | set(eb)):
+        ra, rb = ea.get(key), eb.get(key)
+        held_a, held_b = (None if r is None else r.get("held") for r in (ra, rb))
+        obs_a, obs_b = (None if r is None else r.get("observed") for r in (ra, rb))
+        moved = ra is None or rb is None or held_a != held_b or not _same(obs_a, obs_b)
+        rows.append({"expectation": f"{key[0]} {key[1]}", "A_held": held_a, "B_held": held_b, "A": obs_a,
+                     "B": obs_b, "differs": bool(moved)})
+    return pd.DataFrame(rows, columns=["expectation", "A_held", "B_held", "A", "B", "differs"])
+
+
+def _pct(x: Any) -> str:
+    return "" if x is None or pd.isna(x) else f"{x:+.3g}" if abs(x) >= 10 else f"{100 * x:+.3g} %"
+
+
+def diff_summary(sections: dict[str, pd.DataFrame], top: int = 3) -> dict[str, Any]:
+    """What a person reads first: which config keys differ, how many metrics/tensors/checks differ, the largest."""
+    def differing(k: str) -> pd.DataFrame:
+        df = sections.get(k, pd.DataFrame())
+        return df[df["differs"].astype(bool)] if "differs" in df and len(df) else df.iloc[0:0]
+
+    cfg = differing("config")
+    metrics = differing("metrics")
+    largest = []
+    if len(metrics) and "rel_delta" in metrics:
+        order = metrics["rel_delta"].abs().fillna(-1).sort_values(ascending=False).index
+        for r in metrics.loc[order].head(top).itertuples(index=False):
+            where = " ".join(x for x in (f"step {r.step}" if r.step not in ("", None) else "", r.tags) if x)
+            largest.append({"metric": r.name, "where": where, "A": r.A, "B": r.B, "rel_delta": r.rel_delta})
+    tensors = differing("tensors")
+    worst_tensors = []
+    if len(tensors):
+        worst = tensors.assign(_k=tensors["max_rel"].astype(float).fillna(math.inf)).sort_values("_k", ascending=False)
+        worst_tensors = [{"tensor": r.tensor, "max_rel": r.max_rel, "note": r.note}
+                         for r in worst.head(top).itertuples(index=False)]
+    return {
+        "config_keys": [{"key": r.key, "A": r.A, "B": r.B} for r in cfg.itertuples(index=False)],
+        "metrics_differ": len(metrics), "metrics_total": len(sections.get("metrics", [])),
+        "tensors_differ": len(tensors), "tensors_total": len(sections.get("tensors", [])),
+        "checks_differ": len(differing("checks")), "checks_total": len(sections.get("checks", [])),
+        "environment_keys": list(differing("environment")["key"]) if len(differing("environment")) else [],
+        "largest_metric_changes": largest, "largest_tensor_changes": worst_tensors,
+    }
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    keys = summary["config_keys"]
+    cfg = ", ".join(f"{k['key']}: {k['A']} -> {k['B']}" for k in keys[:8]) + (" …" if len(keys) > 8 else "")
+    print(f"config: {len(keys)} key(s) differ{' (' + cfg + ')' if keys else ''}")
+    print(f"differ: {summary['metrics_differ']} of {summary['metrics_total']} metric rows, "
+          f"{summary['tensors_differ']} of {summary['tensors_total']} tensors, "
+          f"{summary['checks_differ']} of {summary['checks_total']} checks"
+          + (f"; environment: {', '.join(summary['environment_keys'])}" if summary["environment_keys"] else ""))
+    for m in summary["largest_metric_changes"]:
+        where = f" ({m['where']})" if m["where"] else ""
+        print(f"  largest: {m['metric']}{where} {cell(m['A'])} -> {cell(m['B'])} ({_pct(m['rel_delta']) or 'new'})")
+    for t in summary["largest_tensor_changes"]:
+        print(f"  tensor: {t['tensor']} max_rel {cell(t['max_rel'])}{' ' + t['note'] if t['note'] else ''}")
+
+
+def _focus(sections: dict[str, pd.DataFrame], metric: str | None, top: int | None, keep: bool = False) -> Any:
+    """Keep only ``metric`` (a name or glob) in the metrics section and the ``top`` largest rows of each (in
+    place); returns how many rows each section left out (``keep``: the narrowed sections instead)."""
+    import fnmatch
+
+    hidden: dict[str, int] = {}
+    m = sections.get("metrics")
+    if metric is not None and m is not None and "name" in m:
+        sections["metrics"] = m[[fnmatch.fnmatchcase(str(n), metric) for n in m["name"]]]
+    if keep:
+        return sections
+    if top is None:
+        return hidden
+    for k, df in sections.items():
+        if len(df) <= top:
+            continue
+        key = {"metrics": "rel_delta", "tensors": "max_rel"}.get(k)
+        if key in df:
+            df = df.loc[df[key].astype(float).abs().fillna(math.inf).sort_values(ascending=False).index]
+        hidden[k] = len(df) - top
+        sections[k] = df.head(top)
+    return hidden
+
+
+def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, fmt: str,
+         metric: str | None = None, top: int | None = None) -> int:
+    """Print what differs between two runs: a summary first, then each section (``--metric``, ``--top`` narrow it;
+    tables show the 20 largest rows per section unless ``--top``/``--all`` say otherwise). Exit 1 when anything
+    but environment and timings differs."""
+    a = load_run(resolve_run(ref_a, runs_root))
+    b = load_run(resolve_run(ref_b, runs_root))
+    if a.run["experiment"] != b.run["experiment"] and not force:
+        raise BadInput(f"runs of different experiments ({a.run['experiment']} vs {b.run['experiment']}): "
+                       "pass --force to compare anyway")
+    if top is not None and top < 1:
+        raise BadInput(f"--top {top}: pass a positive number of rows")
+    everything = diff_runs(a, b, True)
+    # environment and timings are context: shown, but a replay on a newer commit can still "reproduce"
+    differs = any(bool(df["differs"].any()) for k, df in everything.items()
+                  if k not in ("timings", "environment") and "differs" in df and len(df))
+    focused = {k: df if all_rows or k == "timings" or "differs" not in df else df[df["differs"].astype(bool)]
+               for k, df in everything.items()}
+    if metric is not None:
+        everything["metrics"] = _focus(dict(everything), metric, None, keep=True)["metrics"]
+    hidden = _focus(focused, metric, top if top is not None else None if fmt == "json" or all_rows else 20)
+    summary = diff_summary(everything)
+    if fmt == "json":
+        print(json.dumps({"A": str(a.path), "B": str(b.path), "differs": differs, "summary": summary,
+                          **{k: df.to_dict("records") for k, df in focused.items()}}, default=_jsonable))
+        return 1 if differs else 0
+    print(f"A: {a.path}\nB: {b.path}")
+    _print_summary(summary)
+    for k, df in focused.items():
+        if len(df):
+            shown = df
+            if not all_rows and k != "timings":  # every row shown differs: the column says nothing
+                shown = shown.drop(columns=["differs"])
+            if "measured" in shown and not shown["measured"].any():
+                shown = shown.drop(columns=["measured"])
+            title = k + (f" ({hidden[k]} more rows: --top N, --all)" if hidden.get(k) else "")
+            print_frame(shown, fmt, title)
+    print("differ" if differs else "no differences beyond tolerance (environment and timings are context only)")
+    return 1 if differs else 0
+
+
+def complete_sweep(sweep_dir: Path) -> int:
+    """`tfmoe sweep-complete DIR`: write sweep.parquet (and sweep plots) for a sweep whose launching process died,
+    print its jobs, and return the exit code the sweep would have had (a job not started counts as interrupted)."""
+    from tfmoe.errors import BadInput
+    from tfmoe.harness.store.rundir import RUN_FILE
+    from tfmoe.harness.store.sweeps import has_unstarted_jobs, sweep_experiment, write_sweep_outputs
+
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise BadInput(f"{sweep_dir} is not a directory: pass a sweep directory, runs/<experiment>/multirun-<...>")
+    experiment = sweep_experiment(sweep_dir)
+    write_sweep_outputs(sweep_dir, experiment)
+    dirs = sorted((p.parent for p in sweep_dir.glob(f"*/{RUN_FILE}")), key=lambda p: (len(p.name), p.name))
+    if dirs:
+        print_outcome(dirs, [sweep_dir])
+    else:
+        print_sweep_lines([sweep_dir])
+    codes = [exit_code_of(dirs)] if dirs else []
+    if has_unstarted_jobs(sweep_dir):
+        codes.append(Status.NOT_STARTED.exit_code)
+    return worst_exit_code(codes)

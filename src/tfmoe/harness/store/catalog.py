@@ -1,0 +1,400 @@
+"""The run catalog: a rebuildable SQLite cache of every run's run.parquet row under one runs root.
+
+The run directories stay the truth. The catalog (``<runs_root>/.tfmoe-catalog.sqlite3``) remembers, for each
+*container* directory (the runs root, ``runs/<experiment>/``, ``multirun-*/`` and run directories that have no
+run.parquet yet), its mtime and ctime; and for each run its run.parquet row, its checks passed / total and a signature of
+its run.parquet (inode, mtime, size). Every read first *syncs*: it stats the known containers (a few dozen even
+at 10,000 runs) and re-lists only those whose mtime or ctime changed, so runs copied in (rsync, cp) appear and deleted ones
+disappear with no manual step; it re-stats run.parquet of runs whose status can still change (``running``).
+A container whose mtime or ctime is within ``RACY_S`` of now is rescanned next time too (a file system's clock tick can
+hide a second change in the same tick — git's "racy" rule).
+
+Why SQLite (stdlib) in WAL mode: readers never block each other or a writer, a sync is one ``BEGIN IMMEDIATE``
+transaction (concurrent syncs serialise on SQLite's own lock, a crash mid-sync rolls back), and the runs
+themselves never write the catalog, so a sweep's jobs (joblib, submitit, separate processes) cannot corrupt it or
+lose an entry: a job's new directory changes its container's mtime and the next reader picks it up. A catalog
+that is unreadable, from another schema version, or copied from another machine's runs root is rebuilt.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from tfmoe.harness.store.rundir import RUN_FILE, RUN_SCHEMA, TABLE_FILES, read_parquet
+from tfmoe.status import Status
+
+CATALOG_FILE = ".tfmoe-catalog.sqlite3"
+SCHEMA_VERSION = "4"
+# Statuses a run never leaves; any other (running, unreadable) is re-checked at every sync.
+FINAL_STATUSES = tuple(s.value for s in Status if s.final)
+RACY_S = 2.0
+SKIP_DIRS = {".hydra", "__pycache__"}
+SQL_TABLES = {"run": RUN_FILE, "metrics": TABLE_FILES["metrics"], "checks": TABLE_FILES["checks"],
+              "timings": TABLE_FILES["timings"]}
+LIST_COLUMNS = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS containers (path TEXT PRIMARY KEY, parent TEXT, sig TEXT);
+CREATE TABLE IF NOT EXISTS runs (
+    path TEXT PRIMARY KEY, parent TEXT, sig TEXT, run_id TEXT, experiment TEXT, status TEXT, started_at TEXT,
+    wall_s REAL, device TEXT, dtype TEXT, overrides TEXT, checks_passed INTEGER, checks_total INTEGER, row TEXT);
+-- each run's run/metrics/checks/timings tables as Arrow IPC streams, cached by the first `tfmoe sql` that needs
+-- them (one SQLite read, not 40,000 parquet files), dropped whenever the run is re-read
+CREATE TABLE IF NOT EXISTS tables (path TEXT PRIMARY KEY, run BLOB, metrics BLOB, checks BLOB, timings BLOB);
+CREATE INDEX IF NOT EXISTS runs_run_id ON runs (run_id);
+CREATE INDEX IF NOT EXISTS runs_started ON runs (started_at);
+CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent);
+CREATE INDEX IF NOT EXISTS containers_parent ON containers (parent);
+"""
+
+
+# --------------------------------------------------------------------------------------------- opening
+def _identity(root: Path) -> str:
+    """Which directory this catalog describes: a catalog rsync'ed in from another machine's runs root differs."""
+    st = root.stat()
+    return f"{os.uname().nodename}:{st.st_dev}:{st.st_ino}"
+
+
+def _connect(db: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(db, timeout=60, isolation_level=None)  # autocommit; transactions are explicit
+    conn.execute("PRAGMA busy_timeout = 60000")
+    if db != ":memory:":
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+    conn.executescript(_DDL)
+    return conn
+
+
+def _fresh(conn: sqlite3.Connection, root: Path) -> bool:
+    got = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    return got.get("version") == SCHEMA_VERSION and got.get("identity") == _identity(root)
+
+
+def _reset(conn: sqlite3.Connection, root: Path) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if not _fresh(conn, root):  # another process may have reset it while we waited for the lock
+            conn.execute("DELETE FROM runs")
+            conn.execute("DELETE FROM tables")
+            conn.execute("DELETE FROM containers")
+            conn.execute("DELETE FROM meta")
+            conn.executemany("INSERT INTO meta VALUES (?, ?)",
+                             [("version", SCHEMA_VERSION), ("identity", _identity(root))])
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def open_catalog(runs_root: Path) -> sqlite3.Connection:
+    """The catalog of ``runs_root``, synced with the directories. An unwritable runs root gets an in-memory
+    catalog (a full scan); a corrupt or foreign catalog file is rebuilt."""
+    root = Path(runs_root)
+    db = root / CATALOG_FILE
+    if not os.access(root, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
+        conn = _connect(":memory:")
+    else:
+        try:
+            conn = _connect(str(db))
+            conn.execute("SELECT count(*) FROM runs").fetchone()
+        except sqlite3.DatabaseError:  # not a database / malformed: it is only a cache, rebuild it
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{db}{suffix}").unlink(missing_ok=True)
+            conn = _connect(str(db))
+    if not _fresh(conn, root):
+        _reset(conn, root)
+    sync(conn, root)
+    return conn
+
+
+def rebuild(runs_root: Path) -> int:
+    """Drop the catalog and index every run again; returns how many runs it holds."""
+    root = Path(runs_root)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{root / CATALOG_FILE}{suffix}").unlink(missing_ok=True)
+    conn = open_catalog(root)
+    try:
+        return int(conn.execute("SELECT count(*) FROM runs").fetchone()[0])
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------------------------------- syncing
+def _rel(root: Path, path: Path) -> str:
+    return path.relative_to(root).as_posix() if path != root else ""
+
+
+def _sig(run_file: Path) -> str | None:
+    try:
+        st = run_file.stat()
+    except OSError:
+        return None
+    racy = time.time() - st.st_mtime < RACY_S
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}{':racy' if racy else ''}"
+
+
+def _dir_sig(st: os.stat_result) -> str | None:
+    """A directory's (mtime, ctime): adding or removing an entry moves both, and restoring the mtime afterwards
+    (rsync -a, cp -a, touch -d) moves the ctime. None while either is within RACY_S of now (rescan next time)."""
+    if time.time() - max(st.st_mtime, st.st_ctime) < RACY_S:
+        return None
+    return f"{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (pd.Timestamp, dt.datetime)):
+        return v.isoformat(timespec="microseconds")
+    if hasattr(v, "tolist"):
+        v = v.tolist()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if v is pd.NA or v is pd.NaT:
+        return None
+    return v
+
+
+def _read_run(run_dir: Path) -> dict[str, Any]:
+    """The catalog row of one run directory (unreadable runs are listed as status 'unreadable')."""
+    import pyarrow.parquet as pq
+
+    try:
+        row = {k: _jsonable(v) for k, v in pq.ParquetFile(run_dir / RUN_FILE).read().to_pylist()[0].items()}
+    except Exception:  # corrupt parquet, or a file that vanished mid-read: say so the way load_run does
+        try:
+            read_parquet(run_dir / RUN_FILE)
+            error = f"{run_dir / RUN_FILE} has no row"
+        except Exception as exc:
+            error = str(exc)
+        row = {"run_id": run_dir.name, "status": Status.UNREADABLE.value, "error": error}
+    checks_file = run_dir / TABLE_FILES["checks"]
+    passed = total = 0
+    if checks_file.exists():
+        try:
+            col = pq.ParquetFile(checks_file).read(columns=["passed"]).column("passed").to_pylist()
+            passed, total = sum(bool(x) for x in col), len(col)
+        except Exception:
+            pass
+    row["checks_passed"], row["checks_total"] = passed, total
+    return row
+
+
+def _read_tables(run_dir: Path) -> list[bytes | None]:
+    """The run's SQL_TABLES as Arrow IPC streams, in SQL_TABLES' order."""
+    return [_ipc(run_dir / fname) for fname in SQL_TABLES.values()]
+
+
+def _ipc(path: Path) -> bytes | None:
+    """A parquet file's table as an Arrow IPC stream (None when missing or unreadable)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path).read().replace_schema_metadata(None)  # pandas' metadata: KBs per run
+    except Exception:
+        return None
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _read_runs(run_dirs: list[Path]) -> list[dict[str, Any]]:
+    """Many runs at once: parquet reads release the GIL, so a few threads overlap the file system's latency."""
+    if len(run_dirs) < 16:
+        return [_read_run(d) for d in run_dirs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
+        return list(pool.map(_read_run, run_dirs, chunksize=64))
+
+
+def _upsert_run(conn: sqlite3.Connection, rel: str, parent: str, sig: str | None, row: dict[str, Any]) -> None:
+    conn.execute("DELETE FROM tables WHERE path = ?", (rel,))  # stale: `tfmoe sql` caches it again when asked
+    conn.execute(
+        "INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        (rel, parent, sig, str(row.get("run_id")), row.get("experiment"), row.get("status"), row.get("started_at"),
+         row.get("wall_s"), row.get("device"), row.get("dtype"), json.dumps(row.get("overrides") or []),
+         row["checks_passed"], row["checks_total"], json.dumps(row, default=str)),
+    )
+
+
+def _forget(conn: sqlite3.Connection, rel: str) -> None:
+    """Remove a run or container (and everything under a container) from the catalog."""
+    like = rel.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "/%"
+    for table in ("runs", "containers", "tables"):
+        conn.execute(f"DELETE FROM {table} WHERE path = ? OR path LIKE ? ESCAPE '\\'", (rel, like))
+
+
+def _scan(conn: sqlite3.Connection, root: Path, rel: str, parent: str | None) -> None:
+    """(Re)list one container: add new runs and containers, forget vanished ones, then record its mtime."""
+    path = root / rel if rel else root
+    try:
+        st = path.stat()  # before listing: a change during the listing moves the mtime again
+        entries = [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        _forget(conn, rel)
+        return
+    if rel and (path / RUN_FILE).exists():  # a run directory that got its run.parquet since the last sync
+        _forget(conn, rel)
+        _upsert_run(conn, rel, parent or "", _sig(path / RUN_FILE), _read_run(path))
+        return
+    conn.execute("INSERT OR REPLACE INTO containers VALUES (?,?,?)", (rel, parent, _dir_sig(st)))
+    known_runs = {p for (p,) in conn.execute("SELECT path FROM runs WHERE parent = ?", (rel,))}
+    known_containers = {p for (p,) in conn.execute("SELECT path FROM containers WHERE parent = ?", (rel,))}
+    seen = set()
+    new_runs: list[tuple[str, Path]] = []
+    for entry in entries:
+        if entry.name in SKIP_DIRS or entry.name.startswith("."):
+            continue
+        child = f"{rel}/{entry.name}" if rel else entry.name
+        seen.add(child)
+        if child in known_runs or child in known_containers:
+            continue  # known runs are re-read only when their status can still change (see sync)
+        run_file = Path(entry.path) / RUN_FILE
+        if run_file.exists():
+            new_runs.append((child, Path(entry.path)))
+        else:
+            _scan(conn, root, child, rel)
+    sigs = [_sig(d / RUN_FILE) for _, d in new_runs]  # before reading: a rewrite during the read moves it
+    for (child, _), sig, row in zip(new_runs, sigs, _read_runs([d for _, d in new_runs]), strict=True):
+        _upsert_run(conn, child, rel, sig, row)
+    for gone in (known_runs | known_containers) - seen:
+        _forget(conn, gone)
+
+
+def sync(conn: sqlite3.Connection, runs_root: Path) -> None:
+    """Bring the catalog up to date with the directories (one transaction; concurrent syncs serialise)."""
+    root = Path(runs_root)
+    if not root.is_dir():
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        known = conn.execute("SELECT path, parent, sig FROM containers ORDER BY length(path)").fetchall()
+        if not known:
+            _scan(conn, root, "", None)
+        for rel, parent, sig in known:
+            still = conn.execute("SELECT 1 FROM containers WHERE path = ?", (rel,)).fetchone()
+            if still is None:  # forgotten while rescanning its parent
+                continue
+            try:
+                now = _dir_sig((root / rel).stat())
+            except OSError:
+                _forget(conn, rel)
+                continue
+            if sig is None or now != sig:
+                _scan(conn, root, rel, parent)
+        # runs whose status can still change, and runs indexed while their run.parquet was brand new
+        for rel, parent, sig in conn.execute(
+                f"SELECT path, parent, sig FROM runs WHERE status NOT IN ({','.join('?' * len(FINAL_STATUSES))}) "
+                "OR sig IS NULL OR sig LIKE '%:racy'", FINAL_STATUSES).fetchall():
+            new_sig = _sig(root / rel / RUN_FILE)
+            if new_sig is None:
+                continue  # gone: its container's rescan forgets it
+            if new_sig != sig:
+                _upsert_run(conn, rel, parent, new_sig, _read_run(root / rel))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+# --------------------------------------------------------------------------------------------- reading
+def frame(conn: sqlite3.Connection, runs_root: Path, columns: list[str] | None = None,
+          where: str = "", params: tuple[Any, ...] = ()) -> pd.DataFrame:
+    """The catalog as one row per run: run.parquet's columns (or ``columns``), ``path``, checks passed/total."""
+    root = Path(runs_root)
+    if columns is None:
+        got = conn.execute(f"SELECT path, checks_passed, checks_total, row FROM runs {where} "
+                           "ORDER BY started_at, path", params).fetchall()
+        df = pd.DataFrame([json.loads(row) for *_, row in got], columns=RUN_SCHEMA.names)
+        df["path"] = [str(root / p) for p, *_ in got]
+        df["checks_passed"] = pd.array([r[1] for r in got], dtype="Int64")
+        df["checks_total"] = pd.array([r[2] for r in got], dtype="Int64")
+    else:
+        df = pd.read_sql_query(f"SELECT {', '.join(columns)}, path FROM runs {where} ORDER BY started_at, path",
+                               conn, params=params)
+        df["path"] = [str(root / p) for p in df["path"]]
+        if "overrides" in df:
+            df["overrides"] = [json.loads(o) if o else [] for o in df["overrides"]]
+    for col in ("started_at", "finished_at"):
+        if col in df:
+            df[col] = pd.to_datetime(df[col], utc=True, format="ISO8601")
+    return df
+
+
+def paths(conn: sqlite3.Connection, runs_root: Path) -> Iterator[tuple[str, Path]]:
+    """(run_id, directory) of every run in the catalog."""
+    root = Path(runs_root)
+    for run_id, path in conn.execute("SELECT run_id, path FROM runs ORDER BY started_at, path"):
+        yield run_id, root / path
+
+
+def lookup(conn: sqlite3.Connection, runs_root: Path, ref: str) -> list[tuple[str, Path]]:
+    """Runs matching ``ref``: ``latest``, an exact run id, else every run whose id starts with it."""
+    root = Path(runs_root)
+    if ref == "latest":
+        q = conn.execute("SELECT run_id, path FROM runs WHERE started_at IS NOT NULL "
+                         "ORDER BY started_at DESC, path DESC LIMIT 1")
+    else:
+        q = conn.execute("SELECT run_id, path FROM runs WHERE run_id = ?", (ref,))
+    found = [(r, root / p) for r, p in q.fetchall()]
+    if found or ref == "latest":
+        return found
+    return [(r, root / p) for r, p in conn.execute(
+        "SELECT run_id, path FROM runs WHERE substr(run_id, 1, ?) = ? ORDER BY run_id LIMIT 6", (len(ref), ref))]
+
+
+def count(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("SELECT count(*) FROM runs").fetchone()[0])
+
+
+def fill_tables(conn: sqlite3.Connection, runs_root: Path) -> int:
+    """Cache the SQL tables of every run that has none yet (after a sync); returns how many were read."""
+    root = Path(runs_root)
+    missing = [p for (p,) in conn.execute("SELECT r.path FROM runs r LEFT JOIN tables t USING (path) "
+                                          "WHERE t.path IS NULL")]
+    if not missing:
+        return 0
+    if len(missing) < 16:
+        blobs = [_read_tables(root / p) for p in missing]
+    else:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
+            blobs = list(pool.map(_read_tables, [root / p for p in missing], chunksize=64))
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.executemany("INSERT OR REPLACE INTO tables SELECT ?, ?, ?, ?, ? WHERE EXISTS "
+                         "(SELECT 1 FROM runs WHERE path = ?)", [(p, *b, p) for p, b in zip(missing, blobs, strict=True)])
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return len(missing)
+
+
+def arrow_tables(conn: sqlite3.Connection, runs_root: Path, name: str) -> list[tuple[str, str, str, Any, int, int]]:
+    """(run_id, path, status, pyarrow.Table or None, checks passed, checks total) of each run, with its ``name``
+    table ('run', 'metrics', 'checks', 'timings'), cached (see :func:`fill_tables`)."""
+    import pyarrow as pa
+
+    fill_tables(conn, runs_root)
+    root = str(Path(runs_root))
+    out = []
+    for run_id, path, status, passed, total, blob in conn.execute(
+            f"SELECT r.run_id, r.path, r.status, r.checks_passed, r.checks_total, t.{name} FROM runs r "
+            "LEFT JOIN tables t USING (path) ORDER BY r.started_at, r.path"):
+        table = pa.ipc.open_stream(blob).read_all() if blob is not None else None
+        out.append((run_id, f"{root}/{path}", status, table, passed, total))
+    return out
