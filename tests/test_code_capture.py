@@ -83,14 +83,60 @@ def test_dirty_checkout_keeps_its_uncommitted_diff(tmp_path: Path, monkeypatch: 
     repo.mkdir()
     git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
     subprocess.run([*git, "init", "-q"], check=True)
-    (repo / "model.py").write_text("x = 1\n")
+    (repo / "src").mkdir()
+    (repo / "src" / "model.py").write_text("x = 1\n")
     subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "c"], check=True)
     monkeypatch.setattr(code_capture, "TFMOE_ROOT", repo)
     assert code_capture.tfmoe_diff() is None  # clean: nothing to keep
-    (repo / "model.py").write_text("x = 2\n")
-    (repo / "new.py").write_text("y = 1\n")
+    (repo / "src" / "model.py").write_text("x = 2\n")
+    (repo / "src" / "new.py").write_text("y = 1\n")
     diff = code_capture.tfmoe_diff()
-    assert "-x = 1" in diff and "+x = 2" in diff and "untracked (not in the diff): new.py" in diff
+    assert "-x = 1" in diff and "+x = 2" in diff and "untracked (not in the diff): src/new.py" in diff
     df = code_capture.capture({}, tmp_path / "run")
     assert list(df["kind"]) == ["tfmoe_diff"] and (tmp_path / "run" / "code" / "tfmoe.diff").read_text() == diff
+
+
+def test_git_dirty_and_tfmoe_diff_cover_code_and_configs_not_the_notebook(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkout whose only change is the notebook's own files (failures.md, runs/, conclusions, docs, lab reports)
+    is clean: `failures add` used to make every later run git_dirty=True and its replay "differ"."""
+    from tfmoe.harness.store import notebook
+
+    repo = tmp_path / "checkout"
+    for rel, text in {"src/tfmoe/model.py": "x = 1\n", "conf/base.yaml": "seed: 0\n", "pyproject.toml": "[x]\n",
+                      "failures.md": "# Failures\n", "docs/page.md": "a\n", "experiments/lab.md": "a\n",
+                      "runs/.keep": ""}.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    git = ["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-f", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    package = repo / "src" / "tfmoe"  # git_state starts from the package, a sub-folder of the checkout
+    monkeypatch.setattr(code_capture, "TFMOE_ROOT", package)
+
+    def git_state() -> tuple[str | None, bool | None]:
+        notebook.git_state.cache_clear()  # cached per process: one answer per run
+        return notebook.git_state(package)
+
+    commit, dirty = git_state()
+    assert commit and dirty is False
+    (repo / "failures.md").write_text("# Failures\n\n## F-1: x\n")
+    (repo / "docs/page.md").write_text("b\n")
+    (repo / "experiments/lab.md").write_text("b\n")
+    (repo / "runs/.keep").write_text("a run\n")
+    (repo / "runs/new.parquet").write_text("untracked\n")
+    assert git_state() == (commit, False)
+    assert code_capture.tfmoe_diff() is None
+    for rel in ("src/tfmoe/model.py", "conf/base.yaml", "pyproject.toml"):
+        before = (repo / rel).read_text()
+        (repo / rel).write_text(before + "# edited\n")
+        assert git_state() == (commit, True), rel
+        diff = code_capture.tfmoe_diff()
+        assert f"+++ b/{rel}" in diff and "failures.md" not in diff and "docs/" not in diff, rel
+        (repo / rel).write_text(before)
+    (repo / "src/tfmoe/new.py").write_text("y = 1\n")  # untracked code is named, the notebook's files are not
+    (repo / "src/tfmoe/model.py").write_text("x = 2\n")
+    diff = code_capture.tfmoe_diff()
+    assert "untracked (not in the diff): src/tfmoe/new.py" in diff and "runs/new.parquet" not in diff

@@ -26,7 +26,7 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
-from tfmoe.paths import PACKAGE_ROOT
+from tfmoe.paths import CODE_PATHSPECS, PACKAGE_ROOT
 
 CODE_FILE = "code.parquet"
 CODE_DIR = "code"
@@ -110,12 +110,13 @@ def _safe(key: str) -> str:
 
 
 def tfmoe_diff() -> str | None:
-    """``git diff HEAD`` of tfmoe's own checkout when it has uncommitted changes (None when clean or no git)."""
+    """``git diff HEAD`` of tfmoe's own code and configs (``CODE_PATHSPECS``) when they have uncommitted changes
+    (None when clean or no git); the notebook's files (failures.md, runs/, docs) are not code."""
     try:
-        out = subprocess.run(["git", "-C", str(TFMOE_ROOT), "diff", "HEAD"], capture_output=True, text=True,
-                             timeout=20)
+        out = subprocess.run(["git", "-C", str(TFMOE_ROOT), "diff", "HEAD", "--", *CODE_PATHSPECS],
+                             capture_output=True, text=True, timeout=20)
         untracked = subprocess.run(["git", "-C", str(TFMOE_ROOT), "ls-files", "--others", "--exclude-standard",
-                                    "--full-name"], capture_output=True, text=True, timeout=20)
+                                    "--full-name", "--", *CODE_PATHSPECS], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0 or not out.stdout.strip():
@@ -144,7 +145,7 @@ def capture(cfg_dict: dict[str, Any], run_dir: Path) -> pd.DataFrame:
         dest = run_dir / CODE_DIR / "tfmoe.diff"
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(diff, encoding="utf-8")
-        rows.append({"key": "(tfmoe checkout)", "kind": "tfmoe_diff", "spec": "git diff HEAD", "module": None,
+        rows.append({"key": "(tfmoe checkout)", "kind": "tfmoe_diff", "spec": "git diff HEAD -- src conf pyproject.toml", "module": None,
                      "source": str(TFMOE_ROOT), "import_root": None, "copy": str(Path(CODE_DIR) / "tfmoe.diff"),
                      "sha256": hashlib.sha256(diff.encode()).hexdigest(), "bytes": len(diff.encode())})
     return pd.DataFrame(rows, columns=SCHEMA.names)

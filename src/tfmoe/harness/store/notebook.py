@@ -40,7 +40,7 @@ from tfmoe.harness.store.rundir import (
     write_parquet,
     write_text,
 )
-from tfmoe.paths import PACKAGE_ROOT
+from tfmoe.paths import CODE_PATHSPECS, PACKAGE_ROOT
 from tfmoe.status import Status
 from tfmoe.tables import Rows
 
@@ -69,14 +69,15 @@ def tensor_row(name: str, t: Any, max_numel: int) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=8)
 def git_state(start: Path) -> tuple[str | None, bool | None]:
-    """(commit, dirty) of the git checkout holding ``start``, or (None, None) outside one."""
+    """(commit, dirty) of the git checkout holding ``start``, or (None, None) outside one; dirty: tracked code or
+    configs (``CODE_PATHSPECS``) differ from HEAD, never the notebook's own files."""
     try:
         commit = subprocess.run(["git", "-C", str(start), "rev-parse", "HEAD"], capture_output=True,
                                 text=True, timeout=5)
         if commit.returncode != 0:
             return None, None
-        dirty = subprocess.run(["git", "-C", str(start), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(start), "status", "--porcelain", "--untracked-files=no", "--",
+                                *CODE_PATHSPECS], capture_output=True, text=True, timeout=5)
         return commit.stdout.strip(), bool(dirty.stdout.strip())
     except (OSError, subprocess.SubprocessError):
         return None, None
