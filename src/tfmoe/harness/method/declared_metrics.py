@@ -6,6 +6,11 @@ tag column). :func:`declared_for` adds the names an experiment module writes lit
 …, tag=…)`` calls, read from its source with :mod:`ast` (no import), so a metric added to an experiment is
 accepted at once; a call that passes ``**tags`` leaves that metric's tags open (not validated).
 ``tests/test_expectations.py`` checks that a real run records only declared names and tags.
+
+``MEASURED`` names, per experiment, the metrics that measure this machine rather than the code (load, peak
+FLOP/s, times and throughputs, their plausibility flags, memory peaks read from the allocator): ``tfmoe diff`` and
+``tfmoe replay`` list them as context and never count them as a difference. :func:`measured_for` adds the names an
+experiment writes literally with ``rec.metric(..., measured=True)``.
 """
 
 from __future__ import annotations
@@ -166,6 +171,17 @@ DECLARED: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 
+# Machine measurements (see the module docstring): reported by diff/replay, never judged.
+MEASURED: dict[str, frozenset[str]] = {
+    "attn-check": frozenset({"peak_mem_bytes", "time_ms", "time_ratio_vs_sdpa", "memory_ratio_chunked_vs_naive",
+                             "matrix_wall_s"}),
+    "decode": frozenset({"uncached_time_growth", "cached_time_growth", "cache_speedup_at_longest"}),
+    "route-sim": frozenset({"layer.battery_s"}),
+    "complexity": frozenset({"load_average_1min", "matmul_peak_flops", "time_ms", "flops_per_s", "peak_fraction",
+                             "peak_fraction_max", "timings_plausible", "time_per_token_ms",
+                             "memory_peak_step_measured_bytes"}),
+}
+
 
 def _experiment_sources(module: str) -> list[Path]:
     """Every module of the experiment's package ``tfmoe/experiments/<module>/`` (a single-file experiment:
@@ -190,6 +206,27 @@ def literal_metrics(module: str) -> dict[str, tuple[str, ...] | None]:
         tags = {k.arg for k in n.keywords if k.arg not in (None, "step", "measured")}
         out[name] = tuple(sorted(set(out.get(name) or ()) | tags))
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def literal_measured(module: str) -> frozenset[str]:
+    """Metric names written literally as ``rec.metric("name", ..., measured=True)`` in the experiment's package."""
+    out: set[str] = set()
+    for n in (n for path in _experiment_sources(module) for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))):
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "metric" and n.args
+                and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str)
+                and any(k.arg == "measured" and isinstance(k.value, ast.Constant) and k.value.value is True
+                        for k in n.keywords)):
+            out.add(n.args[0].value)
+    return frozenset(out)
+
+
+def measured_for(experiment: str) -> frozenset[str]:
+    """The metric names of ``experiment`` that measure the machine (``MEASURED`` and literal ``measured=True``)."""
+    from tfmoe.registry import EXPERIMENTS
+
+    exp = EXPERIMENTS.get(experiment)
+    return MEASURED.get(experiment, frozenset()) | (literal_measured(exp.module) if exp else frozenset())
 
 
 def declared_for(experiment: str) -> dict[str, tuple[str, ...] | None]:

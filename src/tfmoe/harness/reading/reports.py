@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +27,6 @@ from tfmoe.tables import Rows, cell, from_frame
 console = Console(highlight=False)
 STATUS_STYLES = {Status.OK: "green", Status.FAILED: "red", Status.ERROR: "yellow"}  # any other: magenta
 
-# Metric rows that are measurements of this machine (speed, memory) are reported by diff but do not make
-# two runs "differ": like timings, they move from run to run.
-MEASURED_NAME = re.compile(r"(^|_)(ms|s|wall|time|times|seconds|per_s|flops_per_s|gflops|tflops|peak_fraction|"
-                           r"rss|throughput|speedup|latency|measured)(_|$)")
 ENV_KEYS = ["device", "device_name", "dtype", "python", "torch", "cuda", "cudnn", "numpy", "pandas", "pyarrow",
             "hydra", "hostname", "platform", "git_commit", "git_dirty"]
 
@@ -306,12 +301,27 @@ def _config_dict(data: RunData) -> dict[str, Any]:
     return flat
 
 
+def _missing(v: Any) -> bool:
+    """None, NaN, pd.NA or NaT: a value one side did not record (never raises, whatever ``v`` is)."""
+    if v is None:
+        return True
+    try:
+        return bool(pd.isna(v)) if pd.api.types.is_scalar(v) else False
+    except (TypeError, ValueError):
+        return False
+
+
 def _same(a: Any, b: Any, rtol: float = 1e-9) -> bool:
+    """Equal values: both missing, floats within ``rtol``, or equal otherwise (never raises)."""
+    if _missing(a) or _missing(b):
+        return _missing(a) and _missing(b)
     if isinstance(a, float) and isinstance(b, float):
-        if math.isnan(a) and math.isnan(b):
-            return True
         return math.isclose(a, b, rel_tol=rtol, abs_tol=0.0)
-    return a == b
+    try:
+        eq = a == b
+        return bool(eq) if pd.api.types.is_scalar(eq) else bool(len(a) == len(b) and all(eq))
+    except (TypeError, ValueError):
+        return repr(a) == repr(b)
 
 
 def dtype_tolerance(dtype_a: str, dtype_b: str) -> float:
@@ -320,11 +330,9 @@ def dtype_tolerance(dtype_a: str, dtype_b: str) -> float:
     return 4 * max(eps.get(dtype_a, 0.0), eps.get(dtype_b, 0.0))
 
 
-def _is_measured(metrics_row: pd.Series) -> bool:
-    flag = metrics_row.get("measured")
-    if flag is not None and not (isinstance(flag, float) and math.isnan(flag)) and str(flag) in ("True", "true", "1"):
-        return True
-    return bool(MEASURED_NAME.search(str(metrics_row["name"])))
+def _is_measured(name: str, flag: Any, measured_names: frozenset[str]) -> bool:
+    """A machine measurement: recorded ``measured=True`` or declared so (declared_metrics.MEASURED)."""
+    return (not _missing(flag) and str(flag) in ("True", "true", "1")) or str(name) in measured_names
 
 
 def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]:
@@ -349,20 +357,21 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
                 df[k] = None
             df[k] = df[k].astype(object).where(df[k].notna(), None).map(lambda v: "" if v is None else str(v))
         df["_dup"] = df.groupby(keys, dropna=False).cumcount() if keys else 0
+    from tfmoe.harness.method.declared_metrics import measured_for
+
+    measured_names = measured_for(str(a.run.get("experiment"))) | measured_for(str(b.run.get("experiment")))
     if keys:
         merged = ma.merge(mb, on=[*keys, "_dup"], how="outer", suffixes=("_A", "_B"))
         rows = []
-        for r in merged.to_dict("records"):
-            va, vb = r.get("value_A"), r.get("value_B")
-            va = None if va is None or (isinstance(va, float) and math.isnan(va) and "value_A" not in r) else va
+        for r in merged.to_dict("records"):  # a row only one side has, or a value left empty: None there
+            va, vb = (None if _missing(v) else float(v) for v in (r.get("value_A"), r.get("value_B")))
             flag = r.get("measured_A", r.get("measured"))
-            if flag is None or (isinstance(flag, float) and math.isnan(flag)):
+            if _missing(flag):
                 flag = r.get("measured_B")
-            measured = _is_measured(pd.Series({"name": r["name"], "measured": flag}))
-            missing = pd.isna(va) and not pd.isna(vb) or pd.isna(vb) and not pd.isna(va)
-            delta = (vb - va) if not (pd.isna(va) or pd.isna(vb)) else None
-            rel = (delta / abs(va)) if delta is not None and va not in (0, 0.0) else None  # signed: B vs A
-            differs = (missing or not _same(float(va), float(vb))) if not measured else False
+            measured = _is_measured(r["name"], flag, measured_names)
+            delta = (vb - va) if va is not None and vb is not None else None
+            rel = (delta / abs(va)) if delta is not None and va != 0 else None  # signed: B vs A
+            differs = not _same(va, vb) and not measured
             tags = " ".join(f"{k}={r[k]}" for k in keys if k not in ("name", "step") and r[k] != "")
             rows.append({"name": r["name"], "step": r.get("step", ""), "tags": tags, "A": va, "B": vb,
                          "delta": delta, "rel_delta": rel, "measured": measured, "differs": bool(differs)})
@@ -373,7 +382,7 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
     cka = dict(zip(a.checks.get("check", []), a.checks.get("passed", []), strict=False))
     ckb = dict(zip(b.checks.get("check", []), b.checks.get("passed", []), strict=False))
     sections["checks"] = pd.DataFrame([
-        {"check": k, "A": cka.get(k), "B": ckb.get(k), "differs": cka.get(k) != ckb.get(k)}
+        {"check": k, "A": cka.get(k), "B": ckb.get(k), "differs": not _same(cka.get(k), ckb.get(k))}
         for k in sorted(set(cka) | set(ckb))])
     sections["expectations"] = _diff_expectations(a, b)
     from tfmoe.harness.store.code_capture import diff_code
@@ -390,9 +399,8 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
         row: dict[str, Any] = {"tensor": n}
         if ra is None or rb is None:
             row.update(note="only in " + ("B" if ra is None else "A"), differs=True)
-        elif list(ra["shape"]) != list(rb["shape"]) or ra["dtype"] != rb["dtype"]:
-            row.update(note=f"shape/dtype {list(ra['shape'])} {ra['dtype']} vs {list(rb['shape'])} {rb['dtype']}",
-                       differs=True)
+        elif not _same(_shape(ra), _shape(rb)) or not _same(ra["dtype"], rb["dtype"]):
+            row.update(note=f"shape/dtype {_shape(ra)} {ra['dtype']} vs {_shape(rb)} {rb['dtype']}", differs=True)
         elif n not in tens_a or n not in tens_b:
             same = all(_same(ra[k], rb[k]) for k in ("min", "max", "mean", "std"))
             row.update(note="summarised: compared min/max/mean/std", differs=not same)
@@ -424,6 +432,11 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
     return sections
 
 
+def _shape(row: pd.Series) -> list[int] | None:
+    shape = row.get("shape")
+    return None if shape is None or _missing(shape) else [int(n) for n in shape]
+
+
 def _diff_expectations(a: RunData, b: RunData) -> pd.DataFrame:
     """Each expectation (by selector and expected) in A and B: held or not, observed; differs when it moved."""
     def keyed(data: RunData) -> dict[tuple[str, str], dict[str, Any]]:
@@ -436,7 +449,7 @@ def _diff_expectations(a: RunData, b: RunData) -> pd.DataFrame:
         ra, rb = ea.get(key), eb.get(key)
         held_a, held_b = (None if r is None else r.get("held") for r in (ra, rb))
         obs_a, obs_b = (None if r is None else r.get("observed") for r in (ra, rb))
-        moved = ra is None or rb is None or held_a != held_b or not _same(obs_a, obs_b)
+        moved = ra is None or rb is None or not _same(held_a, held_b) or not _same(obs_a, obs_b)
         rows.append({"expectation": f"{key[0]} {key[1]}", "A_held": held_a, "B_held": held_b, "A": obs_a,
                      "B": obs_b, "differs": bool(moved)})
     return pd.DataFrame(rows, columns=["expectation", "A_held", "B_held", "A", "B", "differs"])
@@ -456,14 +469,15 @@ def diff_summary(sections: dict[str, pd.DataFrame], top: int = 3) -> dict[str, A
     metrics = differing("metrics")
     largest = []
     if len(metrics) and "rel_delta" in metrics:
-        order = metrics["rel_delta"].abs().fillna(-1).sort_values(ascending=False).index
+        order = pd.to_numeric(metrics["rel_delta"], errors="coerce").abs().fillna(-1).sort_values(ascending=False).index
         for r in metrics.loc[order].head(top).itertuples(index=False):
             where = " ".join(x for x in (f"step {r.step}" if r.step not in ("", None) else "", r.tags) if x)
             largest.append({"metric": r.name, "where": where, "A": r.A, "B": r.B, "rel_delta": r.rel_delta})
     tensors = differing("tensors")
     worst_tensors = []
     if len(tensors):
-        worst = tensors.assign(_k=tensors["max_rel"].astype(float).fillna(math.inf)).sort_values("_k", ascending=False)
+        worst = tensors.assign(_k=pd.to_numeric(tensors["max_rel"], errors="coerce").fillna(math.inf)).sort_values(
+            "_k", ascending=False)
         worst_tensors = [{"tensor": r.tensor, "max_rel": r.max_rel, "note": r.note}
                          for r in worst.head(top).itertuples(index=False)]
     return {
@@ -486,7 +500,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
           + (f"; environment: {', '.join(summary['environment_keys'])}" if summary["environment_keys"] else ""))
     for m in summary["largest_metric_changes"]:
         where = f" ({m['where']})" if m["where"] else ""
-        print(f"  largest: {m['metric']}{where} {cell(m['A'])} -> {cell(m['B'])} ({_pct(m['rel_delta']) or 'new'})")
+        change = _pct(m["rel_delta"]) or ("only in B" if _missing(m["A"]) else "only in A" if _missing(m["B"])
+                                          else "from 0")
+        print(f"  largest: {m['metric']}{where} {cell(m['A'])} -> {cell(m['B'])} ({change})")
     for t in summary["largest_tensor_changes"]:
         print(f"  tensor: {t['tensor']} max_rel {cell(t['max_rel'])}{' ' + t['note'] if t['note'] else ''}")
 
@@ -509,10 +525,21 @@ def _focus(sections: dict[str, pd.DataFrame], metric: str | None, top: int | Non
             continue
         key = {"metrics": "rel_delta", "tensors": "max_rel"}.get(k)
         if key in df:
-            df = df.loc[df[key].astype(float).abs().fillna(math.inf).sort_values(ascending=False).index]
+            df = df.loc[pd.to_numeric(df[key], errors="coerce").abs().fillna(math.inf).sort_values(ascending=False).index]
         hidden[k] = len(df) - top
         sections[k] = df.head(top)
     return hidden
+
+
+def _measured_changes(metrics: pd.DataFrame) -> pd.DataFrame:
+    """The machine-measured metric rows whose value moved, largest relative change first (context of a diff)."""
+    if metrics.empty or "measured" not in metrics:
+        return pd.DataFrame(columns=["name", "step", "tags", "A", "B", "rel_delta"])
+    rows = metrics[metrics["measured"].astype(bool)]
+    moved = [not _same(x, y) for x, y in zip(rows["A"], rows["B"], strict=True)]
+    rows = rows.loc[pd.Series(moved, index=rows.index, dtype=bool)]
+    order = pd.to_numeric(rows["rel_delta"], errors="coerce").abs().fillna(math.inf).sort_values(ascending=False)
+    return rows.loc[order.index, ["name", "step", "tags", "A", "B", "rel_delta"]]
 
 
 def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, fmt: str,
@@ -529,30 +556,45 @@ def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, f
         raise BadInput(f"--top {top}: pass a positive number of rows")
     everything = diff_runs(a, b, True)
     # environment and timings are context: shown, but a replay on a newer commit can still "reproduce"
-    differs = any(bool(df["differs"].any()) for k, df in everything.items()
-                  if k not in ("timings", "environment") and "differs" in df and len(df))
+    judged = [k for k, df in everything.items()
+              if k not in ("timings", "environment") and "differs" in df and len(df) and bool(df["differs"].any())]
+    differs = bool(judged)
     focused = {k: df if all_rows or k == "timings" or "differs" not in df else df[df["differs"].astype(bool)]
                for k, df in everything.items()}
     if metric is not None:
         everything["metrics"] = _focus(dict(everything), metric, None, keep=True)["metrics"]
     hidden = _focus(focused, metric, top if top is not None else None if fmt == "json" or all_rows else 20)
     summary = diff_summary(everything)
+    context = _measured_changes(everything.get("metrics", pd.DataFrame()))
     if fmt == "json":
         print(json.dumps({"A": str(a.path), "B": str(b.path), "differs": differs, "summary": summary,
-                          **{k: df.to_dict("records") for k, df in focused.items()}}, default=_jsonable))
+                          **{k: df.to_dict("records") for k, df in focused.items()},
+                          "context": context.to_dict("records")}, default=_jsonable))
         return 1 if differs else 0
     print(f"A: {a.path}\nB: {b.path}")
     _print_summary(summary)
-    for k, df in focused.items():
+    if len(context):  # machine measurements moved: listed, never judged
+        names = sorted(set(context["name"]))
+        print(f"context, not judged: {len(context)} machine-measured metric rows changed ("
+              + ", ".join(names[:8]) + (" …" if len(names) > 8 else "") + "), with environment and timings")
+    if all_rows or top is not None:
+        sections = focused
+    else:  # the measured rows are not in "metrics" (they never differ): shown in a context section instead
+        sections = {**focused, "context, not judged: machine measurements": context.head(20)}
+    for k, df in sections.items():
         if len(df):
             shown = df
             if not all_rows and k != "timings":  # every row shown differs: the column says nothing
-                shown = shown.drop(columns=["differs"])
+                shown = shown.drop(columns=["differs"], errors="ignore")
             if "measured" in shown and not shown["measured"].any():
                 shown = shown.drop(columns=["measured"])
-            title = k + (f" ({hidden[k]} more rows: --top N, --all)" if hidden.get(k) else "")
+            title = k + (" (context, not judged)" if k in ("environment", "timings") else "")
+            title += f" ({hidden[k]} more rows: --top N, --all)" if hidden.get(k) else ""
+            if k.startswith("context") and len(context) > len(df):
+                title += f" (the 20 largest of {len(context)}: --all)"
             print_frame(shown, fmt, title)
-    print("differ" if differs else "no differences beyond tolerance (environment and timings are context only)")
+    print(f"differ: {', '.join(judged)}" if differs else
+          "no differences beyond tolerance (environment, timings and machine measurements are context only)")
     return 1 if differs else 0
 
 

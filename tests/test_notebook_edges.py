@@ -1,0 +1,117 @@
+"""The notebook commands one step off the well-trodden runs (issue 24): diff with values missing on either side,
+replay's verdict without machine measurements, show/diff/runs printing user text literally, failures add's
+refusals. Real runs, real parquet, a real read-only mount."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tfmoe.harness.store import rundir
+from tfmoe.testing import run_cli
+
+QUICK = ["n_heads=2", "min_run_time=0.002", "warmup=0", "peak_matmul_n=64", "n_layers=2", "vocab=100"]
+
+
+@pytest.fixture(scope="module")
+def complexity_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """Two tiny complexity runs with different T (the card's "sweep over T and D, diff two runs"), in one root."""
+    root = tmp_path_factory.mktemp("cx")
+    a = run_cli(["complexity", "T=16", "D=16", *QUICK], root)
+    b = run_cli(["complexity", "T=32", "D=16", *QUICK], root)
+    assert a.exit_code == 0 and b.exit_code == 0, a.stderr + b.stderr
+    return root, a.run_dir, b.run_dir
+
+
+# ------------------------------------------------------------------------------------------------ diff
+def test_diff_of_two_complexity_runs_exits_1_with_a_summary(complexity_runs) -> None:
+    """Rows only one run has (its T is a tag) left rel_delta None: `abs()` of it was a traceback, exit 1."""
+    root, a, b = complexity_runs
+    r = run_cli(["diff", str(a), str(b)], root)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert "config: 1 key(s) differ (T: 16 -> 32)" in r.stdout and "(only in A)" in r.stdout
+    assert "differ: config, metrics, checks" in r.stdout and "Traceback" not in r.stdout + r.stderr
+    body = json.loads(run_cli(["diff", str(a), str(b), "--format", "json"], root).stdout)
+    assert body["differs"] and body["summary"]["metrics_differ"] > 0
+    assert {m["name"] for m in body["metrics"]} >= {"flops_forward_block", "crossover_T"}
+    assert run_cli(["diff", str(b), str(a), "--top", "3"], root).exit_code == 1  # the other way round
+    same = run_cli(["diff", str(a), str(a)], root)
+    assert same.exit_code == 0 and "no differences beyond tolerance" in same.stdout
+
+
+def _plant(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` with a value missing (None/NaN) or absent in every column kind diff compares."""
+    shutil.copytree(src, dst)
+    m = pd.read_parquet(dst / "metrics.parquet")
+    m.loc[m.index[0], "value"] = float("nan")  # a metric left empty
+    rundir.write_parquet(m.drop(index=m.index[-1]), dst / "metrics.parquet")  # and one row absent
+    c = pd.read_parquet(dst / "checks.parquet")
+    c["passed"] = c["passed"].astype(object)
+    c.loc[c.index[0], "passed"] = None  # a check not decided
+    rundir.write_parquet(c.iloc[:-1], dst / "checks.parquet")  # and one check absent
+    t = pd.read_parquet(dst / "tensors.parquet")
+    rundir.write_parquet(t.iloc[1:], dst / "tensors.parquet", schema=rundir.TENSORS_SCHEMA)  # a tensor absent
+    cfg = (dst / ".hydra" / "config.yaml").read_text()
+    (dst / ".hydra" / "config.yaml").write_text(cfg.replace("seed:", "planted_key: null\nseed:"))
+    return dst
+
+
+def test_diff_handles_missing_values_on_either_side_of_every_column_kind(workdir: Path) -> None:
+    a = run_cli(["shift-labels", "--expect", "loss < 100", "--expect", "loss_manual_fp64 > 0"], workdir).run_dir
+    b = _plant(a, workdir / "planted")
+    e = pd.read_parquet(b / rundir.EXPECTATIONS_FILE)
+    e["held"] = e["held"].astype("boolean")
+    e.loc[0, ["held", "observed"]] = [pd.NA, float("nan")]  # an expectation that could not be judged
+    rundir.write_parquet(e.iloc[:1], b / rundir.EXPECTATIONS_FILE)  # and one absent
+    for x, y in ((a, b), (b, a)):
+        r = run_cli(["diff", str(x), str(y), "--format", "json"], workdir)
+        assert r.exit_code == 1, r.stdout + r.stderr
+        body = json.loads(r.stdout)
+        assert [k["key"] for k in body["config"]] == ["planted_key"]
+        assert len(body["metrics"]) == 2 and len(body["checks"]) == 2 and len(body["expectations"]) == 2
+        assert [t["note"] for t in body["tensors"]] == ["only in " + ("A" if x == a else "B")]
+        table = run_cli(["diff", str(x), str(y)], workdir)
+        assert table.exit_code == 1 and "differ: config, metrics, checks, expectations, tensors" in table.stdout
+    assert run_cli(["diff", str(b), str(b)], workdir).exit_code == 0  # missing on both sides is the same
+
+
+# ------------------------------------------------------------------------------------------------ replay
+def test_replay_of_a_complexity_run_reproduces_and_lists_measurements_as_context(complexity_runs) -> None:
+    """load average, peak FLOP/s, timings_plausible and times move between runs: context, never the verdict."""
+    root, a, _ = complexity_runs
+    r = run_cli(["replay", str(a)], root)
+    assert r.exit_code == 0, r.stdout
+    assert r.stdout.rstrip().endswith("reproduced") and "NOT" not in r.stdout
+    assert "context, not judged" in r.stdout
+
+
+def test_replay_says_not_reproduced_when_a_result_moved(complexity_runs) -> None:
+    """A planted change in a non-timing metric and in a check of the recorded run: the rerun differs."""
+    root, a, _ = complexity_runs
+    old = root / "planted"
+    shutil.copytree(a, old)
+    m = pd.read_parquet(old / "metrics.parquet")
+    m.loc[m["name"] == "flops_forward_block", "value"] += 1
+    m.loc[m["name"] == "load_average_1min", "value"] += 5  # a measurement: still context
+    rundir.write_parquet(m, old / "metrics.parquet")
+    c = pd.read_parquet(old / "checks.parquet")
+    c.loc[c.index[0], "passed"] = False
+    rundir.write_parquet(c, old / "checks.parquet")
+    r = run_cli(["replay", str(old)], root)
+    assert r.exit_code == 1 and "NOT reproduced" in r.stdout
+    assert "differ: metrics, checks" in r.stdout and "flops_forward_block" in r.stdout
+    assert "differ: 1 of" in r.stdout  # only the planted metric row, not the measured ones
+
+
+def test_machine_measurements_are_declared_once_in_data() -> None:
+    from tfmoe.harness.method.declared_metrics import DECLARED, MEASURED, measured_for
+
+    assert {"load_average_1min", "matmul_peak_flops", "timings_plausible", "time_ms"} <= measured_for("complexity")
+    assert "activation_bytes_saved_measured" not in measured_for("complexity")  # saved-tensor bytes: a result
+    for experiment, names in MEASURED.items():  # every declared measurement is a metric the experiment records
+        assert names <= set(DECLARED.get(experiment, {})) | {"matrix_wall_s", "layer.battery_s"}, experiment
+    assert "matrix_wall_s" in measured_for("attn-check")  # literal rec.metric(..., measured=True) counts too
