@@ -115,3 +115,22 @@ def test_machine_measurements_are_declared_once_in_data() -> None:
     for experiment, names in MEASURED.items():  # every declared measurement is a metric the experiment records
         assert names <= set(DECLARED.get(experiment, {})) | {"matrix_wall_s", "layer.battery_s"}, experiment
     assert "matrix_wall_s" in measured_for("attn-check")  # literal rec.metric(..., measured=True) counts too
+
+
+# ------------------------------------------------------------------------------------------------ show/diff/runs text
+def test_show_diff_runs_print_the_users_text_literally_never_as_rich_markup(tmp_path: Path) -> None:
+    """`expect: cli1: tokens_per_text[text=1] == 3` showed as `… tokens_per_text == 3`: rich read `[text=1]` as
+    markup. Likewise a runs root whose path holds `[bold]`."""
+    where = tmp_path / "[bold]lab"
+    where.mkdir()
+    ran = run_cli(["shift-labels", "--expect", "sequence_loss[sequence=1] < 100"], where)
+    assert ran.exit_code == 0, ran.stderr
+    assert f"run directory: {ran.run_dir}" in ran.stdout.replace("\n", "")
+    shown = run_cli(["show", str(ran.run_dir)], where)
+    assert "cli1: sequence_loss[sequence=1] < 100" in shown.stdout  # the config as recorded
+    assert "sequence_loss[sequence=1]" in shown.stdout.split("expectations")[1]  # and its table
+    assert "[bold]lab" in shown.stdout
+    listed = run_cli(["runs", "--runs-root", str(where / "runs")], where)
+    assert listed.exit_code == 0 and "[bold]lab" in listed.stdout and "sequence_loss[sequence=1]" in listed.stdout
+    differ = run_cli(["diff", str(ran.run_dir), str(ran.run_dir)], where)
+    assert differ.exit_code == 0 and "[bold]lab" in differ.stdout

@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 
 from tfmoe.errors import BadInput
 from tfmoe.harness.store.notebook import (
@@ -81,7 +82,7 @@ def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | Non
     table.styles = [STATUS_STYLES.get(s, "magenta") for s in table_df["status"]]
     table.print_to(console)
     if len(df) == 1 and not sweep_dirs:
-        console.print(f"run directory: {df.iloc[0]['path']}", soft_wrap=True)
+        console.print(f"run directory: {df.iloc[0]['path']}", soft_wrap=True, markup=False)
     print_sweep_lines(sweep_dirs)
 
 
@@ -102,7 +103,7 @@ def _print_outcome_by_status(run_dirs: list[Path], sweep_dirs: list[Path], title
 def print_sweep_lines(sweep_dirs: list[Path]) -> None:
     """Each sweep's sweep.parquet path, then every job of it that did not end ok."""
     for s in sweep_dirs:
-        console.print(f"sweep: {s}/sweep.parquet", soft_wrap=True)
+        console.print(f"sweep: {s}/sweep.parquet", soft_wrap=True, markup=False)
         for line in sweep_problem_lines(s):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
 
@@ -217,7 +218,7 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
     if fmt == "md":
         print("\n### config\n\n```yaml\n" + data.config + "```")
     else:
-        console.print("[bold]config[/]\n" + data.config)
+        console.print("[bold]config[/]\n" + escape(data.config))  # the user's text, never markup
     if not data.checks.empty:
         print_frame(data.checks, fmt, "checks")
         for inference in _inferences(data):
