@@ -222,7 +222,7 @@ def test_diff_and_show_bad_input(workdir: Path) -> None:
 
 def _add_failure(args: tuple[str, str, str]) -> str:
     run, root, file = args
-    return failures.add(run, Path(root), Path(file), None, "h", "f", "tests/x.py::test_y")
+    return failures.add(run, Path(root), Path(file), None, "h", "f", "tests/t.py::test_y", again=True)
 
 
 def test_failures_add_is_append_only_and_safe_concurrently(workdir: Path) -> None:
@@ -230,6 +230,8 @@ def test_failures_add_is_append_only_and_safe_concurrently(workdir: Path) -> Non
     assert bad.exit_code == 2  # ignore_index collides with an id: an `error` run
     log = workdir / "failures.md"
     log.write_text("# Failures log\n\nhand-written entry that must survive\n")
+    (workdir / "tests").mkdir()
+    (workdir / "tests" / "t.py").write_text("def test():\n    pass\n\n\ndef test_y():\n    pass\n")
     before = log.read_text()
     r = run_cli(["failures", "add", str(bad.run_dir), "--hypothesis", "typo", "--test", "tests/t.py::test"], workdir)
     assert r.exit_code == 0, r.stderr

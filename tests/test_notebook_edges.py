@@ -134,3 +134,93 @@ def test_show_diff_runs_print_the_users_text_literally_never_as_rich_markup(tmp_
     assert listed.exit_code == 0 and "[bold]lab" in listed.stdout and "sequence_loss[sequence=1]" in listed.stdout
     differ = run_cli(["diff", str(ran.run_dir), str(ran.run_dir)], where)
     assert differ.exit_code == 0 and "[bold]lab" in differ.stdout
+
+
+# ------------------------------------------------------------------------------------------------ failures add
+TESTS_PY = "import pytest\n\n\n@pytest.mark.parametrize('x', [1])\ndef test_y(x):\n    pass\n\n\nclass TestK:\n" \
+           "    def test_m(self):\n        pass\n"
+
+
+@pytest.fixture
+def failed_run(workdir: Path) -> Path:
+    """A real `error` run (ignore_index collides with a token id) and a tests/ folder with real test names."""
+    bad = run_cli(["shift-labels", "sequences=[[BOS,EOS]]", "ignore_index=1"], workdir)
+    assert bad.exit_code == 2 and bad.run_dir is not None
+    (workdir / "tests").mkdir()
+    (workdir / "tests" / "test_x.py").write_text(TESTS_PY)
+    return bad.run_dir
+
+
+def test_check_test_nodes_accepts_real_nodes_and_prose_and_refuses_missing_ones(workdir: Path) -> None:
+    from tfmoe.errors import BadInput
+    from tfmoe.harness.method.failures import check_test_nodes
+
+    (workdir / "tests").mkdir()
+    (workdir / "tests" / "test_x.py").write_text(TESTS_PY)
+    for ok in ("tests/test_x.py::test_y", "tests/test_x.py::test_y[1]", "tests/test_x.py::TestK::test_m",
+               "tests/test_x.py", "`tests/test_x.py::test_y` and `tests/test_x.py::TestK` (planted: …)",
+               "none yet", "none can make a noisy machine quiet"):
+        check_test_nodes(ok, [workdir])
+    for bad, needle in (("tests/test_x.py::test_nope", "defines no test 'test_nope'"),
+                        ("tests/test_x.py::TestK::test_nope", "defines no test 'test_nope'"),
+                        ("tests/test_x.py::test_m", "defines no test 'test_m'"),  # a method is not top-level
+                        ("tests/test_x.py::test_y::inner", "defines no test 'inner'"),
+                        ("tests/test_route_sim.py::test_x", "no file tests/test_route_sim.py"),
+                        ("`tests/test_x.py::test_y`, `tests/test_x.py::test_z`", "'test_z'")):
+        with pytest.raises(BadInput, match=needle):
+            check_test_nodes(bad, [workdir])
+
+
+def test_failures_add_refuses_a_missing_test_and_a_run_already_logged(failed_run: Path, workdir: Path) -> None:
+    log = workdir / "failures.md"
+    r = run_cli(["failures", "add", str(failed_run), "--test", "tests/test_x.py::test_x"], workdir)
+    assert r.exit_code == 2 and "defines no test 'test_x'" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert not log.exists()  # nothing written
+    r = run_cli(["failures", "add", str(failed_run), "--test", "tests/test_x.py::test_y[1]"], workdir)
+    assert r.exit_code == 0 and "F-1" in r.stdout
+    before = log.read_text()
+    again = run_cli(["failures", "add", failed_run.name, "--test", "tests/test_x.py::test_y"], workdir)
+    assert again.exit_code == 2 and f"run {failed_run.name} is already logged as F-1" in again.stderr
+    assert "--again" in again.stderr and log.read_text() == before
+    r = run_cli(["failures", "add", str(failed_run), "--again"], workdir)
+    assert r.exit_code == 0 and "F-2" in r.stdout and log.read_text().startswith(before)
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path):
+    """A real read-only file system: a tmpfs filled, then remounted read-only (root's chmod would not stop writes).
+    Yields (the mount point, a function that fills it before it turns read-only)."""
+    import subprocess
+
+    point = tmp_path / "ro"
+    point.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(point)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+
+    def seal() -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+
+    try:
+        yield point, seal
+    finally:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_failures_add_and_conclude_on_a_read_only_file_system_exit_2_in_one_line(failed_run: Path, workdir: Path,
+                                                                                  read_only_mount) -> None:
+    """Read-only runs/ and failures.md: a filelock traceback and exit 1 before; one line naming the path now."""
+    point, seal = read_only_mount
+    shutil.copytree(workdir / "runs", point / "runs")
+    shutil.copytree(workdir / "tests", point / "tests")
+    (point / "failures.md").write_text("# Failures log\n")
+    seal()
+    r = run_cli(["failures", "add", failed_run.name, "--test", "tests/test_x.py::test_y"], point)
+    assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert f"cannot write {point / 'failures.md'}.lock: Read-only file system" in r.stderr
+    r = run_cli(["failures", "add", failed_run.name, "--file", str(point / "failures.md")], workdir)
+    assert r.exit_code == 2 and "Read-only file system" in r.stderr  # the log alone read-only
+    r = run_cli(["conclude", failed_run.name, "--proven", "ignore_index collides with a token id"], point)
+    assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "cannot write" in r.stderr and "conclusions.parquet" in r.stderr and "Read-only file system" in r.stderr
+    assert (point / "failures.md").read_text() == "# Failures log\n"

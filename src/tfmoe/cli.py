@@ -261,13 +261,15 @@ def failures_add(
     fix: Annotated[str, typer.Option("--fix")] = "not yet fixed",
     test: Annotated[str, typer.Option("--test", help="The regression test that guards it.")] = "none yet",
     file: Annotated[Path, typer.Option("--file", help="The failures log (default ./failures.md).")] = Path("failures.md"),
+    again: Annotated[bool, typer.Option("--again", help="Log a run that the file already has an entry for.")] = False,
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
-    """Append an entry to failures.md: phenomenon, hypothesis, evidence, fix, regression test."""
+    """Append an entry to failures.md: phenomenon, hypothesis, evidence, fix, regression test (a --test naming a
+    pytest node must name an existing file and test; a run already logged needs --again)."""
     from tfmoe.harness.method import failures
 
     with bad_input_exits_2():
-        entry_title = failures.add(run, runs_root, file, title, hypothesis, fix, test)
+        entry_title = failures.add(run, runs_root, file, title, hypothesis, fix, test, again)
     typer.echo(f"appended to {file}: {entry_title}")
 
 

@@ -52,8 +52,9 @@ def append(run_ref: str, runs_root: Path, entries: list[tuple[str, str]]) -> tup
             _rewrite_summary(run_dir, both)
     except Timeout:
         raise BadInput(f"{path} is locked by another process for 30 s: retry, or remove a stale {path}.lock") from None
-    except PermissionError:
-        raise BadInput(f"cannot write {path}: check the run directory's permissions") from None
+    except OSError as exc:  # read-only file system, permissions, a full disk: never a filelock traceback
+        raise BadInput(f"cannot write {exc.filename or path}: {exc.strerror or exc}: conclusions are kept in the "
+                       "run directory, which must be writable (remount it read-write, or copy the run)") from None
     return run_dir, both
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from tfmoe.errors import BadInput
-from tfmoe.harness.store.notebook import load_run, resolve_run
+from tfmoe.harness.store.notebook import load_run, read_run_row, resolve_run
 from tfmoe.status import Status
 
 HEADER = ("# Failures log\n\nReal failures met while running experiments: phenomenon, hypothesis, evidence, fix and the "
@@ -96,13 +96,67 @@ def _metric_evidence(data: object, missed: object, max_rows: int = 8) -> list[st
     return out
 
 
-def add(run_ref: str, runs_root: Path, file: Path, title: str | None, hypothesis: str, fix: str, test: str) -> str:
-    """Append one entry (never rewriting earlier ones); returns its heading."""
+# A pytest node in --test's text: FILE.py, FILE.py::name, FILE.py::Class::name, FILE.py::name[param-id]
+NODE_RE = re.compile(r"(?P<file>[\w./-]+\.py)(?:::(?P<node>[A-Za-z_]\w*(?:::[A-Za-z_]\w*)*)(?:\[[^\]\s]*\])?)?")
+
+
+def check_test_nodes(test: str, bases: list[Path]) -> None:
+    """Every pytest node named in ``test`` exists: its file (relative to one of ``bases``) and, read with
+    :mod:`ast` (nothing imported), the function or class (and method) it names. Text naming no ``.py`` file
+    ("none yet") is accepted as it is."""
+    import ast
+
+    for m in NODE_RE.finditer(test):
+        rel = Path(m["file"])
+        path = next((b / rel for b in bases if (b / rel).is_file()), None)
+        if path is None:
+            raise BadInput(f"--test {m[0]}: no file {rel} (looked in {', '.join(str(b) for b in bases)}): name "
+                           "an existing test, e.g. tests/test_cli.py::test_name")
+        if not m["node"]:
+            continue
+        try:
+            body: list[ast.stmt] = ast.parse(path.read_text(encoding="utf-8")).body
+        except (SyntaxError, UnicodeDecodeError, OSError) as exc:
+            raise BadInput(f"--test {m[0]}: {path} cannot be read as Python ({exc})") from None
+        for part in m["node"].split("::"):
+            found = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                          and n.name == part), None)
+            if found is None:
+                raise BadInput(f"--test {m[0]}: {rel} defines no test {part!r}: name an existing test function "
+                               "or class (tfmoe failures add ... --test FILE::NAME)")
+            body = found.body if isinstance(found, ast.ClassDef) else []
+
+
+def logged_as(text: str, run_id: str) -> str | None:
+    """The entry ("F-N") of a failures log ``text`` that was logged from run ``run_id``, if any."""
+    logged = re.search(rf"^\*Logged \S+ from run `{re.escape(run_id)}`\.\*$", text, re.M)
+    if logged is None:
+        return None
+    heads = [h for h in ENTRY_RE.finditer(text) if h.start() < logged.start()]
+    return f"F-{heads[-1][1]}" if heads else "an entry"
+
+
+def _unwritable(path: Path, exc: OSError) -> BadInput:
+    """One line for a log that cannot be written (read-only file system, permissions, a full disk)."""
+    return BadInput(f"cannot write {exc.filename or path}: {exc.strerror or exc}: make it writable or pass "
+                    "--file (and --runs-root) on a writable file system")
+
+
+def add(run_ref: str, runs_root: Path, file: Path, title: str | None, hypothesis: str, fix: str, test: str,
+        again: bool = False) -> str:
+    """Append one entry (never rewriting earlier ones); returns its heading. Refuses a --test naming a pytest node
+    that does not exist, and a run already logged unless ``again``."""
     if file.exists() and not file.is_file():
         raise BadInput(f"{file} is not a file: pass --file path/to/failures.md")
+    check_test_nodes(test, list(dict.fromkeys([Path.cwd(), file.resolve().parent])))
+    run_id = str(read_run_row(resolve_run(run_ref, runs_root))["run_id"])
     try:
         with _lock(file):
             text = file.read_text(encoding="utf-8") if file.exists() else ""
+            entry_of = logged_as(text, run_id)
+            if entry_of and not again:
+                raise BadInput(f"run {run_id} is already logged as {entry_of} in {file}: pass --again to log it "
+                               "once more")
             numbers = [int(n) for n, _ in ENTRY_RE.findall(text)]
             number = max(numbers, default=0) + 1
             entry = format_entry(number, run_ref, runs_root, title, hypothesis, fix, test)
@@ -112,8 +166,8 @@ def add(run_ref: str, runs_root: Path, file: Path, title: str | None, hypothesis
                 fh.write(("\n" if text and not text.endswith("\n\n") else "") + entry)
     except Timeout:
         raise BadInput(f"{file} is locked by another process for 30 s: retry, or remove a stale {file}.lock") from None
-    except PermissionError:
-        raise BadInput(f"cannot write {file}: check its permissions or pass --file") from None
+    except OSError as exc:  # read-only file system, permissions, a full disk: never a filelock traceback
+        raise _unwritable(file, exc) from None
     return entry.splitlines()[0].removeprefix("## ")
 
 
