@@ -220,3 +220,72 @@ def test_cli_forms_agree_and_diff_and_replay_carry_expectations(workdir: Path) -
     assert "reproduced" in rep.stdout and "NOT" not in rep.stdout, rep.stdout
     new = max((workdir / "runs" / "shift-labels").iterdir(), key=lambda p: p.stat().st_mtime)
     assert list(pd.read_parquet(new / "expectations.parquet")["expected"]) == ["< 1"]  # carried along
+
+
+# ------------------------------------------------------------------------------------------ which row, which value
+def test_a_miss_names_the_row_and_the_aggregate_it_was_judged_on() -> None:
+    """`maxvio < 0.5 did not hold: observed 2.54688` named neither the strategy nor the step, nor that it was the
+    last step's value while the run's table prints the mean of the last 10 % of steps."""
+    recorded = rows(0.1, 0.2, 0.3, step=True, strategy="a") + rows(0.9, 2.0, 0.7, step=True, strategy="b")
+    e = parse_one("m", "cv < 0.5")
+    j = judge(e, recorded)
+    assert (j.observed, j.where) == (0.7, "strategy=b, step 2") and "last step (2), not an average" in j.detail
+    said = expectations.describe_miss(e, j)
+    assert said.startswith("cv < 0.5 did not hold: observed 0.7 at strategy=b, step 2 (the value at its last step")
+    assert "all 2 rows must hold" in said and "misses by 0.2" in said
+    j = judge(parse_one("m", "max(cv) < 0.5"), recorded)
+    assert (j.observed, j.where) == (2.0, "strategy=b, step 1") and "the max over 6 row(s)" in j.detail
+    j = judge(parse_one("m", "first(cv[strategy=b]) < 0.5"), recorded)
+    assert (j.observed, j.where) == (0.9, "strategy=b, step 0")
+    j = judge(parse_one("m", "mean(cv[strategy=a]) > 0.5"), recorded)
+    assert j.where == "" and math.isclose(j.observed, 0.2) and j.detail == "the mean over 3 row(s)"
+    assert "observed 0.2 (the mean over 3 row(s))" in expectations.describe_miss(parse_one("m", "mean(cv) > 5"),
+                                                                                 judge(parse_one("m", "mean(cv) > 5"),
+                                                                                       recorded[:3]))
+    j = judge(parse_one("m", "cv < 5"), [{"name": "cv", "value": 1.0}])  # one untagged row: no row to name
+    assert j.held and j.where == ""
+
+
+def test_a_tag_value_the_run_never_recorded_is_named_at_the_end_with_the_values_it_did() -> None:
+    j = judge(parse_one("m", "cv[strategy=bogus] < 0.3"), rows(0.1, strategy="a") + rows(0.2, strategy="b"))
+    assert j.observed is None and not j.held
+    assert "strategy=bogus is not a value it recorded (strategy: a, b)" in j.detail
+    assert "known only once the run has recorded them" in j.detail
+
+
+def test_validate_tag_values_refuses_a_value_the_settings_rule_out() -> None:
+    known = {"strategy": ("none", "aux_free"), "T": (16, 32)}
+    expectations.validate_tag_values([parse_one("a", "cv[strategy=aux_free] < 1"),
+                                     parse_one("b", "cv[T=16.0] < 1"), parse_one("c", "cv[other=x] < 1")],
+                                     known, "route-sim")  # a tag not known up front is left to the end
+    with pytest.raises(BadInput, match=r"records cv for strategy=none, strategy=aux_free; not strategy=bogus"):
+        expectations.validate_tag_values([parse_one("a", "cv[strategy=bogus] < 1")], known, "route-sim")
+    with pytest.raises(BadInput, match="records cv for no strategy at all"):
+        expectations.validate_tag_values([parse_one("a", "cv[strategy=none] < 1")], {"strategy": ()}, "route-sim")
+
+
+def test_unknown_tag_value_exits_2_before_anything_runs(workdir: Path) -> None:
+    """It ran for 20 s and exited 4 "could not be judged"; its strategies are known from the settings."""
+    r = run_cli(["route-sim", "--expect", "cv[strategy=bogus] < 0.3"], workdir)
+    assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "not strategy=bogus" in r.stderr and "strategy=aux_free" in r.stderr and not (workdir / "runs").exists()
+    r = run_cli(["complexity", "-m", "T=16,32", "D=16", "--expect", "crossover_T[T=64] > 0"], workdir)
+    assert r.exit_code == 2 and "sweep job 0" in r.stderr and "not T=64" in r.stderr
+    assert not (workdir / "runs").exists()
+
+
+@pytest.mark.parametrize(("experiment", "overrides"), [
+    ("complexity", ["T=32", "D=16", "n_heads=2", "min_run_time=0.002", "warmup=0", "peak_matmul_n=64",
+                    "n_layers=2", "vocab=100"]),
+    ("block-stats", ["n_layers=1", "d_model=16", "seq_len=4", "batch_size=2", "lowp_dtypes=[]"]),
+])
+def test_tag_values_cover_every_value_a_real_run_records(experiment: str, overrides: list[str]) -> None:
+    """tag_values(settings) must never refuse a value the run records (no false refusal)."""
+    from tfmoe.testing import compose, run_recorded
+
+    module = EXPERIMENTS[experiment].load()
+    known = module.tag_values(module.settings(compose(experiment, overrides)))
+    recorded = pd.DataFrame(run_recorded(experiment, overrides).metrics_rows)
+    for tag, values in known.items():
+        seen = set(recorded[tag].dropna().astype(str)) if tag in recorded else set()
+        assert seen and seen <= {str(v) for v in values}, (tag, seen, values)

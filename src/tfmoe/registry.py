@@ -10,7 +10,10 @@ settings types are in ``settings.py``, one module per concern beside them) and k
   one line naming the key and the fix. It imports no user code, touches no device and writes nothing, so a sweep can
   validate every job's settings before any job starts;
 - ``run(settings, rec) -> None``: computes and hands every record to ``rec`` (the notebook layer writes them);
-- optionally ``sweep_plots(df) -> dict[str, Figure]``: figures drawn from a finished sweep's sweep.parquet.
+- optionally ``sweep_plots(df) -> dict[str, Figure]``: figures drawn from a finished sweep's sweep.parquet;
+- optionally ``tag_values(settings) -> dict[str, tuple]``: the values of those metric tags that the settings fix
+  before the run (route-sim's strategies, complexity's T and D); an expectation selecting another value is refused
+  before anything runs. A tag left out is only known at the end, where a wrong value is named.
 
 ``Experiment.load()`` imports the module (torch comes with it) and returns it under that contract.
 """

@@ -61,7 +61,12 @@ from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
 from tfmoe.validate import require_int
 
-__all__ = ["Settings", "run", "settings", "sweep_plots"]
+__all__ = ["Settings", "run", "settings", "sweep_plots", "tag_values"]
+
+
+def tag_values(s: Settings) -> dict[str, tuple[str, ...]]:
+    """The tag values a run with these settings records: its variants' names (another is refused before the run)."""
+    return {"variant": tuple(v.name for v in s.variants)}
 
 LOWP = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -46,7 +46,13 @@ from tfmoe.recorder import Recorder
 from tfmoe.runtime import check_threads
 from tfmoe.validate import require_int, require_number
 
-__all__ = ["Settings", "run", "settings", "sweep_plots"]
+__all__ = ["Settings", "run", "settings", "sweep_plots", "tag_values"]
+
+
+def tag_values(s: Settings) -> dict[str, tuple[int, ...]]:
+    """The tag values a run with these settings records: each measured group's T and D (an expectation naming
+    another T or D is refused before the run)."""
+    return {"T": tuple(dict.fromkeys(T for T, _ in s.groups)), "D": tuple(dict.fromkeys(D for _, D in s.groups))}
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
 

@@ -164,4 +164,11 @@ def summary(s: Settings, course: CourseResult, traces: dict[str, StrategyTrace])
     return "\n".join(lines)
 
 
-__all__ = ["Settings", "settings", "run", "sweep_plots", "layer_settings", "summary"]
+__all__ = ["Settings", "settings", "run", "sweep_plots", "layer_settings", "summary", "tag_values"]
+
+
+def tag_values(s: Settings) -> dict[str, tuple[str, ...]]:
+    """The tag values a run with these settings records: the training simulation's strategies (none for a user's
+    or a transformers layer, or steps=0). An expectation naming another is refused before the run."""
+    trains = s.layer.impl is None and s.steps > 0
+    return {"strategy": tuple(s.strategies) if trains else ()}

@@ -173,15 +173,38 @@ def force_expect(override: str) -> str:
     return override
 
 
-def validate_expectations(exp: Experiment, composed: Any) -> None:
+def validate_expectations(exp: Experiment, composed: Any, multirun: bool = False) -> None:
     """Refuse a malformed expectation, or one on a metric or tag the experiment does not record, before any
-    run (or any job of a sweep) starts."""
+    run (or any job of a sweep) starts; a single run's tag values too, where its settings know them (a sweep's
+    jobs: validate_sweep_settings)."""
     from tfmoe.harness.method import expectations
     from tfmoe.harness.method.declared_metrics import declared_for
 
     parsed = expectations.parse(composed.get("expect"))
     if parsed:
         expectations.validate(parsed, declared_for(exp.name), exp.name)
+    if not multirun and any(e.tags for e in parsed) and hasattr(exp.load(), "tag_values"):
+        from omegaconf import open_dict, read_write
+
+        cfg = composed.copy()
+        with read_write(cfg), open_dict(cfg):
+            cfg.pop("hydra", None)
+        try:
+            settings = exp.load().settings(cfg)
+        except BadInput:
+            raise  # the run would refuse these settings anyway: say so before anything is written
+        except Exception:  # not bad input: the run itself records what happens
+            return
+        validate_tag_values(exp, parsed, settings)
+
+
+def validate_tag_values(exp: Experiment, parsed: list[Any], settings: Any) -> None:
+    """The expectations' tag selections against the values the experiment's ``tag_values(settings)`` knows."""
+    from tfmoe.harness.method import expectations
+
+    known = getattr(exp.load(), "tag_values", None)
+    if parsed and known is not None:
+        expectations.validate_tag_values(parsed, known(settings), exp.name)
 
 
 # Launchers that come from an optional extra: hydra/launcher=<name> -> (plugin module, extra)
@@ -244,6 +267,7 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
     from omegaconf import open_dict, read_write
 
     from tfmoe.harness.launching.sweep_speed import JobConfigs, parse
+    from tfmoe.harness.method import expectations
 
     module = exp.load()
     jobs = sweep_job_overrides(overrides)
@@ -269,7 +293,7 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
                     cfg = configs(job)
                     with read_write(cfg), open_dict(cfg):  # the job's config, as run_job hands it over
                         del cfg["hydra"]
-                    module.settings(cfg)
+                    validate_tag_values(exp, expectations.parse(cfg.get("expect")), module.settings(cfg))
                 except BadInput as exc:
                     refused.append((i, job, str(exc)))
                 except Exception:  # not bad input: the job itself records what happens
@@ -337,7 +361,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     overrides, flags = split_args(args)
     overrides = [force_expect(o) for o in overrides]
     composed = validate_overrides(exp, overrides)
-    validate_expectations(exp, composed)
+    validate_expectations(exp, composed, multirun)
     if not any(f in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for f in flags):
         if multirun:
             validate_sweep_settings(exp, overrides)

@@ -210,6 +210,21 @@ def validate(expectations: list[Expectation], declared: Mapping[str, Iterable[st
                                f"{key!r}: its tags are {known}")
 
 
+def validate_tag_values(expectations: list[Expectation], known: Mapping[str, Iterable[Any]], experiment: str) -> None:
+    """Refuse a tag selection whose value the run cannot record, where the experiment knows its tag's values from
+    its settings (``known``: tag -> values, the module's optional ``tag_values(settings)``). A tag not in ``known``
+    is only known once the run has recorded it: a wrong value there is named when the expectation is judged."""
+    for e in expectations:
+        for key, wanted in e.tags:
+            if key not in known:
+                continue
+            values = [v for v in known[key]]
+            if not any(_tag_matches(v, wanted) for v in values):
+                listed = ", ".join(f"{key}={v}" for v in values) or f"no {key} at all"
+                raise BadInput(f"expectation {e.label!r}: with these settings {experiment} records {e.metric} for "
+                               f"{listed}; not {key}={wanted}: pick one of those, or change the settings")
+
+
 # ------------------------------------------------------------------------------------------ judging
 @dataclass
 class Judgement:
@@ -217,7 +232,8 @@ class Judgement:
     held: bool
     rows: int
     miss: float | None  # how far outside the expectation the observed value is (None when it held)
-    detail: str
+    detail: str  # how the value was taken (which aggregate, which rows) and which row it came from
+    where: str = ""  # the row the observed value is: its tag values and step ('' for a mean over rows)
 
 
 def _tag_matches(value: Any, wanted: str) -> bool:
@@ -245,41 +261,77 @@ def _step(r: dict[str, Any]) -> int | None:
     return None if s is None or (pd.api.types.is_scalar(s) and pd.isna(s)) else int(s)
 
 
+def _present(v: Any) -> bool:
+    import pandas as pd
+
+    return v is not None and not (pd.api.types.is_scalar(v) and pd.isna(v)) and str(v) != ""
+
+
+def row_label(r: dict[str, Any]) -> str:
+    """'strategy=none, step 199': a metrics row's tag values and step (what names the row a value came from)."""
+    tags = [f"{k}={_num(v) if isinstance(v, float) else v}" for k, v in r.items()
+            if k not in ("name", "value", "step", "measured") and _present(v)]
+    step = _step(r)
+    return ", ".join(tags + ([f"step {step}"] if step is not None else []))
+
+
+def _unknown_tag_values(e: Expectation, rows: list[dict[str, Any]]) -> str:
+    """Which selected tag values the run never recorded for the metric, with the values it did record."""
+    named = [r for r in rows if r.get("name") == e.metric]
+    out = []
+    for key, wanted in e.tags:
+        seen = sorted({str(r.get(key)) for r in named if _present(r.get(key))})
+        if not any(_tag_matches(v, wanted) for v in seen):
+            listed = ", ".join(seen[:12]) + (" …" if len(seen) > 12 else "")
+            out.append(f"{key}={wanted} is not a value it recorded ({key}: {listed or 'none'})")
+    return "; ".join(out)
+
+
 def judge(e: Expectation, rows: list[dict[str, Any]]) -> Judgement:
     picked = select_rows(e, rows)
     if not picked:
-        return Judgement(None, False, 0, None, f"the run recorded no rows of {e.selector}")
+        unknown = _unknown_tag_values(e, rows)
+        return Judgement(None, False, 0, None, f"the run recorded no rows of {e.selector}"
+                         + (f": {unknown} (this tag's values are known only once the run has recorded them: check the spelling)"
+                            if unknown else ""))
     steps = [_step(r) for r in picked]
     ordered = [r for _, r in sorted(enumerate(picked), key=lambda ir: (steps[ir[0]] is None, steps[ir[0]] or 0, ir[0]))]
     values = [float(r["value"]) for r in ordered]
-    if e.aggregate:
-        agg = {"max": max, "min": min, "mean": lambda v: sum(v) / len(v), "first": lambda v: v[0],
-               "last": lambda v: v[-1]}[e.aggregate]
-        candidates = [agg(values)]
-        how = f"{e.aggregate} over {len(values)} row(s)"
+    if e.aggregate == "mean":
+        candidates: list[tuple[float, dict[str, Any] | None]] = [(sum(values) / len(values), None)]
+        how = f"the mean over {len(values)} row(s)"
+    elif e.aggregate:
+        pick = {"max": lambda: max(range(len(values)), key=lambda i: values[i]),
+                "min": lambda: min(range(len(values)), key=lambda i: values[i]),
+                "first": lambda: 0, "last": lambda: len(values) - 1}[e.aggregate]()
+        candidates = [(values[pick], ordered[pick])]
+        how = f"the {e.aggregate} over {len(values)} row(s)"
     else:
         known = [s for s in steps if s is not None]
         if known:
             last = max(known)
-            candidates = [float(r["value"]) for r, s in zip(picked, steps, strict=True) if s == last]
-            how = f"at its last step ({last})"
+            candidates = [(float(r["value"]), r) for r, s in zip(picked, steps, strict=True) if s == last]
+            how = f"the value at its last step ({last}), not an average over steps"
         else:
-            candidates = values
+            candidates = [(v, r) for v, r in zip(values, ordered, strict=True)]
             how = f"{len(values)} row(s)" if len(values) > 1 else "1 row"
         if len(candidates) > 1:
             how += f"; all {len(candidates)} rows must hold, the one that misses most is shown"
-    worst = min(candidates, key=e.margin)
-    held = all(e.holds(v) for v in candidates)
+    worst, row = min(candidates, key=lambda c: e.margin(c[0]))
+    held = all(e.holds(v) for v, _ in candidates)
     miss = None if held else (math.inf if math.isnan(worst) else max(0.0, -e.margin(worst)))
-    return Judgement(worst, held, len(picked), miss, how)
+    where = row_label(row) if row is not None else ""
+    return Judgement(worst, held, len(picked), miss, how + (f"; observed at {where}" if where else ""), where)
 
 
 def describe_miss(e: Expectation, j: Judgement) -> str:
-    """'cv < 0.1 did not hold: observed 0.179 (misses by 0.079)'."""
+    """'maxvio < 0.5 did not hold: observed 2.54688 at strategy=none, step 199 (the value at its last step (199),
+    not an average over steps; ...) (misses by 2.05)'."""
     if j.observed is None:
         return f"{e.text} could not be judged: {j.detail}"
     by = "" if j.miss is None else (" (the value is NaN)" if math.isinf(j.miss) else f" (misses by {j.miss:.4g})")
-    return f"{e.text} did not hold: observed {j.observed:.6g}{by}"
+    how = j.detail.split("; observed at ")[0]
+    return f"{e.text} did not hold: observed {j.observed:.6g}{' at ' + j.where if j.where else ''} ({how}){by}"
 
 
 def frame(expectations: list[Expectation], written_at: Any, judgements: list[Judgement] | None = None,
