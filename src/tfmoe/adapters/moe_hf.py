@@ -176,8 +176,7 @@ class HFBlock(LayerUnderTest):
     # -------------------------------------------------------------------- run
     def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
         out, (logits, weights, idx) = forward_capturing(module, module.gate, x)
-        selected, dense = dense_from_topk(idx, weights, self.sizes.n_experts)
-        return out, Captured(selected, dense, None, logits.detach())
+        return out, Captured(dense_from_topk(idx, weights, self.sizes.n_experts), None, logits.detach())
 
     # -------------------------------------------------------------- reference
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
