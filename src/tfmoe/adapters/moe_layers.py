@@ -39,6 +39,8 @@ class LayerSizes:
     norm_topk_prob: bool = True  # Qwen2-MoE / DeepSeek-V3 layouts
     shared_hidden: int = 32  # Qwen2-MoE shared expert width
     bias_scale: float = 0.1  # std of DeepSeek-V3's correction bias, set non-zero from the seed
+    capacity_factor: float | None = None  # capacity layers (lib:*): None = the library's eval default
+    straight_through: bool = True  # st-moe-pytorch's straight-through dispatch tensor (its default)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from tfmoe.adapters import load_layer
 from tfmoe.adapters.moe_layers import Captured, LayerRaised, LayerUnderTest, OwnLayer
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
+from tfmoe.errors import BadInput
 from tfmoe.experiments.route_sim.checks import check_cv_maxvio, check_loads_sum
 from tfmoe.experiments.route_sim.settings import LayerSettings
 from tfmoe.recorder import Recorder
@@ -363,7 +364,10 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     """Every check on one layer. Checks that do not apply are named in the run's notes ("n/a: ..."). A layer
     that raises fails the checks that called it, with its exception; the others still run."""
     t0 = time.perf_counter()
-    lut = load_layer(p.impl, p.sizes)
+    lut = load_layer(p.impl, p.sizes, p.seq)
+    if lut.half_precision_unsupported and rec.dtype in LOW_PRECISION:
+        raise BadInput(f"impl={lut.label} cannot run in {str(rec.dtype).removeprefix('torch.')}: "
+                       f"{lut.half_precision_unsupported}: run it with dtype=fp32 or dtype=fp64")
     module = lut.build(rec.seed).to(rec.device, rec.dtype)
     weights = lut.reference_weights(module)
     gen = torch.Generator().manual_seed(rec.seed + 11)
