@@ -1,7 +1,8 @@
 """The HF MoE zoo: every sparse-MoE block of the installed transformers, vetted or refused by name.
 
 Enumerated from transformers' own model modules, without importing them: every ``class <Name>(`` in a
-``models/<type>/modeling_<type>.py`` whose name ends in SparseMoeBlock, MoE, Moe or MoeBlock. Each block is then
+``models/<type>/modeling_<type>.py`` whose name ends in SparseMoeBlock, MoE, Moe or MoeBlock (plus
+``EXTRA_BLOCKS``, named otherwise: DBRX's ``DbrxFFN``). Each block is then
 
 - **vetted** (``tfmoe.adapters.moe_hf.MODEL_TYPES``): its route-sim battery (``impl=hf:<type>``, tiny config, nothing
   downloaded) is run here, and the verdict printed is the battery's: passes, or FAILS with the checks;
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TITLE: str = "MoE blocks of transformers (`route-sim impl=hf:<model_type>`)"
+# Sparse-MoE blocks whose class names do not follow the pattern (found by reading their modeling files).
+EXTRA_BLOCKS: dict[str, str] = {"dbrx": "DbrxFFN"}
 BLOCK = re.compile(r"^class (\w+(?:SparseMoeBlock|MoE|Moe|MoeBlock))\(([\w.]*)", re.M)
 
 
@@ -49,7 +52,12 @@ def enumerate_blocks() -> list[Block]:
             continue
         modular = modeling.with_name(f"modular_{model_type}.py")
         parents = dict(BLOCK.findall(modular.read_text())) if modular.exists() else {}
-        for name, _base in BLOCK.findall(modeling.read_text()):
+        text = modeling.read_text()
+        names = [name for name, _base in BLOCK.findall(text)]
+        extra = EXTRA_BLOCKS.get(model_type)
+        if extra and re.search(rf"^class {extra}\(", text, re.M):
+            names.append(extra)
+        for name in names:
             blocks.append(Block(model_type, name, parents.get(name, "")))
     return blocks
 

@@ -30,7 +30,8 @@ def test_enumeration_finds_the_known_blocks_from_source():
     blocks = {(b.model_type, b.name) for b in zoo().enumerate_blocks()}
     assert {("mixtral", "MixtralSparseMoeBlock"), ("qwen2_moe", "Qwen2MoeSparseMoeBlock"),
             ("deepseek_v3", "DeepseekV3MoE"), ("jamba", "JambaSparseMoeBlock"),
-            ("granitemoe", "GraniteMoeMoE"), ("phimoe", "PhimoeSparseMoeBlock")} <= blocks
+            ("granitemoe", "GraniteMoeMoE"), ("phimoe", "PhimoeSparseMoeBlock"),
+            ("dbrx", "DbrxFFN")} <= blocks
     assert len(blocks) >= 60
 
 

@@ -88,6 +88,9 @@ LAYOUTS = ("mixtral", "qwen2_moe", "deepseek_v3")
 # Sparse-MoE blocks of transformers 5.24 refused by name: the semantic each needs that the reference does not model
 # (read from its modeling file). scripts/zoo_moe.py lists every block, vetted, refused or not vetted.
 REFUSED: dict[str, str] = {  # model type (or type.Block where a type has two blocks) -> why
+    'dbrx': 'DbrxFFN keeps its sizes in a nested ffn_config and divides the top-k weights by their p-norm '
+            '(ffn_config.moe_normalize_expert_weights; p=1 is renormalising): needs a DBRX config reader and the '
+            'p-norm semantic',
     'afmoe': 'not derived from a vetted block (nn.Module); under the three layouts mixtral: raised AttributeError; qwen2_moe: raised AttributeError; deepseek_v3: raised AttributeError; its modeling file uses sigmoid scores, a selection bias, a routed scaling factor, shared experts',
     'axk1': 'derives from DeepseekV3MoE (deepseek_v3) but routes differently (fails output_vs_reference under that layout); its modeling file uses sigmoid scores, a selection bias, a routed scaling factor, shared experts, group-limited routing',
     'beam': 'derives from Qwen3MoeSparseMoeBlock (mixtral) but routes differently (fails output_vs_reference, routing_selection, routing_weights under that layout); its modeling file uses sigmoid scores, a selection bias, a routed scaling factor, group-limited routing',
