@@ -73,3 +73,17 @@ class SoftmaxAfterTopKAdapter(MoEAdapter):
 
 class RawLogitWeightsAdapter(SoftmaxAfterTopKAdapter):
     layer = RawLogitWeights
+
+
+class NeedsArgumentsAdapter(SoftmaxAfterTopKAdapter):
+    """Bad input: an adapter class must build with no arguments."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+
+class WrongShapeAdapter(SoftmaxAfterTopKAdapter):
+    """Bad input: forward returns the flat (N, D) output, not (B, T, D)."""
+
+    def forward(self, module, x):
+        return module(x).reshape(-1, x.shape[-1])

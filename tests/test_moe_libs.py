@@ -136,6 +136,8 @@ def test_mixture_of_experts_planted_bug_capacity_overflow_not_dropped(monkeypatc
     (["impl=lib:st_moe_pytorch", "top_k=1"], "top_n >= 2"),
     (["impl=lib:mixture_of_experts", "top_k=3"], "routes to 2 experts"),
     (["impl=lib:nothing"], "no shipped MoE adapter 'nothing'"),
+    (["impl=adapted_moe:NeedsArgumentsAdapter"], "must build with no arguments"),
+    (["impl=adapted_moe:WrongShapeAdapter"], "must return the layer's output shaped like x"),
     (["impl=lib:st_moe_pytorch", "dtype=fp16"], "cannot run in float16"),
     (["impl=lib:st_moe_pytorch", "layer.capacity_factor=0"], "layer.capacity_factor=0"),
     (["impl=lib:st_moe_pytorch", "layer.straight_through=maybe"], "layer.straight_through"),

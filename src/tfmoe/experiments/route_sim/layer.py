@@ -439,6 +439,9 @@ def battery_rows(rec: Recorder, label: str) -> Rows:
 
 def battery_summary(rec: Recorder, lut: LayerUnderTest) -> str:
     lines = [f"## Layer battery: {lut.label}", "", battery_rows(rec, lut.label).markdown()]
+    for note in rec.notes:
+        if note.startswith("dispatch: "):  # an observation, not a check
+            lines += ["", "Dispatch: " + note.removeprefix("dispatch: ") + "."]
     alts = [(r["name"].removeprefix(PREFIX + "alt."), r["value"]) for r in rec.metrics_rows
             if r["name"].startswith(PREFIX + "alt.")]
     if alts:
