@@ -99,3 +99,55 @@ class ReturnsTensor(Correct):
 
     def forward(self, x):
         return super().forward(x)[0]
+
+
+# ----------------------------------------------------------- correct, but written differently
+class DenseZeroGates(Correct):
+    """Correct: runs every expert on every token and weights them by a dense (N,E) gate matrix that is exactly 0
+    off the top-k (the way dense/einsum MoE code is written). Same function as ``Correct``."""
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = self.probs(flat)
+        weights, indices = self.combine_weights(probs)
+        gates = torch.zeros_like(probs).scatter(1, indices, weights)  # (N,E), 0 off the top-k
+        outs = torch.stack([expert(flat) for expert in self.experts], dim=1)  # (N,E,D)
+        return (gates[..., None] * outs).sum(dim=1).view(shape), probs
+
+
+class StraightThrough(Correct):
+    """Correct: dispatches x * ((1 + c) - c), st-moe-pytorch's straight-through trick (the value is 1 up to
+    rounding, the gradient reaches the gates): the rows an expert sees differ from x in the last bits."""
+
+    def forward(self, x):
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = self.probs(flat)
+        weights, indices = self.combine_weights(probs)
+        out = torch.zeros_like(flat)
+        for expert_id, expert in enumerate(self.experts):
+            token_pos, slot = self.served(indices, expert_id)
+            if token_pos.numel() == 0:
+                continue
+            c = weights[token_pos, slot, None]
+            out[token_pos] += c * expert(flat[token_pos] * ((1 + c) - c))
+        return out.view(shape), probs
+
+
+class FloatRouter(Correct):
+    """A float32 router beside experts in the run's dtype: ``F.linear(x.float(), router.weight)`` raises when
+    the layer is cast to fp16/bf16 (weight Half, input Float). Correct in fp32/fp64."""
+
+    def probs(self, flat):
+        logits = torch.nn.functional.linear(flat.float() if flat.dtype != torch.float64 else flat,
+                                            self.router.weight)
+        return torch.softmax(logits, dim=-1).to(flat.dtype)
+
+
+class DenseArgmin(DenseZeroGates):
+    """The dense layer with a real bug: its zero gates sit on the top-k, its weights on the *smallest* scores."""
+
+    def combine_weights(self, probs):
+        weights, indices = probs.topk(self.top_k, dim=-1, largest=False)
+        return weights / weights.sum(dim=-1, keepdim=True), indices

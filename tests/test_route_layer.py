@@ -179,6 +179,73 @@ def test_planted_bugs_course_interface(cls, must_fail, must_pass):
         assert not bad
 
 
+# ------------------------------------- correct layers written differently (issue 22: false alarms)
+@pytest.mark.parametrize("cls, sparse", [("DenseZeroGates", 0.0), ("StraightThrough", 1.0), ("Correct", 1.0)])
+def test_dense_and_straight_through_layers_pass_routing(cls, sparse):
+    """Regression (F-120): the selection was read from which rows reached each expert's hook, matched exactly
+    against the tokens. A layer running every expert on every token (zero gates off the top-k) then "chose"
+    all 8 experts, and a straight-through dispatch x*((1+c)-c) none: routing_selection, loads_sum and cv_maxvio
+    failed and the likely cause said "the smallest scores are chosen". The selection is now the experts a
+    token's output depends on (measured combine weights); whether dispatch is sparse is an observation."""
+    rec = battery(f"impl=buggy_moe:{cls}", "layer.seq=8")
+    assert not failed(rec), [c for c in rec.checks_rows if not c.passed]
+    assert {"routing_selection", "loads_sum", "cv_maxvio"} <= {c.check.removeprefix("layer.") for c in rec.checks_rows}
+    assert metric(rec, "dispatch_sparse") == sparse
+    n, e = 2 * 8, 8
+    assert metric(rec, "expert_rows") == (n * e if sparse == 0.0 else n * 2)
+    assert any(note.startswith("dispatch: ") for note in rec.notes)
+
+
+def test_measured_combine_weights_are_exact_and_zero_off_the_top_k():
+    lut = moe_layers.ToyInterfaceLayer("buggy_moe:DenseZeroGates", moe_layers.LayerSizes(8, 8, 4, 2))
+    module = lut.build(0)
+    x = torch.randn(1, 5, 8)
+    _, cap = lut.run(module, x)
+    top = torch.softmax(module.router(x[0]), -1).double().topk(2, -1)
+    expected = torch.zeros(5, 4, dtype=torch.float64).scatter(1, top.indices, top.values / top.values.sum(-1, True))
+    torch.testing.assert_close(cap.weights, expected, rtol=1e-6, atol=0.0)
+    assert torch.equal(cap.selected, expected != 0)  # exactly zero off the top-k, not merely small
+    assert cap.expert_rows == 5 * 4
+
+
+@pytest.mark.parametrize("cls", ["DenseArgmin", "ArgminRouting", "FirstComeCapacity"])
+def test_planted_bugs_still_caught_by_the_routing_checks(cls):
+    bad = failed(battery(f"impl=buggy_moe:{cls}", "layer.seq=8"))
+    assert "routing_selection" in bad and "output_vs_reference" in bad, bad
+    if cls == "FirstComeCapacity":  # tokens past an expert's third lose it: fewer than tokens*k assignments
+        assert {"loads_sum", "cv_maxvio"} <= bad
+
+
+# ------------------------------------------------ a layer that raises in one dtype (issue 22)
+def test_layer_raising_in_half_precision_fails_those_checks_and_keeps_the_rest():
+    """Regression (F-121): a float32 router beside half experts raised inside finite.fp16 and the whole run
+    crashed (exit 3, "a tfmoe bug"), losing the checks already judged."""
+    rec = battery("impl=buggy_moe:FloatRouter", "layer.seq=8")
+    assert failed(rec) == {"finite.fp16", "finite.bf16"}
+    detail = next(c.detail for c in rec.checks_rows if c.check == "layer.finite.fp16")
+    assert "raised RuntimeError: expected m1 and m2 to have the same dtype" in detail
+    assert result(rec, "output_vs_reference") and result(rec, "routing_selection")
+
+
+def test_layer_raising_in_half_precision_through_the_cli_exit_1_not_3(tmp_path):
+    res = run_cli(["route-sim", "impl=buggy_moe:FloatRouter", "layer.seq=6"], tmp_path)
+    assert res.exit_code == 1, res.stdout + res.stderr
+    from tfmoe.harness.store.notebook import load_run
+
+    run = load_run(res.run_dir)
+    assert run.run["status"] == "failed"
+    checks = run.checks.set_index("check")["passed"]
+    assert not checks["layer.finite.fp16"] and checks["layer.output_vs_reference"]
+
+
+def test_layer_raising_in_the_run_dtype_fails_every_check_with_the_exception():
+    rec = battery("impl=buggy_moe:FloatRouter", "dtype=fp16", "layer.seq=6")
+    assert rec.checks_rows and not any(c.passed for c in rec.checks_rows)
+    assert {c.check.removeprefix("layer.") for c in rec.checks_rows} >= {
+        "output_vs_reference", "routing_selection", "loads_sum", "permutation_equivariance", "finite.bf16"}
+    assert all("RuntimeError: expected m1 and m2" in c.detail for c in rec.checks_rows)
+
+
 def test_planted_bug_load_counts_only_first_choice(monkeypatch):
     real = moe.expert_load
     monkeypatch.setattr(moe, "expert_load", lambda idx, n: real(idx[: idx.numel() // 2], n))

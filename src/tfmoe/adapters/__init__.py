@@ -60,9 +60,12 @@ def load_adapter(spec: str, attn_implementation: str = "eager") -> AttentionAdap
     return CourseInterface(obj, spec)
 
 
-def load_layer(impl: str | None, sizes: LayerSizes) -> LayerUnderTest:
-    """The MoE layer ``impl=`` names: null = the package's own, hf:<type> = a transformers block, else
-    pkg.module:Class in the course's ToyMoE interface (BadInput, one line, for anything unusable)."""
+def load_layer(impl: str | None, sizes: LayerSizes, seq: int = 12) -> LayerUnderTest:
+    """The MoE layer ``impl=`` names: null = the package's own, hf:<type> = a transformers block, lib:<library> =
+    a shipped :class:`~tfmoe.adapters.moe_base.MoEAdapter`, pkg.module:Adapter = a user's MoEAdapter (class or
+    instance), else pkg.module:Class in the course's ToyMoE interface (BadInput, one line, for anything unusable).
+    ``seq`` is the tokens per sequence (a declared capacity counts per sequence)."""
+    from tfmoe.adapters.moe_base import AdaptedLayer, MoEAdapter
     from tfmoe.adapters.moe_layers import OwnLayer, ToyInterfaceLayer
 
     if impl is None:
@@ -71,6 +74,26 @@ def load_layer(impl: str | None, sizes: LayerSizes) -> LayerUnderTest:
         from tfmoe.adapters.moe_hf import HFBlock
 
         return HFBlock(impl.removeprefix("hf:"), sizes)
+    if impl.startswith("lib:"):
+        from tfmoe.adapters.moe_libs import SHIPPED
+
+        name = impl.removeprefix("lib:")
+        if name not in SHIPPED:
+            raise BadInput(f"impl={impl!r}: no shipped MoE adapter {name!r}: use one of "
+                           f"{', '.join('lib:' + n for n in SHIPPED)}")
+        return AdaptedLayer(SHIPPED[name](), sizes, seq)
+    obj = load_object(impl, "impl", bad_form=f"impl={impl!r} is not 'pkg.module:Class' nor 'hf:<model type>': "
+                      "write e.g. impl=my_moe:ToyMoE or impl=hf:mixtral")
+    if inspect.isclass(obj) and issubclass(obj, MoEAdapter):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise BadInput(f"impl={impl!r}: adapter {obj.__qualname__}() raised {type(exc).__name__}: {exc}: "
+                           "an adapter class must build with no arguments") from None
+    if isinstance(obj, MoEAdapter):
+        if obj.spec == "?":
+            obj.spec = impl
+        return AdaptedLayer(obj, sizes, seq)
     return ToyInterfaceLayer(impl, sizes)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,16 +39,47 @@ class LayerSizes:
     norm_topk_prob: bool = True  # Qwen2-MoE / DeepSeek-V3 layouts
     shared_hidden: int = 32  # Qwen2-MoE shared expert width
     bias_scale: float = 0.1  # std of DeepSeek-V3's correction bias, set non-zero from the seed
+    capacity_factor: float | None = None  # capacity layers (lib:*): None = the library's eval default
+    straight_through: bool = True  # st-moe-pytorch's straight-through dispatch tensor (its default)
 
 
 @dataclass
 class Captured:
-    """The routing read through forward hooks, as dense (N,E) matrices."""
+    """The routing the layer applied, as dense (N,E) matrices. A token's experts are those with a nonzero combine
+    weight (above ``zero_tol``, the measurement's own rounding: 0 where the weights are read off the router),
+    never which rows reached an expert: a layer may run every expert on every token and weight most by 0."""
 
-    selected: torch.Tensor  # (N,E) bool
     weights: torch.Tensor  # (N,E) float, 0 where not selected
     probs: torch.Tensor | None = None  # (N,E) the layer's full router distribution, where it exposes one
     logits: torch.Tensor | None = None  # (N,E) router logits, where the router exposes them
+    expert_rows: int | None = None  # rows the experts ran on in the forward (N*E: dense dispatch), where hooks see it
+    zero_tol: torch.Tensor | float = 0.0  # (N,1) or scalar: |weight| <= this counts as not selected
+
+    @property
+    def selected(self) -> torch.Tensor:
+        """(N,E) bool: the experts each token's output depends on."""
+        return self.weights.abs() > self.zero_tol
+
+
+class LayerRaised(Exception):
+    """The layer under test (its own forward, or the library a shipped adapter drives) raised: a failure of the
+    checks that needed that call, never a crash of the battery. ``str()`` is the exception's type and message."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+        message = " ".join(str(exc).split())
+        super().__init__(f"{type(exc).__name__}: {message}" if message else type(exc).__name__)
+
+
+def call_layer(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """fn(*args) without grad; any exception but bad input becomes :class:`LayerRaised`."""
+    try:
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    except (BadInput, LayerRaised, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        raise LayerRaised(exc) from exc
 
 
 def forward_capturing(module: nn.Module, hooked: nn.Module, x: torch.Tensor) -> tuple[Any, Any]:
@@ -54,21 +87,73 @@ def forward_capturing(module: nn.Module, hooked: nn.Module, x: torch.Tensor) -> 
     seen: list[Any] = []
     handle = hooked.register_forward_hook(lambda _m, _i, out: seen.append(out))
     try:
-        with torch.no_grad():
-            out = module(x)
+        out = call_layer(module, x)
     finally:
         handle.remove()
     return out, seen[-1]
 
 
-def dense_from_topk(idx: torch.Tensor, weight: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N,k) indices and weights -> (N,E) bool selection and (N,E) weights."""
-    n = idx.shape[0]
-    selected = torch.zeros(n, n_experts, dtype=torch.bool, device=idx.device)
-    selected.scatter_(1, idx.long(), True)
-    weights = torch.zeros(n, n_experts, dtype=weight.dtype, device=idx.device)
+def dense_from_topk(idx: torch.Tensor, weight: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(N,k) indices and weights -> (N,E) weights, 0 off the top-k."""
+    weights = torch.zeros(idx.shape[0], n_experts, dtype=weight.dtype, device=idx.device)
     weights.scatter_(1, idx.long(), weight)
-    return selected, weights
+    return weights
+
+
+Filler = Callable[[int, torch.Tensor, "int | None", float], torch.Tensor]
+
+
+def per_expert_fill(target: int, y: torch.Tensor, probe: int | None, c: float) -> torch.Tensor:
+    """Targets are the experts themselves: the probed one returns c everywhere, every other one 0."""
+    return torch.full_like(y, c) if target == probe else torch.zeros_like(y)
+
+
+def stacked_fill(target: int, y: torch.Tensor, probe: int | None, c: float) -> torch.Tensor:
+    """One target computing every expert at once, experts on dim 0 (E, ..., D)."""
+    z = torch.zeros_like(y)
+    if probe is not None:
+        z[probe] = c
+    return z
+
+
+def probe_combine_weights(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, targets: list[nn.Module],
+                          n_experts: int, fill: Filler = per_expert_fill) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The combine weights a layer applies, measured: with every expert's output replaced by 0 (the base pass),
+    then, expert by expert, that expert's by a constant c, out_t moves by w_te * c (a combine is linear in the
+    experts' outputs, however it dispatches: sparse, dense with zero gates, straight-through x*((1+c)-c)).
+
+    Returns (weights (N,E) float64, zero_tol (N,1): the rounding of the base a zero weight can show, rows the
+    experts ran on in the base pass)."""
+    state: dict[str, Any] = {"probe": None, "c": 0.0, "rows": 0}
+
+    def hook(target: int):
+        def replace(_m: nn.Module, _i: Any, out: Any) -> torch.Tensor:
+            if not isinstance(out, torch.Tensor):
+                raise BadInput(f"an expert returned {type(out).__name__}, not a tensor: the combine weights are "
+                               "measured by replacing each expert's output")
+            state["rows"] += out.numel() // out.shape[-1] if out.dim() else 0
+            return fill(target, out, state["probe"], state["c"])
+        return replace
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(targets)]
+    try:
+        with torch.no_grad():
+            base = call(x).reshape(-1, x.shape[-1])  # (N,D) every expert 0
+            rows = state["rows"]
+            scale = max(1.0, float(base.double().abs().max())) if base.numel() else 1.0
+            cap = torch.finfo(x.dtype).max / (64 * max(n_experts, 1)) if x.dtype.is_floating_point else 1024.0
+            state["c"] = c = 2.0 ** math.floor(math.log2(min(1024.0 * scale, cap)))
+            weights = torch.zeros(base.shape[0], n_experts, dtype=torch.float64, device=x.device)
+            for e in range(n_experts):
+                state["probe"] = e
+                moved = call(x).reshape(base.shape).double() - base.double()  # (N,D) = w_te * c
+                weights[:, e] = moved.mean(dim=-1) / c
+    finally:
+        for h in handles:
+            h.remove()
+    eps = torch.finfo(x.dtype).eps if x.dtype.is_floating_point else 0.0
+    zero_tol = 8 * eps * base.double().abs().amax(dim=-1, keepdim=True) / c  # (N,1)
+    return weights, zero_tol, rows
 
 
 class LayerUnderTest:
@@ -92,6 +177,10 @@ class LayerUnderTest:
         """x (B,T,D) -> out (B,T,D) and the routing captured by hooks during that call."""
         raise NotImplementedError
 
+    def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x (B,T,D) -> out (B,T,D) alone (the invariance and precision checks need no routing)."""
+        return self.run(module, x)[0]
+
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
         raise NotImplementedError
 
@@ -105,6 +194,18 @@ class LayerUnderTest:
 
     def notes(self) -> list[str]:
         return []
+
+    # Declared, not measured: why fp16/bf16 copies cannot run (their checks are then n/a, with the exception),
+    # "" = they must run (a copy that raises fails finite.<dtype> with the exception).
+    half_precision_unsupported: str = ""
+
+    @property
+    def order_dependent(self) -> str:
+        """Why permuting the tokens may change the output by design ("" if it may not): capacity drops by position."""
+        if self.semantics.capacity is None:
+            return ""
+        return (f"capacity {self.semantics.capacity} per expert drops assignments by their position in the "
+                "sequence (declared)")
 
 
 def _linear64(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -133,8 +234,8 @@ class OwnLayer(LayerUnderTest):
 
     def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
         res, r = forward_capturing(module, module.router, x)
-        selected, weights = dense_from_topk(r.topk_idx, r.topk_weight, self.sizes.n_experts)
-        return res.out, Captured(selected, weights, r.probs, r.logits)
+        weights = dense_from_topk(r.topk_idx, r.topk_weight, self.sizes.n_experts)
+        return res.out, Captured(weights, r.probs, r.logits)
 
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
         experts = []
@@ -173,9 +274,9 @@ class ToyInterfaceLayer(LayerUnderTest):
     """Any class in the course's ToyMoE interface. The course's semantics: softmax router, top-k,
     weights renormalised over the k, out = sum_k w_k expert_k(x) (no residual, no shared expert).
 
-    Hooks: the router's output gives the logits; each expert's hook gives the rows it ran on (so which
-    experts each token reached) and what it returned, from which the combine weights the layer applied
-    are solved (least squares of out_t on the chosen experts' outputs, float64)."""
+    Hooks: the router's output gives the logits; the combine weights are measured by replacing the experts'
+    outputs (:func:`probe_combine_weights`), so a token's experts are those its output depends on, whatever
+    rows reached which expert (a dense layer runs all of them; a straight-through dispatch perturbs the rows)."""
 
     exposes_probs = True
     router_precision = None
@@ -209,23 +310,8 @@ class ToyInterfaceLayer(LayerUnderTest):
                            f"top_k={s.top_k}): the interface is {INTERFACE}")
         return module.eval()
 
-    def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
-        logits: list[torch.Tensor] = []
-        rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def expert_hook(e: int):
-            def hook(_m: nn.Module, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-                rows[e] = (inputs[0].detach(), out.detach())
-            return hook
-
-        handles = [module.router.register_forward_hook(lambda _m, _i, out: logits.append(out.detach()))]
-        handles += [ex.register_forward_hook(expert_hook(e)) for e, ex in enumerate(module.experts)]
-        try:
-            with torch.no_grad():
-                result = module(x)
-        finally:
-            for h in handles:
-                h.remove()
+    def _call(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        result = call_layer(module, x)
         if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
             raise BadInput(f"impl {self.label}: forward(x) returned {type(result).__name__}, not (out, probs): "
                            f"the interface is {INTERFACE}")
@@ -235,30 +321,24 @@ class ToyInterfaceLayer(LayerUnderTest):
             raise BadInput(f"impl {self.label}: forward(x {tuple(x.shape)}) returned out {tuple(out.shape)}, probs "
                            f"{tuple(probs.shape)}; the interface wants out shaped like x and probs (tokens, "
                            f"{e}): {INTERFACE}")
-        return out, self._captured(x, out, probs.reshape(n, e), logits[-1].reshape(n, e) if logits else None, rows)
+        return out, probs
 
-    def _captured(self, x: torch.Tensor, out: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor | None,
-                  rows: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> Captured:
-        flat = x.reshape(-1, x.shape[-1])
-        n, e = flat.shape[0], self.sizes.n_experts
-        selected = torch.zeros(n, e, dtype=torch.bool, device=x.device)
-        expert_out = torch.zeros(n, e, flat.shape[1], dtype=torch.float64, device=x.device)
-        for i, (inp, y) in rows.items():
-            match = (inp.reshape(-1, 1, flat.shape[1]) == flat.reshape(1, n, -1)).all(dim=-1)  # (n_i,N)
-            token = match.float().argmax(dim=1)  # the token each row is
-            ok = match.any(dim=1)
-            selected[token[ok], i] = True
-            expert_out[token[ok], i] = y.reshape(-1, flat.shape[1])[ok].double()
-        weights = torch.zeros(n, e, dtype=torch.float64, device=x.device)
-        target = out.reshape(n, -1).double()
-        for t in range(n):
-            chosen = selected[t].nonzero().flatten()
-            a = expert_out[t, chosen].T  # (D,k)
-            if not (torch.isfinite(a).all() and torch.isfinite(target[t]).all()):
-                weights[t, chosen] = float("nan")
-            elif chosen.numel():
-                weights[t, chosen] = torch.linalg.lstsq(a, target[t, :, None]).solution.flatten()
-        return Captured(selected, weights, probs, logits)
+    def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self._call(module, x)[0]
+
+    def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
+        """The layer's own forward (its output, probs, and the router's logits through a hook); then the combine
+        weights it applies, measured by :func:`probe_combine_weights` on its ``experts``."""
+        logits: list[torch.Tensor] = []
+        handle = module.router.register_forward_hook(lambda _m, _i, out: logits.append(out.detach()))
+        try:
+            out, probs = self._call(module, x)
+        finally:
+            handle.remove()
+        n, e = x.numel() // x.shape[-1], self.sizes.n_experts
+        weights, zero_tol, rows = probe_combine_weights(lambda t: self._call(module, t)[0], x, list(module.experts), e)
+        return out, Captured(weights, probs.reshape(n, e), logits[-1].reshape(n, e) if logits else None, rows,
+                             zero_tol)
 
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
         w, b = _linear64(module.router)

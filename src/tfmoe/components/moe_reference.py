@@ -10,7 +10,11 @@ computes, densely, for every token:
   groups: each group of E/G experts is scored by the sum of its two best choice scores; the best
           topk_group groups stay eligible (G = 1: every expert eligible)
   top-k  = the k eligible experts with the largest choice scores
-  weight = scores of the chosen experts (uncorrected), / their sum if normalised, * routed_scaling_factor
+  weight = scores of the chosen experts (uncorrected), / (their sum + norm_eps) if normalised,
+           * routed_scaling_factor
+  capacity (GShard / Switch, where the design declares one): within each group of ``capacity_group``
+           consecutive tokens, every token's 1st choice in token order, then every 2nd choice, ...; an
+           assignment past its expert's ``capacity`` is dropped (weight 0, the others not renormalised)
   out    = sum_e weight_e * expert_e(x)  (+ [sigmoid(x g)] * shared(x))  (+ x for a residual layer)
 
 Selection uses a descending sort, not topk, and every expert runs on every token (no dispatch).
@@ -46,6 +50,9 @@ class RoutingSemantics:
     weight_from_corrected: bool = False  # True: a deliberately wrong variant weighting with scores + bias
     shared_gated: bool = True  # False: a deliberately wrong variant ignoring the shared expert's gate
     residual: bool = False  # the layer returns x + mixture
+    norm_eps: float = 0.0  # renormalisation divides by (sum + norm_eps) (tensor2tensor-style gates: 1e-9)
+    capacity: int | None = None  # assignments each expert takes per group; None = dropless
+    capacity_group: int | None = None  # tokens per capacity group (consecutive; None = all tokens)
 
     def variant(self, **changes: object) -> RoutingSemantics:
         return replace(self, **changes)
@@ -182,9 +189,28 @@ def route(x: torch.Tensor, sem: RoutingSemantics, w: LayerWeights) -> ReferenceR
         else scores
     weights = torch.where(selected, weight_source, torch.zeros_like(scores))
     if sem.normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + sem.norm_eps)
     weights = weights * sem.scaling
+    if sem.capacity is not None:
+        selected = within_capacity(c_order[:, :k], e, sem.capacity, sem.capacity_group or n)
+        weights = torch.where(selected, weights, torch.zeros_like(weights))
     return ReferenceRouting(logits, scores, selected, weights, margin)
+
+
+def within_capacity(order: torch.Tensor, n_experts: int, capacity: int, group: int) -> torch.Tensor:
+    """order (N,k): each token's experts, best first -> (N,E) bool of the assignments kept: per group of ``group``
+    consecutive tokens, 1st choices in token order, then 2nd choices, ..., each expert keeping ``capacity``."""
+    n, k = order.shape
+    kept = torch.zeros(n, n_experts, dtype=torch.bool, device=order.device)
+    for start in range(0, n, group):
+        taken = [0] * n_experts
+        for rank in range(k):
+            for t in range(start, min(start + group, n)):
+                e = int(order[t, rank])
+                if taken[e] < capacity:
+                    kept[t, e] = True
+                    taken[e] += 1
+    return kept
 
 
 def combine(x: torch.Tensor, weights: torch.Tensor, sem: RoutingSemantics, w: LayerWeights) -> torch.Tensor:

@@ -102,13 +102,20 @@ def layer_settings(cfg: DictConfig, n_experts: int, top_k: int, score_func: str)
     norm = OmegaConf.select(cfg, "layer.norm_topk_prob")
     if not isinstance(norm, bool):
         raise BadInput(f"layer.norm_topk_prob={norm!r} is not a boolean: pass true or false")
+    straight = OmegaConf.select(cfg, "layer.straight_through", default=True)
+    if not isinstance(straight, bool):
+        raise BadInput(f"layer.straight_through={straight!r} is not a boolean: pass true or false")
+    cf = OmegaConf.select(cfg, "layer.capacity_factor", default=None)
+    if cf is not None:
+        cf = require_number(cfg, "layer.capacity_factor", positive=True)
     sizes = LayerSizes(
         d_model=require_int(cfg, "d_model", 1), d_hidden=require_int(cfg, "d_hidden", 1), n_experts=n_experts,
         top_k=top_k, score_func=score_func, n_group=require_int(cfg, "layer.n_group", 1),
         topk_group=require_int(cfg, "layer.topk_group", 1),
         routed_scaling_factor=require_number(cfg, "layer.routed_scaling_factor", positive=True),
         norm_topk_prob=norm, shared_hidden=require_int(cfg, "layer.shared_hidden", 1),
-        bias_scale=require_number(cfg, "layer.bias_scale", minimum=0.0),
+        bias_scale=require_number(cfg, "layer.bias_scale", minimum=0.0), capacity_factor=cf,
+        straight_through=straight,
     )
     return LayerSettings(impl=None if impl is None else impl.strip(), sizes=sizes,
                          batch=require_int(cfg, "layer.batch", 2), seq=require_int(cfg, "layer.seq", 1))

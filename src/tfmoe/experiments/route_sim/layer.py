@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,9 +33,10 @@ import torch
 import torch.nn as nn
 
 from tfmoe.adapters import load_layer
-from tfmoe.adapters.moe_layers import Captured, LayerUnderTest, OwnLayer
+from tfmoe.adapters.moe_layers import Captured, LayerRaised, LayerUnderTest, OwnLayer
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
+from tfmoe.errors import BadInput
 from tfmoe.experiments.route_sim.checks import check_cv_maxvio, check_loads_sum
 from tfmoe.experiments.route_sim.settings import LayerSettings
 from tfmoe.recorder import Recorder
@@ -162,11 +164,14 @@ def check_sums(rec: Recorder, lut: LayerUnderTest, o: Observation) -> list[str]:
         na.append("probs_sum_to_one")
     sem = lut.semantics
     if sem.normalize:
-        sums = o.cap.weights.double().sum(dim=-1)
+        full = o.ref.selected.sum(dim=-1) == sem.top_k  # tokens a capacity dropped nothing of (all, dropless)
+        sums = o.cap.weights.double().sum(dim=-1)[full]
         err = _max_abs(sums - sem.scaling)
-        tol = 8 * _router_ulps(lut, o) * max(1.0, sem.scaling)
+        tol = 8 * _router_ulps(lut, o) * max(1.0, sem.scaling) + 4 * sem.norm_eps
+        dropped = int((~full).sum())
         rec.check_le(f"{PREFIX}topk_weights_sum", err, tol,
-                     f"max over tokens of |sum of the k combine weights - {sem.scaling:g}| (the design normalises)",
+                     f"max over tokens of |sum of the k combine weights - {sem.scaling:g}| (the design normalises)"
+                     + (f"; {dropped} tokens with an assignment over capacity left out" if dropped else ""),
                      evidence={"captured_weights": o.cap.weights})
     else:
         na.append("topk_weights_sum")
@@ -174,7 +179,9 @@ def check_sums(rec: Recorder, lut: LayerUnderTest, o: Observation) -> list[str]:
 
 
 def check_loads(rec: Recorder, lut: LayerUnderTest, o: Observation) -> None:
-    """Loads, CV, MaxVio computed by the package from the captured routing; recomputed in numpy."""
+    """Loads, CV, MaxVio computed by the package from the captured routing (the experts each token's output
+    depends on); recomputed in numpy. The loads must sum to the assignments the design keeps: tokens*k, less
+    what a declared capacity drops (the reference's count)."""
     s = lut.sizes
     sel = o.cap.selected
     k_per_token = sel.sum(dim=-1)
@@ -185,9 +192,17 @@ def check_loads(rec: Recorder, lut: LayerUnderTest, o: Observation) -> None:
     rec.metric(f"{PREFIX}maxvio", maxvio)
     rec.tensor(f"{PREFIX}expert_load", load)
     n = sel.shape[0]
-    check_loads_sum(rec, f"{PREFIX}loads_sum", load, n, s.top_k)
-    if bool((k_per_token == s.top_k).all()):
-        topk_idx = idx.view(n, s.top_k)
+    capacity = lut.semantics.capacity is not None
+    if capacity:
+        kept = int(o.ref.selected.sum())
+        total = int(load.sum())
+        rec.check(f"{PREFIX}loads_sum", total == kept, abs(total - kept), 0.0,
+                  f"sum of per-expert loads = {total}, assignments kept under capacity {lut.semantics.capacity} "
+                  f"(reference) = {kept} of tokens*k = {n * s.top_k}", evidence={"expert_load": load})
+    else:
+        check_loads_sum(rec, f"{PREFIX}loads_sum", load, n, s.top_k)
+    if capacity or bool((k_per_token == s.top_k).all()):
+        topk_idx = idx.view(-1, 1) if capacity else idx.view(n, s.top_k)
         rec.tensor(f"{PREFIX}topk_idx", topk_idx)
         check_cv_maxvio(rec, f"{PREFIX}cv_maxvio", rec.tensors_saved[f"{PREFIX}topk_idx"], s.n_experts, cv, maxvio)
     else:
@@ -200,7 +215,7 @@ def check_permutation(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: 
     b, t, d = o.x.shape
     perm = torch.randperm(b * t, generator=gen)
     x_perm = _flat(o.x)[perm].view(b, t, d)
-    out_perm, _ = lut.run(module, x_perm)
+    out_perm = lut.forward(module, x_perm)
     err = _max_abs(_flat(out_perm).double() - _flat(o.out).double()[perm])
     tol = 8 * _ulps(o.out.dtype) * max(_max_abs(o.out.double()), 1e-30)
     rec.check_le(f"{PREFIX}permutation_equivariance", err, tol,
@@ -211,7 +226,7 @@ def check_permutation(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: 
 def check_batch(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: Observation) -> None:
     worst, where = 0.0, 0
     for i in range(o.x.shape[0]):
-        alone, _ = lut.run(module, o.x[i : i + 1])
+        alone = lut.forward(module, o.x[i : i + 1])
         err = _max_abs(alone[0].double() - o.out[i].double())
         if err > worst or not math.isfinite(err):
             worst, where = err, i
@@ -230,7 +245,16 @@ def check_low_precision(rec: Recorder, lut: LayerUnderTest, module: nn.Module, w
         name = str(dtype).removeprefix("torch.").replace("float", "fp").replace("bfp16", "bf16")
         low = _cast(module, dtype)
         xs = (x.double() * scale).to(x.device, dtype)
-        out, _ = lut.run(low, xs)
+        try:
+            out = lut.forward(low, xs)
+        except LayerRaised as exc:
+            if lut.half_precision_unsupported:
+                rec.note(f"n/a: {PREFIX}finite.{name} ({lut.label}: {lut.half_precision_unsupported}; the {name} copy "
+                         f"raised {exc})")
+            else:
+                rec.check(f"{PREFIX}finite.{name}", False, None, None,
+                          f"the {name} copy of the layer raised {exc} (on tokens scaled x{scale:.3g})")
+            continue
         bad = int((~torch.isfinite(out)).sum())
         ref_out, _ = ref.forward(_flat(xs).double(), lut.semantics, weights)
         rel = _max_abs(_flat(out).double() - ref_out) / max(_max_abs(ref_out), 1e-30)
@@ -300,36 +324,94 @@ ALL_CHECKS = ("output_vs_reference", "routing_selection", "routing_weights", "pr
               "finite.bf16", "aux_loss_vs_switch", "bias_exercised")
 
 
+def guarded(rec: Recorder, names: tuple[str, ...], run: Callable[[], object]) -> str:
+    """Run checks that call the layer; if the layer raises, those not yet recorded fail, the exception leading
+    their detail (the battery goes on). Returns the exception ("" when none)."""
+    before = {c.check for c in rec.checks_rows}
+    try:
+        run()
+        return ""
+    except LayerRaised as exc:
+        done = {c.check for c in rec.checks_rows} - before
+        for name in names:
+            if f"{PREFIX}{name}" not in done:
+                rec.check(f"{PREFIX}{name}", False, None, None, f"the layer raised {exc}")
+        rec.note(f"{', '.join(n for n in names if PREFIX + n not in done)}: the layer raised {exc}")
+        return str(exc)
+
+
+def observe_dispatch(rec: Recorder, o: Observation) -> None:
+    """Whether the experts ran on only the rows routed to them: a named observation, never a routing check (a
+    dense layer runs every expert on every token and weights most by exactly 0; its routing is the weights')."""
+    rows = o.cap.expert_rows
+    if rows is None:
+        return
+    n, e = o.cap.weights.shape
+    assignments = int(o.cap.selected.sum())
+    sparse = rows < n * e
+    rec.metric(f"{PREFIX}expert_rows", rows)
+    rec.metric(f"{PREFIX}dispatch_sparse", float(sparse))
+    rec.note(f"dispatch: the experts ran on {rows} rows for {assignments} routed assignments of {n} tokens "
+             f"({'sparse' if sparse else 'dense: every expert on every token'}; observed, not judged)")
+
+
+ROUTING_CHECKS = ("output_vs_reference", "routing_selection", "routing_weights", "probs_sum_to_one",
+                  "topk_weights_sum", "loads_sum", "cv_maxvio")
+
+
 @torch.no_grad()
 def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
-    """Every check on one layer. Checks that do not apply are named in the run's notes ("n/a: ...")."""
+    """Every check on one layer. Checks that do not apply are named in the run's notes ("n/a: ..."). A layer
+    that raises fails the checks that called it, with its exception; the others still run."""
     t0 = time.perf_counter()
-    lut = load_layer(p.impl, p.sizes)
+    lut = load_layer(p.impl, p.sizes, p.seq)
+    if lut.half_precision_unsupported and rec.dtype in LOW_PRECISION:
+        raise BadInput(f"impl={lut.label} cannot run in {str(rec.dtype).removeprefix('torch.')}: "
+                       f"{lut.half_precision_unsupported}: run it with dtype=fp32 or dtype=fp64")
     module = lut.build(rec.seed).to(rec.device, rec.dtype)
     weights = lut.reference_weights(module)
     gen = torch.Generator().manual_seed(rec.seed + 11)
     s = lut.sizes
     x = torch.randn(p.batch, p.seq, s.d_model, generator=gen).to(rec.device, rec.dtype)  # (B,T,D)
-    o = observe(lut, module, weights, x)
     rec.tensor(f"{PREFIX}x", x)
-    rec.tensor(f"{PREFIX}out", o.out)
-    rec.tensor(f"{PREFIX}reference_out", o.ref_out)
-    rec.tensor(f"{PREFIX}captured_weights", o.cap.weights)
-    rec.tensor(f"{PREFIX}reference_weights", o.ref.weights)
-    rec.metric(f"{PREFIX}tokens_near_tie", int((~o.clear).sum()))
     na: list[str] = []
-    check_output(rec, lut, o, weights)
-    check_routing(rec, lut, o, weights)
-    na += check_sums(rec, lut, o)
-    check_loads(rec, lut, o)
-    check_permutation(rec, lut, module, o, gen)
-    check_batch(rec, lut, module, o)
+    seen: list[Observation] = []
+    raised = guarded(rec, ROUTING_CHECKS, lambda: seen.append(observe(lut, module, weights, x)))
+    if not raised:
+        o = seen[0]
+        rec.tensor(f"{PREFIX}out", o.out)
+        rec.tensor(f"{PREFIX}reference_out", o.ref_out)
+        rec.tensor(f"{PREFIX}captured_weights", o.cap.weights)
+        rec.tensor(f"{PREFIX}reference_weights", o.ref.weights)
+        rec.metric(f"{PREFIX}tokens_near_tie", int((~o.clear).sum()))
+        check_output(rec, lut, o, weights)
+        check_routing(rec, lut, o, weights)
+        na += check_sums(rec, lut, o)
+        check_loads(rec, lut, o)
+        observe_dispatch(rec, o)
+        if lut.order_dependent:
+            na.append("permutation_equivariance")
+            rec.note(f"permutation_equivariance not judged: {lut.order_dependent}")
+        else:
+            guarded(rec, ("permutation_equivariance",), lambda: check_permutation(rec, lut, module, o, gen))
+        guarded(rec, ("batch_independence",), lambda: check_batch(rec, lut, module, o))
+        def aux() -> None:
+            if not check_aux_loss(rec, lut, module, o):
+                na.append("aux_loss_vs_switch")
+
+        guarded(rec, ("aux_loss_vs_switch",), aux)
+        if not check_bias_exercised(rec, lut, weights, o):
+            na.append("bias_exercised")
+        probe_designs(rec, lut, weights, o)
+    else:
+        needs = ["permutation_equivariance", "batch_independence"]
+        needs += ["aux_loss_vs_switch"] if lut.aux_loss_name else []
+        needs += ["bias_exercised"] if lut.draws_correction_bias else []
+        for name in needs:
+            rec.check(f"{PREFIX}{name}", False, None, None, f"not judged: the layer raised {raised} on the run's "
+                      "tokens")
+        na += [n for n in ("aux_loss_vs_switch", "bias_exercised") if n not in needs]
     check_low_precision(rec, lut, module, weights, x)
-    if not check_aux_loss(rec, lut, module, o):
-        na.append("aux_loss_vs_switch")
-    if not check_bias_exercised(rec, lut, weights, o):
-        na.append("bias_exercised")
-    probe_designs(rec, lut, weights, o)
     for note in lut.notes():
         rec.note(note)
     for name in na:
@@ -344,18 +426,22 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
 def battery_rows(rec: Recorder, label: str) -> Rows:
     """(check, pass/FAIL/n/a, detail) for every battery check, in ALL_CHECKS order."""
     got = {c.check.removeprefix(PREFIX): c for c in rec.checks_rows if c.check.startswith(PREFIX)}
-    na = {n.removeprefix("n/a: " + PREFIX).split(" (")[0] for n in rec.notes if n.startswith("n/a: " + PREFIX)}
+    na = {n.removeprefix("n/a: " + PREFIX).split(" (")[0]: n for n in rec.notes if n.startswith("n/a: " + PREFIX)}
     rows = Rows(f"layer battery: {label}", ("check", "result", "detail"))
     for name in ALL_CHECKS:
         if name in got:
             rows.add(name, "pass" if got[name].passed else "FAIL", got[name].detail)
         elif name in na:
-            rows.add(name, "n/a", f"not defined for {label}")
+            why = na[name].partition(" (")[2].removesuffix(")")
+            rows.add(name, "n/a", why if ": " in why else f"not defined for {label}")
     return rows
 
 
 def battery_summary(rec: Recorder, lut: LayerUnderTest) -> str:
     lines = [f"## Layer battery: {lut.label}", "", battery_rows(rec, lut.label).markdown()]
+    for note in rec.notes:
+        if note.startswith("dispatch: "):  # an observation, not a check
+            lines += ["", "Dispatch: " + note.removeprefix("dispatch: ") + "."]
     alts = [(r["name"].removeprefix(PREFIX + "alt."), r["value"]) for r in rec.metrics_rows
             if r["name"].startswith(PREFIX + "alt.")]
     if alts:

@@ -1,0 +1,158 @@
+"""The MoE adapter protocol: how route-sim's layer battery drives a sparse MoE layer written in any layout
+(``impl=pkg.module:MyAdapter``, or a shipped ``impl=lib:<library>``).
+
+An adapter tells the battery, about one MoE implementation (nothing about how to route: the float64 reference
+of :mod:`tfmoe.components.moe_reference` does that from the declared semantics):
+
+1. ``build(sizes, seed)``: a fresh layer (random weights drawn after ``torch.manual_seed(seed)``), eval mode.
+2. ``forward(module, x)``: x (B, T, D) through the layer's own code -> out (B, T, D).
+3. ``router_probs(module, x)``: the layer's full router distribution (N, E) where it exposes one (else None);
+   ``router_logits(module, x)`` likewise.
+4. the combine weights (N, E) it applies: by default *measured* (:func:`~tfmoe.adapters.moe_layers.
+   probe_combine_weights`) on the modules ``probe_targets(module)`` names (each expert, or one module computing
+   every expert with experts on dim 0). The **selection** is always derived from them: a token's experts are
+   those with a nonzero weight (beyond the measurement's rounding), never which rows reached an expert, so a
+   dense layer, a straight-through dispatch or padded capacity buffers read the same as a sparse gather.
+5. ``semantics(sizes, seq)``: the declared :class:`MoESemantics` (softmax before or after top-k, renormalised
+   or not, capacity or dropless, shared experts, score function), read from the library's docs and source.
+6. ``reference_weights(module)``: the layer's weights in float64 as a :class:`~tfmoe.components.moe_reference.
+   LayerWeights` (router (E, D), experts, shared expert), so the reference never calls the layer.
+
+Optional: ``half_precision_unsupported`` (why fp16/bf16 copies cannot run: their checks become n/a, the
+exception in the note), ``router_dtype`` (the precision the layer computes its combine weights in, None = the
+run's dtype), ``notes(module)``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from tfmoe.adapters.moe_layers import (
+    Captured,
+    Filler,
+    LayerSizes,
+    LayerUnderTest,
+    call_layer,
+    per_expert_fill,
+    probe_combine_weights,
+)
+from tfmoe.components import moe_reference as ref
+from tfmoe.errors import BadInput
+
+
+@dataclass(frozen=True)
+class MoESemantics:
+    """What a design declares its router and combine do (never measured from the layer)."""
+
+    score_func: str = "softmax"  # softmax | sigmoid
+    softmax_after_topk: bool = False  # top-k of the logits, then a softmax over the k (= renormalised top-k)
+    normalize: bool = True  # the k weights renormalised to sum 1 (softmax before top-k)
+    norm_eps: float = 0.0  # renormalisation divides by (sum + norm_eps)
+    scaling: float = 1.0  # weights multiplied after normalisation (routed_scaling_factor)
+    capacity: int | None = None  # assignments per expert per capacity group; None = dropless
+    capacity_group: str = "sequence"  # the tokens a capacity counts over: "sequence" | "batch"
+    shared_experts: int = 0  # ungated shared experts added to every token (their weights in reference_weights)
+    residual: bool = False  # out = x + mixture
+
+    def routing(self, top_k: int, seq: int) -> ref.RoutingSemantics:
+        """These semantics in the reference's terms."""
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise BadInput(f"MoESemantics.score_func={self.score_func!r}: the reference knows softmax and sigmoid")
+        if self.softmax_after_topk and self.score_func != "softmax":
+            raise BadInput("MoESemantics.softmax_after_topk needs score_func='softmax'")
+        if self.capacity_group not in ("sequence", "batch"):
+            raise BadInput(f"MoESemantics.capacity_group={self.capacity_group!r}: use 'sequence' or 'batch'")
+        # a softmax over the k chosen logits is the renormalised top-k of the softmax over all experts
+        normalize = True if self.softmax_after_topk else self.normalize
+        return ref.RoutingSemantics(self.score_func, top_k, normalize, self.scaling, residual=self.residual,
+                                    norm_eps=self.norm_eps, capacity=self.capacity,
+                                    capacity_group=seq if self.capacity_group == "sequence" else None)
+
+
+class MoEAdapter(ABC):
+    """Base class of every MoE adapter (the shipped ones and a user's)."""
+
+    spec: str = "?"
+    half_precision_unsupported: str = ""
+    router_dtype: torch.dtype | None = None
+
+    @abstractmethod
+    def build(self, sizes: LayerSizes, seed: int) -> nn.Module: ...
+
+    @abstractmethod
+    def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def semantics(self, sizes: LayerSizes, seq: int) -> MoESemantics: ...
+
+    @abstractmethod
+    def reference_weights(self, module: nn.Module) -> ref.LayerWeights: ...
+
+    def probe_targets(self, module: nn.Module) -> tuple[list[nn.Module], Filler]:
+        """The modules whose outputs are the experts' (each expert: ``per_expert_fill``; one module for all,
+        experts on dim 0: ``stacked_fill``). Default: ``module.experts`` as a list of experts."""
+        experts = getattr(module, "experts", None)
+        if not isinstance(experts, (nn.ModuleList, list, tuple)):
+            raise BadInput(f"impl={self.spec}: the adapter names no expert modules: override probe_targets(module)")
+        return list(experts), per_expert_fill
+
+    def router_probs(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def router_logits(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def notes(self, module: nn.Module | None = None) -> list[str]:
+        return []
+
+
+class AdaptedLayer(LayerUnderTest):
+    """A :class:`MoEAdapter` as the battery's layer under test."""
+
+    logits_in_fp32 = False
+
+    def __init__(self, adapter: MoEAdapter, sizes: LayerSizes, seq: int):
+        self.adapter, self.sizes, self.label = adapter, sizes, adapter.spec
+        self.declared = adapter.semantics(sizes, seq)
+        self.semantics = self.declared.routing(sizes.top_k, seq)
+        self.router_precision = adapter.router_dtype
+        self.half_precision_unsupported = adapter.half_precision_unsupported
+        self.exposes_probs = type(adapter).router_probs is not MoEAdapter.router_probs
+
+    def build(self, seed: int) -> nn.Module:
+        return self.adapter.build(self.sizes, seed).eval()
+
+    def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = call_layer(self.adapter.forward, module, x)
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+            raise BadInput(f"impl={self.label}: the adapter's forward returned "
+                           f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__} for x "
+                           f"{tuple(x.shape)}: it must return the layer's output shaped like x")
+        return out
+
+    def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
+        out = self.forward(module, x)
+        n, e = x.numel() // x.shape[-1], self.sizes.n_experts
+        targets, fill = self.adapter.probe_targets(module)
+        weights, zero_tol, rows = probe_combine_weights(lambda t: self.forward(module, t), x, targets, e, fill)
+        probs = call_layer(self.adapter.router_probs, module, x)
+        logits = call_layer(self.adapter.router_logits, module, x)
+        return out, Captured(weights, None if probs is None else probs.reshape(n, e),
+                             None if logits is None else logits.reshape(n, e), rows, zero_tol)
+
+    def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
+        return self.adapter.reference_weights(module)
+
+    def alternatives(self) -> dict[str, ref.RoutingSemantics]:
+        sem = self.semantics
+        alts = {"renormalised" if not sem.normalize else "not renormalised": sem.variant(normalize=not sem.normalize)}
+        if sem.capacity is not None:
+            alts["dropless (capacity ignored)"] = sem.variant(capacity=None)
+        return alts
+
+    def notes(self) -> list[str]:
+        return [f"{self.label}: declared semantics {self.declared}", *self.adapter.notes()]

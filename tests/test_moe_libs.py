@@ -1,0 +1,166 @@
+"""MoE adapters (issue 22): the MoEAdapter protocol (a user's layout through `impl=pkg.module:Adapter`) and the
+shipped adapters of st-moe-pytorch 0.1.8 and mixture-of-experts 0.2.3 (`impl=lib:...`), with their
+straight-through and capacity options: zero false alarms on correct configurations, and bugs planted inside each
+library's real module caught."""
+
+from __future__ import annotations
+
+import pytest
+from test_route_layer import battery, failed, metric, not_applicable
+
+from tfmoe.errors import BadInput
+from tfmoe.testing import run_cli
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def st_moe():
+    return pytest.importorskip("st_moe_pytorch.st_moe_pytorch")
+
+
+def moe_lib():
+    return pytest.importorskip("mixture_of_experts.mixture_of_experts")
+
+
+# --------------------------------------------------------------------------- the protocol
+def test_user_adapter_softmax_after_topk_passes():
+    rec = battery("impl=adapted_moe:SoftmaxAfterTopKAdapter", "layer.seq=8")
+    assert not failed(rec), [c for c in rec.checks_rows if not c.passed]
+    assert metric(rec, "dispatch_sparse") == 0.0  # every expert on every token, zero gates: routing still read
+    assert metric(rec, "alt.not renormalised") > 100 * metric(rec, "design.output_error")
+
+
+def test_user_adapter_planted_bug_weights_without_softmax():
+    bad = failed(battery("impl=adapted_moe:RawLogitWeightsAdapter", "layer.seq=8"))
+    assert {"routing_weights", "topk_weights_sum", "output_vs_reference"} <= bad
+    assert "routing_selection" not in bad  # the same experts, weighted wrongly
+
+
+# ------------------------------------------------------------------ st-moe-pytorch 0.1.8
+@pytest.mark.parametrize("overrides", [
+    [], ["layer.straight_through=false"], ["layer.capacity_factor=8.0"], ["top_k=3"], ["seed=3"],
+    ["layer.capacity_factor=1.0", "seed=1"], ["dtype=fp64"],
+])
+def test_st_moe_correct_configurations_pass(overrides):
+    st_moe()
+    rec = battery("impl=lib:st_moe_pytorch", "layer.seq=12", *overrides)
+    assert not failed(rec), [c for c in rec.checks_rows if not c.passed]
+    assert {"finite.fp16", "finite.bf16", "permutation_equivariance"} <= not_applicable(rec)
+    notes = " ".join(rec.notes)
+    assert "the fp16 copy raised RuntimeError" in notes
+
+
+def test_st_moe_capacity_is_exercised():
+    """At the default capacity factor some assignments are really dropped (so the capacity rule is judged), and
+    ignoring capacity is far from the layer's output."""
+    st_moe()
+    rec = battery("impl=lib:st_moe_pytorch")
+    assert metric(rec, "alt.dropless (capacity ignored)") > 100 * metric(rec, "design.output_error")
+
+
+def test_st_moe_planted_bug_topk_of_the_smallest(monkeypatch):
+    m = st_moe()
+    real = m.maybe_differentiable_topk
+
+    def smallest(x, k, **kw):
+        r = real(-x, k=k, **kw)
+        return r._replace(values=-r.values)
+
+    monkeypatch.setattr(m, "maybe_differentiable_topk", smallest)
+    bad = failed(battery("impl=lib:st_moe_pytorch"))
+    assert {"routing_selection", "output_vs_reference"} <= bad
+
+
+def test_st_moe_planted_bug_gates_not_renormalised(monkeypatch):
+    m = st_moe()
+    real = m.reduce
+
+    def reduce(t, pattern, op):  # the top-n gates' denominator: 1 instead of their sum
+        out = real(t, pattern, op)
+        return out.new_ones(out.shape) if pattern == "k ... -> 1 ..." else out
+
+    monkeypatch.setattr(m, "reduce", reduce)
+    bad = failed(battery("impl=lib:st_moe_pytorch"))
+    assert {"routing_weights", "topk_weights_sum", "output_vs_reference"} <= bad
+    assert "routing_selection" not in bad
+
+
+def test_st_moe_planted_bug_capacity_overflow_not_dropped(monkeypatch):
+    m = st_moe()
+    monkeypatch.setattr(m, "MIN_EXPERT_CAPACITY", 1000)  # every assignment fits: nothing is dropped
+    bad = failed(battery("impl=lib:st_moe_pytorch"))
+    assert {"routing_selection", "loads_sum", "output_vs_reference"} <= bad
+
+
+# ------------------------------------------------------------------ mixture-of-experts 0.2.3
+@pytest.mark.parametrize("overrides", [[], ["layer.capacity_factor=8.0"], ["seed=2"], ["dtype=fp64"]])
+def test_mixture_of_experts_correct_configurations_pass(overrides):
+    moe_lib()
+    rec = battery("impl=lib:mixture_of_experts", *overrides)
+    assert not failed(rec), [c for c in rec.checks_rows if not c.passed]
+
+
+def test_mixture_of_experts_planted_bug_top1_picks_the_smallest(monkeypatch):
+    m = moe_lib()
+
+    def top1(t):  # the library's top1 with largest=False
+        values, index = t.topk(k=1, dim=-1, largest=False)
+        return values.squeeze(-1), index.squeeze(-1)
+
+    monkeypatch.setattr(m, "top1", top1)
+    assert {"routing_selection", "output_vs_reference"} <= failed(battery("impl=lib:mixture_of_experts"))
+
+
+def test_mixture_of_experts_planted_bug_gates_not_renormalised(monkeypatch):
+    m = moe_lib()
+    real_init = m.Top2Gating.__init__
+
+    def init(self, *args, **kwargs):  # eps=1: gates divided by g1 + g2 + 1, not g1 + g2
+        real_init(self, *args, **kwargs)
+        self.eps = 1.0
+
+    monkeypatch.setattr(m.Top2Gating, "__init__", init)
+    bad = failed(battery("impl=lib:mixture_of_experts"))
+    assert {"routing_weights", "topk_weights_sum", "output_vs_reference"} <= bad
+
+
+def test_mixture_of_experts_planted_bug_capacity_overflow_not_dropped(monkeypatch):
+    m = moe_lib()
+    monkeypatch.setattr(m, "MIN_EXPERT_CAPACITY", 1000)
+    bad = failed(battery("impl=lib:mixture_of_experts"))
+    assert {"routing_selection", "loads_sum", "output_vs_reference"} <= bad
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("overrides, message", [
+    (["impl=lib:st_moe_pytorch", "top_k=1"], "top_n >= 2"),
+    (["impl=lib:mixture_of_experts", "top_k=3"], "routes to 2 experts"),
+    (["impl=lib:nothing"], "no shipped MoE adapter 'nothing'"),
+    (["impl=adapted_moe:NeedsArgumentsAdapter"], "must build with no arguments"),
+    (["impl=adapted_moe:WrongShapeAdapter"], "must return the layer's output shaped like x"),
+    (["impl=lib:st_moe_pytorch", "dtype=fp16"], "cannot run in float16"),
+    (["impl=lib:st_moe_pytorch", "layer.capacity_factor=0"], "layer.capacity_factor=0"),
+    (["impl=lib:st_moe_pytorch", "layer.straight_through=maybe"], "layer.straight_through"),
+])
+def test_bad_input_one_line(overrides, message):
+    st_moe()
+    moe_lib()
+    with pytest.raises(BadInput, match=message):
+        battery(*overrides)
+
+
+def test_untested_library_version_exit_2(tmp_path, monkeypatch):
+    st_moe()
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda d: "0.1.7" if d == "st-moe-pytorch" else real(d))
+    res = run_cli(["route-sim", "impl=lib:st_moe_pytorch"], tmp_path)
+    assert res.exit_code == 2
+    assert "tested on st-moe-pytorch==0.1.8" in res.stdout + res.stderr
+
+
+def test_shipped_adapter_through_the_cli(tmp_path):
+    st_moe()
+    res = run_cli(["route-sim", "impl=lib:st_moe_pytorch", "layer.straight_through=false", "layer.seq=8"], tmp_path)
+    assert res.exit_code == 0, res.stdout + res.stderr
