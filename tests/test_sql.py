@@ -78,3 +78,67 @@ def test_syntax_and_name_errors_are_one_line_exit_2(two_runs: list[Path]) -> Non
 def test_empty_runs_root_has_empty_views(tmp_path: Path) -> None:
     df = sql.query(tmp_path / "none", "SELECT count(*) AS n FROM runs r JOIN metrics m USING (run_id)")
     assert int(df["n"].iloc[0]) == 0
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A real file outside the runs root (beside it), holding a secret a sandboxed query must not read."""
+    f = tmp_path / "outside" / "secret.csv"
+    f.parent.mkdir()
+    f.write_text("secret\n42\n")
+    return f
+
+
+@pytest.mark.parametrize("template", [
+    "SELECT * FROM read_text('{f}')", "SELECT * FROM read_csv('{f}')", "SELECT * FROM read_parquet('{f}')",
+    "SELECT * FROM glob('{d}/*')", "SELECT * FROM read_blob('{f}')", "SELECT * FROM read_text('/etc/passwd')",
+    "SELECT * FROM read_text('{root}/../outside/secret.csv')", "SELECT * FROM '{f}'",
+])
+def test_reading_outside_the_runs_root_is_refused_exit_2(two_runs: list[Path], outside: Path, template: str) -> None:
+    root = Path("runs").resolve()
+    r = run_cli(["sql", template.format(f=outside, d=outside.parent, root=root)], Path.cwd())
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert "reads only the runs root" in r.stderr and "secret" not in r.stdout
+
+
+@pytest.mark.parametrize("statement", [
+    "COPY (SELECT 1) TO '{f}.out'", "ATTACH '{d}/other.duckdb'", "INSTALL httpfs", "LOAD httpfs",
+    "SET enable_external_access = true", "SET allowed_directories = ['/']", "RESET lock_configuration",
+])
+def test_writes_extensions_and_sandbox_settings_are_refused_exit_2(two_runs: list[Path], outside: Path,
+                                                                   statement: str) -> None:
+    r = run_cli(["sql", statement.format(f=outside, d=outside.parent)], Path.cwd())
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert "read-only" in r.stderr
+    assert statement.split()[0] in r.stderr or "SET" in r.stderr  # INSTALL said it was a LOAD (issue 24)
+    assert sorted(p.name for p in outside.parent.iterdir()) == ["secret.csv"]
+
+
+def test_install_is_refused_naming_install(workdir: Path) -> None:
+    r = run_cli(["sql", "INSTALL httpfs"], workdir)
+    assert r.exit_code == 2 and "INSTALL" in r.stderr and "extensions" in r.stderr
+
+
+def test_the_sandbox_holds_even_past_the_statement_check(two_runs: list[Path], outside: Path) -> None:
+    """DuckDB's own settings refuse the read, not only tfmoe's statement filter: a connection as `query` makes it."""
+    import duckdb
+
+    con = sql.connect(Path("runs"), "SELECT 1")
+    try:
+        with pytest.raises(duckdb.PermissionException):
+            con.execute(f"SELECT * FROM read_text('{outside}')").fetchall()
+        with pytest.raises(duckdb.Error, match="locked"):
+            con.execute("SET enable_external_access = true")
+        assert con.execute("SELECT current_setting('enable_external_access')").fetchone()[0] is False
+    finally:
+        con.close()
+
+
+def test_views_and_the_runs_own_files_still_read(two_runs: list[Path]) -> None:
+    root = Path("runs").resolve()
+    df = sql.query(Path("runs"), f"SELECT count(*) AS n FROM read_parquet('{root}/**/metrics.parquet')")
+    assert int(df["n"].iloc[0]) == len(sql.query(Path("runs"), "SELECT * FROM metrics")) > 0
+    n = sql.query(Path("runs"), "SELECT count(*) AS n FROM runs r JOIN metrics m USING (run_id)")
+    assert int(n["n"].iloc[0]) > 0
+    rel = sql.query(Path("runs"), f"SELECT count(*) AS n FROM glob('{root}/*/*/run.parquet')")
+    assert int(rel["n"].iloc[0]) == 2
