@@ -142,3 +142,71 @@ def test_views_and_the_runs_own_files_still_read(two_runs: list[Path]) -> None:
     assert int(n["n"].iloc[0]) > 0
     rel = sql.query(Path("runs"), f"SELECT count(*) AS n FROM glob('{root}/*/*/run.parquet')")
     assert int(rel["n"].iloc[0]) == 2
+
+
+# ------------------------------------------------------------------------------------------ unreadable runs
+def _truncate(f: Path) -> None:
+    """Cut a real parquet file in half: its footer (schema, row groups) is gone, as after a failed copy."""
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+
+
+def test_a_run_with_a_truncated_metrics_file_is_unreadable_in_sql_and_runs(two_runs: list[Path]) -> None:
+    assert run_cli(["runs"], Path.cwd()).exit_code == 0  # the catalog knew it as readable first
+    bad = two_runs[0]
+    _truncate(bad / "metrics.parquet")
+    r = run_cli(["sql", "SELECT run_id, status FROM runs r JOIN metrics m USING (run_id) GROUP BY ALL"], Path.cwd())
+    assert r.exit_code == 0, r.stderr
+    warning = [line for line in r.stderr.splitlines() if bad.name in line]
+    assert len(warning) == 1 and "unreadable" in warning[0] and "metrics.parquet" in warning[0]
+    status = sql.query(Path("runs"), "SELECT run_id, status, error FROM runs ORDER BY seed")
+    assert list(status["status"]) == ["unreadable", "failed"] and "metrics.parquet" in status["error"].iloc[0]
+    listed = run_cli(["runs", "--format", "json"], Path.cwd())
+    assert {r["run_id"]: r["status"] for r in json.loads(listed.stdout)}[bad.name] == "unreadable"
+    only = run_cli(["runs", "--status", "unreadable", "--format", "json"], Path.cwd())
+    assert only.exit_code == 0 and [r["run_id"] for r in json.loads(only.stdout)] == [bad.name]
+
+
+def test_a_truncated_file_seen_by_the_first_sync_is_unreadable(two_runs: list[Path]) -> None:
+    _truncate(two_runs[1] / "checks.parquet")
+    listed = run_cli(["runs", "--format", "json"], Path.cwd())
+    assert {r["run_id"]: r["status"] for r in json.loads(listed.stdout)} == {
+        two_runs[0].name: "ok", two_runs[1].name: "unreadable"}
+
+
+def test_shows_advice_for_an_unreadable_run_is_a_command_that_works(two_runs: list[Path]) -> None:
+    import re
+    import shlex
+
+    bad = two_runs[0]
+    _truncate(bad / "metrics.parquet")
+    shown = run_cli(["show", bad.name], Path.cwd())
+    assert shown.exit_code == 2 and shown.stderr.count("\n") == 1 and "metrics.parquet" in shown.stderr
+    advised = re.findall(r"`(tfmoe [^`]+)`", shown.stderr)
+    assert len(advised) == 1, shown.stderr
+    again = run_cli(shlex.split(advised[0])[1:], Path.cwd())
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert "unreadable" in again.stdout and "nothing to compare" in again.stdout
+    new = again.run_dir
+    assert new is not None and new != bad
+    assert run_cli(["show", new.name], Path.cwd()).exit_code == 0  # the re-run is whole
+    from tfmoe.harness.store.notebook import load_run
+
+    assert load_run(new).run["seed"] == 1 and not load_run(new).metrics.empty
+
+
+def test_with_run_parquet_unreadable_the_advice_is_hydras_recorded_command_line(two_runs: list[Path]) -> None:
+    import re
+    import shlex
+
+    bad = two_runs[1]  # seed=2 mode=fail_check: a failed check, exit 1
+    _truncate(bad / "run.parquet")
+    shown = run_cli(["show", str(bad)], Path.cwd())
+    assert shown.exit_code == 2 and shown.stderr.count("\n") == 1 and "run.parquet" in shown.stderr
+    (advised,) = re.findall(r"`(tfmoe [^`]+)`", shown.stderr)
+    assert advised == "tfmoe fake seed=2 mode=fail_check", shown.stderr
+    again = run_cli(shlex.split(advised)[1:], Path.cwd())
+    assert again.exit_code == 1 and again.run_dir is not None  # the run again, its failed check included
+    from tfmoe.harness.store.notebook import load_run
+
+    assert load_run(again.run_dir).run["seed"] == 2 and load_run(again.run_dir).run["status"] == "failed"

@@ -13,6 +13,7 @@ locked, so ``read_text('/etc/passwd')`` or a ``SET`` of those settings is refuse
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,7 @@ def _with_run_id(run_id: str, table: Any) -> Any:
 
 def _runs_table(conn: Any, runs_root: Path) -> Any:
     from tfmoe.harness.store.catalog import arrow_tables
+    from tfmoe.harness.store.catalog import unreadable as catalog_unreadable
     from tfmoe.harness.store.notebook import read_run_row
 
     cached = arrow_tables(conn, runs_root, "run")
@@ -107,6 +109,17 @@ def _runs_table(conn: Any, runs_root: Path) -> Any:
     table = table.append_column("checks_passed", pa.array([c[4] for c in cached], pa.int64()))
     table = table.append_column("checks_total", pa.array([c[5] for c in cached], pa.int64()))
     statuses = table.column("status").to_pylist()
+    bad = {str(path): why for _, path, why in catalog_unreadable(conn, runs_root)}
+    if bad:  # run.parquet may be whole while another of the run's files is not: the catalog's status says so
+        errors = table.column("error").to_pylist() if "error" in table.column_names else [None] * len(paths)
+        for i, p in enumerate(paths):
+            if p in bad:
+                statuses[i], errors[i] = Status.UNREADABLE.value, bad[p]
+        table = table.set_column(table.schema.get_field_index("status"), "status", pa.array(statuses, pa.string()))
+        if "error" in table.column_names:
+            table = table.set_column(table.schema.get_field_index("error"), "error", pa.array(errors, pa.string()))
+        else:
+            table = table.append_column("error", pa.array(errors, pa.string()))
     if Status.RUNNING in statuses:  # THE status readers show: a dead `running` run is `lost` (effective_status)
         for i, st in enumerate(statuses):
             if st == Status.RUNNING:
@@ -138,6 +151,7 @@ def connect(runs_root: Path, query: str) -> Any:
     """An in-memory DuckDB with the views the query names, built from the catalog's cached tables (one SQLite
     read instead of opening every run's parquet files)."""
     from tfmoe.harness.store import catalog
+    from tfmoe.harness.store.notebook import rerun_advice
 
     duckdb = _duckdb()
     con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
@@ -157,6 +171,9 @@ def connect(runs_root: Path, query: str) -> Any:
                 continue
             con.register(f"_{view}", table)
             con.execute(f"CREATE VIEW {view} AS SELECT * FROM _{view}")
+        for run_id, path, why in catalog.unreadable(conn, runs_root) if conn is not None else []:
+            sys.stderr.write(f"warning: run {run_id} is unreadable, its rows are missing from the views: {why}; "
+                             f"{rerun_advice(path)}\n")
     finally:
         if conn is not None:
             conn.close()
