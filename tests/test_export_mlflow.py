@@ -319,3 +319,14 @@ def test_every_experiments_default_run_exports_whole(workdir: Path) -> None:
     from tfmoe.registry import EXPERIMENTS
 
     _export_every_run_whole(list(EXPERIMENTS))
+
+
+def test_the_export_lock_sits_beside_a_sqlite_store_and_inside_a_file_store(tmp_path: Path) -> None:
+    assert export_mlflow.lock_path(f"sqlite:///{tmp_path}/m.db") == tmp_path / "m.db.tfmoe-export.lock"
+    assert export_mlflow.lock_path(f"file://{tmp_path}/mlruns") == tmp_path / "mlruns" / ".tfmoe-export.lock"
+    assert export_mlflow.lock_path(str(tmp_path / "mlruns")) == tmp_path / "mlruns" / ".tfmoe-export.lock"
+    assert export_mlflow.lock_path("http://127.0.0.1:5000") is None  # a tracking server owns its database
+    with export_mlflow.store_lock(f"sqlite:///{tmp_path}/m.db"):
+        with pytest.raises(BadInput, match="another export has held"):
+            with export_mlflow.store_lock(f"sqlite:///{tmp_path}/m.db", wait_s=0.2):
+                pass
