@@ -313,6 +313,7 @@ def test_tokenizes_default_run_exports_whole(workdir: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # every experiment's default run: ~7 min on 2 busy cores
 def test_every_experiments_default_run_exports_whole(workdir: Path) -> None:
     """`tfmoe all`'s runs (each experiment's defaults), then `tfmoe export mlflow`: all FINISHED with every metric."""
     pytest.importorskip("mlflow")

@@ -205,8 +205,12 @@ def test_with_run_parquet_unreadable_the_advice_is_hydras_recorded_command_line(
     assert shown.exit_code == 2 and shown.stderr.count("\n") == 1 and "run.parquet" in shown.stderr
     (advised,) = re.findall(r"`(tfmoe [^`]+)`", shown.stderr)
     assert advised == "tfmoe fake seed=2 mode=fail_check", shown.stderr
-    again = run_cli(shlex.split(advised)[1:], Path.cwd())
-    assert again.exit_code == 1 and again.run_dir is not None  # the run again, its failed check included
     from tfmoe.harness.store.notebook import load_run
+    from tfmoe.registry import EXPERIMENTS
 
-    assert load_run(again.run_dir).run["seed"] == 2 and load_run(again.run_dir).run["status"] == "failed"
+    # what `tfmoe fake …` runs (the CLI's experiment commands are made when tfmoe.cli is first imported, before
+    # this test registered `fake`)
+    experiment, *overrides = shlex.split(advised)[1:]
+    code, made = launched(EXPERIMENTS[experiment], overrides)
+    assert code == 1 and len(made) == 1  # the run again, its failed check included
+    assert load_run(made[0]).run["seed"] == 2 and load_run(made[0]).run["status"] == "failed"
