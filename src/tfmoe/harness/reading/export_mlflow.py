@@ -222,8 +222,10 @@ class Exporter:
             page = self.client.search_runs([exp_id], run_view_type=ViewType.ALL, max_results=5000, page_token=token)
             for r in page:
                 rid = r.data.tags.get("tfmoe.run_id")
-                if rid:
-                    (done if r.data.tags.get(COMPLETE_TAG) == "true" else half)[rid] = r.info.run_id
+                if rid and (r.data.tags.get(COMPLETE_TAG) == "true" or r.info.lifecycle_stage == "deleted"):
+                    done[rid] = r.info.run_id  # a run the user deleted in MLflow is not brought back
+                elif rid:
+                    half[rid] = r.info.run_id
             token = page.token
             if not token:
                 return done, half
@@ -399,8 +401,10 @@ def export(refs: list[str], runs_root: Path, tracking_uri: str = DEFAULT_URI) ->
                 exporter.export_run(d, None, done)
             for sweep, jobs in sweeps.items():
                 exporter.export_sweep(sweep, sorted(jobs, key=lambda j: (len(j.name), j.name)), done)
-        except OSError as exc:  # an artifact that cannot be read or written: the run is left for the next export
-            raise BadInput(f"export stopped: {exc}; {len(done.exported)} run(s) exported before it, the run it "
+        except (OSError, exporter.mlflow.exceptions.MlflowException) as exc:  # an artifact that cannot be read or
+            # written, a store that refuses a write: the run being written is left for the next export to complete
+            message = " ".join(str(getattr(exc, "message", exc)).split())[:500]
+            raise BadInput(f"export stopped: {message}; {len(done.exported)} run(s) exported before it, the run it "
                            "was writing is completed by the next `tfmoe export mlflow`") from None
         done.experiments = dict(exporter.experiments)
     return done
