@@ -78,3 +78,139 @@ def test_syntax_and_name_errors_are_one_line_exit_2(two_runs: list[Path]) -> Non
 def test_empty_runs_root_has_empty_views(tmp_path: Path) -> None:
     df = sql.query(tmp_path / "none", "SELECT count(*) AS n FROM runs r JOIN metrics m USING (run_id)")
     assert int(df["n"].iloc[0]) == 0
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A real file outside the runs root (beside it), holding a secret a sandboxed query must not read."""
+    f = tmp_path / "outside" / "secret.csv"
+    f.parent.mkdir()
+    f.write_text("secret\n42\n")
+    return f
+
+
+@pytest.mark.parametrize("template", [
+    "SELECT * FROM read_text('{f}')", "SELECT * FROM read_csv('{f}')", "SELECT * FROM read_parquet('{f}')",
+    "SELECT * FROM glob('{d}/*')", "SELECT * FROM read_blob('{f}')", "SELECT * FROM read_text('/etc/passwd')",
+    "SELECT * FROM read_text('{root}/../outside/secret.csv')", "SELECT * FROM '{f}'",
+])
+def test_reading_outside_the_runs_root_is_refused_exit_2(two_runs: list[Path], outside: Path, template: str) -> None:
+    root = Path("runs").resolve()
+    r = run_cli(["sql", template.format(f=outside, d=outside.parent, root=root)], Path.cwd())
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert "reads only the runs root" in r.stderr and "secret" not in r.stdout
+
+
+@pytest.mark.parametrize("statement", [
+    "COPY (SELECT 1) TO '{f}.out'", "ATTACH '{d}/other.duckdb'", "INSTALL httpfs", "LOAD httpfs",
+    "SET enable_external_access = true", "SET allowed_directories = ['/']", "RESET lock_configuration",
+])
+def test_writes_extensions_and_sandbox_settings_are_refused_exit_2(two_runs: list[Path], outside: Path,
+                                                                   statement: str) -> None:
+    r = run_cli(["sql", statement.format(f=outside, d=outside.parent)], Path.cwd())
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+    assert "read-only" in r.stderr
+    assert statement.split()[0] in r.stderr or "SET" in r.stderr  # INSTALL said it was a LOAD (issue 24)
+    assert sorted(p.name for p in outside.parent.iterdir()) == ["secret.csv"]
+
+
+def test_install_is_refused_naming_install(workdir: Path) -> None:
+    r = run_cli(["sql", "INSTALL httpfs"], workdir)
+    assert r.exit_code == 2 and "INSTALL" in r.stderr and "extensions" in r.stderr
+
+
+def test_the_sandbox_holds_even_past_the_statement_check(two_runs: list[Path], outside: Path) -> None:
+    """DuckDB's own settings refuse the read, not only tfmoe's statement filter: a connection as `query` makes it."""
+    import duckdb
+
+    con = sql.connect(Path("runs"), "SELECT 1")
+    try:
+        with pytest.raises(duckdb.PermissionException):
+            con.execute(f"SELECT * FROM read_text('{outside}')").fetchall()
+        with pytest.raises(duckdb.Error, match="locked"):
+            con.execute("SET enable_external_access = true")
+        assert con.execute("SELECT current_setting('enable_external_access')").fetchone()[0] is False
+    finally:
+        con.close()
+
+
+def test_views_and_the_runs_own_files_still_read(two_runs: list[Path]) -> None:
+    root = Path("runs").resolve()
+    df = sql.query(Path("runs"), f"SELECT count(*) AS n FROM read_parquet('{root}/**/metrics.parquet')")
+    assert int(df["n"].iloc[0]) == len(sql.query(Path("runs"), "SELECT * FROM metrics")) > 0
+    n = sql.query(Path("runs"), "SELECT count(*) AS n FROM runs r JOIN metrics m USING (run_id)")
+    assert int(n["n"].iloc[0]) > 0
+    rel = sql.query(Path("runs"), f"SELECT count(*) AS n FROM glob('{root}/*/*/run.parquet')")
+    assert int(rel["n"].iloc[0]) == 2
+
+
+# ------------------------------------------------------------------------------------------ unreadable runs
+def _truncate(f: Path) -> None:
+    """Cut a real parquet file in half: its footer (schema, row groups) is gone, as after a failed copy."""
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+
+
+def test_a_run_with_a_truncated_metrics_file_is_unreadable_in_sql_and_runs(two_runs: list[Path]) -> None:
+    assert run_cli(["runs"], Path.cwd()).exit_code == 0  # the catalog knew it as readable first
+    bad = two_runs[0]
+    _truncate(bad / "metrics.parquet")
+    r = run_cli(["sql", "SELECT run_id, status FROM runs r JOIN metrics m USING (run_id) GROUP BY ALL"], Path.cwd())
+    assert r.exit_code == 0, r.stderr
+    warning = [line for line in r.stderr.splitlines() if bad.name in line]
+    assert len(warning) == 1 and "unreadable" in warning[0] and "metrics.parquet" in warning[0]
+    status = sql.query(Path("runs"), "SELECT run_id, status, error FROM runs ORDER BY seed")
+    assert list(status["status"]) == ["unreadable", "failed"] and "metrics.parquet" in status["error"].iloc[0]
+    listed = run_cli(["runs", "--format", "json"], Path.cwd())
+    assert {r["run_id"]: r["status"] for r in json.loads(listed.stdout)}[bad.name] == "unreadable"
+    only = run_cli(["runs", "--status", "unreadable", "--format", "json"], Path.cwd())
+    assert only.exit_code == 0 and [r["run_id"] for r in json.loads(only.stdout)] == [bad.name]
+
+
+def test_a_truncated_file_seen_by_the_first_sync_is_unreadable(two_runs: list[Path]) -> None:
+    _truncate(two_runs[1] / "checks.parquet")
+    listed = run_cli(["runs", "--format", "json"], Path.cwd())
+    assert {r["run_id"]: r["status"] for r in json.loads(listed.stdout)} == {
+        two_runs[0].name: "ok", two_runs[1].name: "unreadable"}
+
+
+def test_shows_advice_for_an_unreadable_run_is_a_command_that_works(two_runs: list[Path]) -> None:
+    import re
+    import shlex
+
+    bad = two_runs[0]
+    _truncate(bad / "metrics.parquet")
+    shown = run_cli(["show", bad.name], Path.cwd())
+    assert shown.exit_code == 2 and shown.stderr.count("\n") == 1 and "metrics.parquet" in shown.stderr
+    advised = re.findall(r"`(tfmoe [^`]+)`", shown.stderr)
+    assert len(advised) == 1, shown.stderr
+    again = run_cli(shlex.split(advised[0])[1:], Path.cwd())
+    assert again.exit_code == 0, again.stdout + again.stderr
+    assert "unreadable" in again.stdout and "nothing to compare" in again.stdout
+    new = again.run_dir
+    assert new is not None and new != bad
+    assert run_cli(["show", new.name], Path.cwd()).exit_code == 0  # the re-run is whole
+    from tfmoe.harness.store.notebook import load_run
+
+    assert load_run(new).run["seed"] == 1 and not load_run(new).metrics.empty
+
+
+def test_with_run_parquet_unreadable_the_advice_is_hydras_recorded_command_line(two_runs: list[Path]) -> None:
+    import re
+    import shlex
+
+    bad = two_runs[1]  # seed=2 mode=fail_check: a failed check, exit 1
+    _truncate(bad / "run.parquet")
+    shown = run_cli(["show", str(bad)], Path.cwd())
+    assert shown.exit_code == 2 and shown.stderr.count("\n") == 1 and "run.parquet" in shown.stderr
+    (advised,) = re.findall(r"`(tfmoe [^`]+)`", shown.stderr)
+    assert advised == "tfmoe fake seed=2 mode=fail_check", shown.stderr
+    from tfmoe.harness.store.notebook import load_run
+    from tfmoe.registry import EXPERIMENTS
+
+    # what `tfmoe fake …` runs (the CLI's experiment commands are made when tfmoe.cli is first imported, before
+    # this test registered `fake`)
+    experiment, *overrides = shlex.split(advised)[1:]
+    code, made = launched(EXPERIMENTS[experiment], overrides)
+    assert code == 1 and len(made) == 1  # the run again, its failed check included
+    assert load_run(made[0]).run["seed"] == 2 and load_run(made[0]).run["status"] == "failed"

@@ -137,7 +137,7 @@ def run_all(device: Device = None, runs_root: RunsRoot = DEFAULT_RUNS_ROOT) -> N
 def runs_cmd(
     experiment: Annotated[str | None, typer.Option("--experiment", "-e", help="Only this experiment.")] = None,
     status: Annotated[str | None, typer.Option(
-        "--status", help="ok | failed | unexpected | error | interrupted | crashed | running")] = None,
+        "--status", help="ok | failed | unexpected | error | interrupted | crashed | running | lost | unreadable")] = None,
     last: Annotated[int | None, typer.Option("--last", help="Only the N most recent runs.")] = None,
     fmt: Annotated[Format, typer.Option("--format")] = Format.table,
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,

@@ -411,15 +411,22 @@ def replay(ref: str, runs_root: Path) -> int:
     A replay that cannot start (the experiment refuses its recorded config, e.g. a user module that can no longer
     be imported) is bad input (BadInput: exit 2, one line), not a failed reproduction."""
     from tfmoe.harness.reading import reports
-    from tfmoe.harness.store.notebook import load_run, resolve_run
+    from tfmoe.harness.store.notebook import load_run, read_run_row, resolve_run
+    from tfmoe.harness.store.rundir import RUN_FILE, UnreadableFile
 
     old_dir = resolve_run(ref, runs_root)
-    old = load_run(old_dir)
-    exp = EXPERIMENTS.get(str(old.run["experiment"]))
+    unreadable: UnreadableFile | None = None
+    try:
+        old_run = load_run(old_dir).run
+    except UnreadableFile as exc:  # run.parquet is readable (the config, seed, code): re-run it all the same
+        if exc.path.name == RUN_FILE:
+            raise
+        unreadable, old_run = exc, read_run_row(old_dir)
+    exp = EXPERIMENTS.get(str(old_run["experiment"]))
     if exp is None:
-        raise BadInput(f"{old_dir} is a run of unknown experiment {old.run['experiment']!r}")
-    overrides = [o for o in list(old.run["overrides"]) if not o.startswith("run_root=")]
-    overrides += [f"seed={int(old.run['seed'])}", f"run_root={runs_root}"]
+        raise BadInput(f"{old_dir} is a run of unknown experiment {old_run['experiment']!r}")
+    overrides = [o for o in list(old_run["overrides"]) if not o.startswith("run_root=")]
+    overrides += [f"seed={int(old_run['seed'])}", f"run_root={runs_root}"]
     from tfmoe.harness.store import code_capture
 
     for line in code_capture.changes_since(old_dir):  # the user's code: replay the recorded copy, say so
@@ -431,10 +438,14 @@ def replay(ref: str, runs_root: Path) -> int:
     if len(new_dirs) != 1:
         raise BadInput("replay could not find the new run directory")
     new = load_run(new_dirs[0])
-    if code == Status.ERROR.exit_code and new.run["status"] == Status.ERROR and old.run["status"] != Status.ERROR:
-        raise BadInput(f"replay of {old.run['run_id']} could not start: {new.run['error']} "
+    if code == Status.ERROR.exit_code and new.run["status"] == Status.ERROR and old_run["status"] != Status.ERROR:
+        raise BadInput(f"replay of {old_run['run_id']} could not start: {new.run['error']} "
                        f"(the attempt is recorded in {new_dirs[0]})")
     sys.stderr.write(said.getvalue())
+    if unreadable is not None:
+        print(f"{old_run['run_id']}'s {unreadable.path.name} is unreadable, so there is nothing to compare against: "
+              f"the re-run {new.run['run_id']} ({new.run['status']}) in {new_dirs[0]} stands in for it")
+        return code
     code = reports.diff(str(old_dir), str(new_dirs[0]), runs_root, False, False, "table")
     print("reproduced" if code == 0 else "NOT reproduced: see the differences above")
     return code

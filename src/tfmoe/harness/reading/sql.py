@@ -4,12 +4,16 @@ Views: ``runs`` (one row per run: run.parquet's columns, ``path``, ``checks_pass
 ``metrics``, ``checks``, ``timings`` (each file's rows with the ``run_id`` of its run; experiments' different tag
 columns lined up by name). All come from the catalog, which caches each run's tables as Arrow at sync time (runs
 still running are read from their files now): one SQLite read instead of opening 40,000 parquet files.
-Only one SELECT (or EXPLAIN) statement is run; anything that writes is refused before DuckDB executes it.
+Only one SELECT (or EXPLAIN) statement is run; anything that writes is refused before DuckDB executes it. The
+connection is sandboxed by DuckDB's own settings: file access only under the runs root (``allowed_directories``,
+``enable_external_access=false``, no temp directory), no extension installed or auto-loaded, and the configuration
+locked, so ``read_text('/etc/passwd')`` or a ``SET`` of those settings is refused by DuckDB itself.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +55,10 @@ def check_read_only(duckdb: Any, query: str) -> None:
     if len(statements) > 1:
         raise BadInput(f"{len(statements)} statements given: tfmoe sql runs one read-only SELECT")
     kind = statements[0].type
+    if kind == duckdb.StatementType.LOAD:  # INSTALL and LOAD share a statement type
+        word = "INSTALL" if re.match(r"\s*(FORCE\s+)?INSTALL\b", query, re.I) else "LOAD"
+        raise BadInput(f"{word} statements are refused: tfmoe sql is read-only and loads no extensions "
+                       "(SELECT over the views runs, metrics, checks, timings)")
     if kind not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN):
         raise BadInput(f"{kind.name} statements are refused: tfmoe sql is read-only (SELECT over the views "
                        "runs, metrics, checks, timings); the run directories are changed only by tfmoe itself")
@@ -88,6 +96,7 @@ def _with_run_id(run_id: str, table: Any) -> Any:
 
 def _runs_table(conn: Any, runs_root: Path) -> Any:
     from tfmoe.harness.store.catalog import arrow_tables
+    from tfmoe.harness.store.catalog import unreadable as catalog_unreadable
     from tfmoe.harness.store.notebook import read_run_row
 
     cached = arrow_tables(conn, runs_root, "run")
@@ -100,6 +109,17 @@ def _runs_table(conn: Any, runs_root: Path) -> Any:
     table = table.append_column("checks_passed", pa.array([c[4] for c in cached], pa.int64()))
     table = table.append_column("checks_total", pa.array([c[5] for c in cached], pa.int64()))
     statuses = table.column("status").to_pylist()
+    bad = {str(path): why for _, path, why in catalog_unreadable(conn, runs_root)}
+    if bad:  # run.parquet may be whole while another of the run's files is not: the catalog's status says so
+        errors = table.column("error").to_pylist() if "error" in table.column_names else [None] * len(paths)
+        for i, p in enumerate(paths):
+            if p in bad:
+                statuses[i], errors[i] = Status.UNREADABLE.value, bad[p]
+        table = table.set_column(table.schema.get_field_index("status"), "status", pa.array(statuses, pa.string()))
+        if "error" in table.column_names:
+            table = table.set_column(table.schema.get_field_index("error"), "error", pa.array(errors, pa.string()))
+        else:
+            table = table.append_column("error", pa.array(errors, pa.string()))
     if Status.RUNNING in statuses:  # THE status readers show: a dead `running` run is `lost` (effective_status)
         for i, st in enumerate(statuses):
             if st == Status.RUNNING:
@@ -131,9 +151,11 @@ def connect(runs_root: Path, query: str) -> Any:
     """An in-memory DuckDB with the views the query names, built from the catalog's cached tables (one SQLite
     read instead of opening every run's parquet files)."""
     from tfmoe.harness.store import catalog
+    from tfmoe.harness.store.notebook import rerun_advice
 
     duckdb = _duckdb()
-    con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False})
+    con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
+                                             "autoload_known_extensions": False})
     conn = catalog.open_catalog(Path(runs_root)) if Path(runs_root).is_dir() else None
     try:
         runs = _runs_table(conn, runs_root) if conn is not None else RUNS_SCHEMA.empty_table()
@@ -149,11 +171,30 @@ def connect(runs_root: Path, query: str) -> Any:
                 continue
             con.register(f"_{view}", table)
             con.execute(f"CREATE VIEW {view} AS SELECT * FROM _{view}")
+        for run_id, path, why in catalog.unreadable(conn, runs_root) if conn is not None else []:
+            sys.stderr.write(f"warning: run {run_id} is unreadable, its rows are missing from the views: {why}; "
+                             f"{rerun_advice(path)}\n")
     finally:
         if conn is not None:
             conn.close()
-    con.execute("SET lock_configuration = true")
+    sandbox(con, runs_root)
     return con
+
+
+def sandbox(con: Any, runs_root: Path) -> None:
+    """Limit ``con``'s file access to ``runs_root`` with DuckDB's own settings, then lock them. The order
+    matters: allowed_directories cannot change once external access is off. No temp directory: DuckDB would
+    otherwise allow its default ``./.tmp`` as well."""
+    root = str(Path(runs_root).resolve()).rstrip("/") + "/"
+    con.execute("SET temp_directory = ''")
+    con.execute("SET allowed_directories = [$1]", [root])
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+def _refusal(runs_root: Path, exc: BaseException) -> str:
+    return (f"tfmoe sql reads only the runs root {Path(runs_root).resolve()} (and the views runs, metrics, "
+            f"checks, timings): {one_line(exc)}")
 
 
 def query(runs_root: Path, sql: str) -> pd.DataFrame:
@@ -163,6 +204,8 @@ def query(runs_root: Path, sql: str) -> pd.DataFrame:
     con = connect(runs_root, sql)
     try:
         return con.execute(sql).df()
+    except duckdb.PermissionException as exc:
+        raise BadInput(_refusal(runs_root, exc)) from None
     except duckdb.Error as exc:
         raise BadInput(one_line(exc)) from None
     finally:

@@ -177,6 +177,10 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
         except Exception as exc:
             error = str(exc)
         row = {"run_id": run_dir.name, "status": Status.UNREADABLE.value, "error": error}
+    else:
+        bad = _unreadable_table(run_dir)
+        if bad is not None:
+            row.update(status=Status.UNREADABLE.value, error=bad)
     checks_file = run_dir / TABLE_FILES["checks"]
     passed = total = 0
     if checks_file.exists():
@@ -189,19 +193,45 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
     return row
 
 
-def _read_tables(run_dir: Path) -> list[bytes | None]:
-    """The run's SQL_TABLES as Arrow IPC streams, in SQL_TABLES' order."""
-    return [_ipc(run_dir / fname) for fname in SQL_TABLES.values()]
+def _unreadable_table(run_dir: Path) -> str | None:
+    """Why one of the run's table files that exists cannot be read (its footer: a truncated file has none), or None.
+    Only the footer is read here, at index time; :func:`fill_tables` reads the whole files."""
+    import pyarrow.parquet as pq
+
+    for fname in TABLE_FILES.values():
+        try:
+            pq.ParquetFile(run_dir / fname).close()
+        except FileNotFoundError:
+            continue
+        except Exception as exc:
+            return _unreadable_message(run_dir / fname, exc)
+    return None
+
+
+def _unreadable_message(path: Path, exc: BaseException) -> str:
+    return f"{path} is not readable parquet ({type(exc).__name__}): the run is unreadable"
+
+
+def _read_tables(run_dir: Path) -> tuple[list[bytes | None], str | None]:
+    """The run's SQL_TABLES as Arrow IPC streams, in SQL_TABLES' order, and why one that exists is unreadable."""
+    blobs, bad = [], None
+    for fname in SQL_TABLES.values():
+        try:
+            blobs.append(_ipc(run_dir / fname))
+        except Exception as exc:
+            blobs.append(None)
+            bad = bad or _unreadable_message(run_dir / fname, exc)
+    return blobs, bad
 
 
 def _ipc(path: Path) -> bytes | None:
-    """A parquet file's table as an Arrow IPC stream (None when missing or unreadable)."""
+    """A parquet file's table as an Arrow IPC stream (None when missing; raises when it is unreadable)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         table = pq.ParquetFile(path).read().replace_schema_metadata(None)  # pandas' metadata: KBs per run
-    except Exception:
+    except FileNotFoundError:
         return None
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
@@ -367,21 +397,41 @@ def fill_tables(conn: sqlite3.Connection, runs_root: Path) -> int:
     if not missing:
         return 0
     if len(missing) < 16:
-        blobs = [_read_tables(root / p) for p in missing]
+        read = [_read_tables(root / p) for p in missing]
     else:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 2) * 2)) as pool:
-            blobs = list(pool.map(_read_tables, [root / p for p in missing], chunksize=64))
+            read = list(pool.map(_read_tables, [root / p for p in missing], chunksize=64))
     conn.execute("BEGIN IMMEDIATE")
     try:
         conn.executemany("INSERT OR REPLACE INTO tables SELECT ?, ?, ?, ?, ? WHERE EXISTS "
-                         "(SELECT 1 FROM runs WHERE path = ?)", [(p, *b, p) for p, b in zip(missing, blobs, strict=True)])
+                         "(SELECT 1 FROM runs WHERE path = ?)",
+                         [(p, *blobs, p) for p, (blobs, _) in zip(missing, read, strict=True)])
+        for p, (_, bad) in zip(missing, read, strict=True):
+            if bad is not None:  # a file whose footer read at index time but whose data does not (or since)
+                _mark_unreadable(conn, p, bad)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
     return len(missing)
+
+
+def _mark_unreadable(conn: sqlite3.Connection, rel: str, error: str) -> None:
+    got = conn.execute("SELECT row FROM runs WHERE path = ?", (rel,)).fetchone()
+    if got is None:
+        return
+    row = {**json.loads(got[0]), "status": Status.UNREADABLE.value, "error": error}
+    conn.execute("UPDATE runs SET status = ?, row = ? WHERE path = ?",
+                 (Status.UNREADABLE.value, json.dumps(row, default=str), rel))
+
+
+def unreadable(conn: sqlite3.Connection, runs_root: Path) -> list[tuple[str, Path, str]]:
+    """(run_id, directory, why) of every run the catalog holds as unreadable."""
+    root = Path(runs_root)
+    return [(rid, root / p, json.loads(row).get("error") or "unreadable") for rid, p, row in conn.execute(
+        "SELECT run_id, path, row FROM runs WHERE status = ? ORDER BY started_at, path", (Status.UNREADABLE.value,))]
 
 
 def arrow_tables(conn: sqlite3.Connection, runs_root: Path, name: str) -> list[tuple[str, str, str, Any, int, int]]:

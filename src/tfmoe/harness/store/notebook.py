@@ -31,6 +31,7 @@ from tfmoe.harness.store.rundir import (
     RUN_SCHEMA,
     TABLE_FILES,
     TENSORS_SCHEMA,
+    UnreadableFile,
     atomic_replace,
     metrics_frame,
     read_parquet,
@@ -329,7 +330,14 @@ def where_running(run: Any) -> str:
 def read_run_row(run_dir: Path) -> dict[str, Any]:
     """run.parquet of ``run_dir`` as a dict whose ``status`` is :func:`effective_status` (the file's own value
     is kept as ``recorded_status``). Every reader of run.parquet goes through here."""
-    row = read_parquet(Path(run_dir) / RUN_FILE).iloc[0].to_dict()
+    path = Path(run_dir) / RUN_FILE
+    try:
+        df = read_parquet(path)
+    except UnreadableFile as exc:
+        raise UnreadableFile(path, f"{exc}; {rerun_advice(run_dir)}") from None
+    if df.empty:
+        raise BadInput(f"{path} holds no row: the run is unreadable; {rerun_advice(run_dir)}")
+    row = df.iloc[0].to_dict()
     row["recorded_status"] = row.get("status")
     row["status"] = effective_status(row)
     return row
@@ -344,13 +352,42 @@ def read_run_state(run_dir: Path) -> dict[str, Any]:
     ``status`` made :func:`effective_status` like :func:`read_run_row`: about 3x faster, for the readers that
     touch every job of a big sweep (its exit code, its outcome summary)."""
     path = Path(run_dir) / RUN_FILE
-    rows = read_table(path, STATE_COLUMNS).to_pylist()
+    try:
+        rows = read_table(path, STATE_COLUMNS).to_pylist()
+    except UnreadableFile as exc:
+        raise UnreadableFile(path, f"{exc}; {rerun_advice(run_dir)}") from None
     if not rows:
-        raise BadInput(f"{path} holds no row: the run is corrupt; re-run it with `tfmoe replay`")
+        raise BadInput(f"{path} holds no row: the run is unreadable; {rerun_advice(run_dir)}")
     row = rows[0]
     row["recorded_status"] = row.get("status")
     row["status"] = effective_status(row)
     return row
+
+
+def rerun_advice(run_dir: Path) -> str:
+    """The command that makes an unreadable run again, one that works: ``tfmoe replay RUN_ID`` while run.parquet
+    (the recorded config, seed and code) is readable, else the command line recorded by Hydra in .hydra/."""
+    import shlex
+
+    run_dir = Path(run_dir)
+    try:
+        rows = read_table(run_dir / RUN_FILE, ("run_id",)).to_pylist()
+    except BadInput:
+        rows = []
+    if rows and rows[0].get("run_id"):
+        return f"`tfmoe replay {rows[0]['run_id']}` runs it again from its recorded config and seed"
+    import yaml
+
+    try:
+        overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text(encoding="utf-8")) or []
+        config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return "its recorded command line is lost too (.hydra/ unreadable): run the experiment again"
+    experiment = config.get("experiment") or run_dir.parent.name
+    if not any(str(o).split("=", 1)[0].lstrip("+~") == "seed" for o in overrides) and "seed" in config:
+        overrides = [*overrides, f"seed={config['seed']}"]
+    command = " ".join(["tfmoe", shlex.quote(str(experiment)), *(shlex.quote(str(o)) for o in overrides)])
+    return f"`{command}` runs it again (its command line, recorded in .hydra/)"
 
 
 def with_effective_status(df: pd.DataFrame) -> pd.DataFrame:
@@ -400,11 +437,15 @@ def load_run(path: str | Path) -> RunData:
         raise BadInput(f"{path} is not a run directory (no {RUN_FILE}): pass a path under runs/, a run id or `latest`")
     run = read_run_row(path)
     frames = {}
-    for key, fname in TABLE_FILES.items():
-        frames[key] = read_parquet(path / fname) if (path / fname).exists() else pd.DataFrame()
+    try:
+        for key, fname in TABLE_FILES.items():
+            frames[key] = read_parquet(path / fname) if (path / fname).exists() else pd.DataFrame()
+        expectations = (read_parquet(path / EXPECTATIONS_FILE) if (path / EXPECTATIONS_FILE).exists()
+                        else pd.DataFrame())
+    except UnreadableFile as exc:
+        raise UnreadableFile(exc.path, f"{exc}; {rerun_advice(path)}") from None
     cfg_file = path / ".hydra" / "config.yaml"
     config = cfg_file.read_text(encoding="utf-8") if cfg_file.exists() else ""
-    expectations = read_parquet(path / EXPECTATIONS_FILE) if (path / EXPECTATIONS_FILE).exists() else pd.DataFrame()
     return RunData(path, run, frames["metrics"], frames["checks"], frames["timings"], frames["tensors"], config,
                    expectations)
 

@@ -128,6 +128,15 @@ RUN_SCHEMA = pa.schema([
 ])
 
 
+class UnreadableFile(BadInput):
+    """A run's parquet file exists but cannot be read (truncated, corrupt): bad input naming ``path``; the layers
+    above add which command re-makes the run (notebook.rerun_advice)."""
+
+    def __init__(self, path: Path, message: str) -> None:
+        super().__init__(message)
+        self.path = Path(path)
+
+
 def read_parquet(path: Path) -> pd.DataFrame:
     return read_table(path).to_pandas()
 
@@ -142,5 +151,5 @@ def read_table(path: Path, columns: tuple[str, ...] | None = None) -> pa.Table:
     except FileNotFoundError:
         raise BadInput(f"{path} is missing: is this a complete tfmoe run directory?") from None
     except (pa.ArrowException, OSError) as exc:
-        raise BadInput(f"{path} is not readable parquet ({type(exc).__name__}): the run is corrupt; "
-                       "re-run it with `tfmoe replay`") from None
+        raise UnreadableFile(path, f"{path} is not readable parquet ({type(exc).__name__}): the run is "
+                                   "unreadable") from None
