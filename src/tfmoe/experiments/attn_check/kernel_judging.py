@@ -73,10 +73,11 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
     return {"dq": 2.0 * dq, "dk": 2.0 * dk, "dv": 2.0 * dv}
 
 
-def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, expect: tuple[str, ...],
+def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, expect: dict[str, tuple[str, ...]],
              backward: bool, grad_factor: float, rec: Recorder) -> tuple[Outcome, Outcome | None]:
-    """One case: the forward (kernel vs reference on rows that see a key; the policy on rows that see none),
-    then — if the forward passed and backward is on — dq (rows that see a key), dk, dv."""
+    """One case: the forward (kernel vs reference on rows that see a key; on rows that see none, in every
+    family, the policy declared for the case's kind of row: ``expect[case.row_kind]``), then — if the forward
+    passed and backward is on — dq (rows that see a key), dk, dv."""
     tensors = {"q": inp.q, "k": inp.k, "v": inp.v, **{k: v for k, v in inp.kwargs.items()
                                                       if isinstance(v, torch.Tensor)}}
     try:
@@ -102,11 +103,15 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
         policy = {"mean_of_v": "uniform"}.get(kind, kind)
     ratio = j.ratio
     problems = [] if j.passed else [j.text("out")]
-    if case.family == "fully_masked" and policy not in expect:
-        problems.append(f"rows that see no key give {policy}, expected {'|'.join(expect)} "
-                        f"(kernel_checks.fully_masked_expect; set it to {policy} if that is your kernel's "
+    allowed = expect[case.row_kind]
+    if policy != "none" and policy not in allowed:
+        n = int((~inp.seen).sum())
+        problems.append(f"{n} rows that see no key ({case.row_kind} mask) give {policy}, expected "
+                        f"{'|'.join(allowed)} (kernel_checks.fully_masked_expect; set it to {policy}, or "
+                        f"{{{case.row_kind}:{policy}}} for {case.row_kind} rows only, if that is your kernel's "
                         "documented policy)" if policy in POLICIES else
-                        f"rows that see no key give {policy} (neither zeros, NaN nor the uniform average of v)")
+                        f"{n} rows that see no key ({case.row_kind} mask) give {policy} (neither zeros, NaN nor "
+                        "the uniform average of v)")
         ratio = math.inf
     evidence = {**tensors, "out": out, "ref": ref.detach()}
     fwd = Outcome(case, "fail" if problems else "pass",
@@ -115,13 +120,26 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
         return fwd, None
     floors = accumulation_atols(inp, ref, weights, 1.0 / math.sqrt(case.D) if case.scale is None else case.scale,
                                 dtype)
-    return fwd, run_backward(kernel, case, inp, dtype, grad_factor, ref, plain, leaves, tensors, floors, rec)
+    return fwd, run_backward(kernel, case, inp, dtype, grad_factor, ref, plain, leaves, tensors, floors, rec,
+                             nan_rows=policy == "nan")
+
+
+def kv_slices_without_nan_rows(seen: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """(B,Hkv) bool: the (batch row, kv head) slices none of whose query heads has a row that sees no key."""
+    B, Hq, Tq = seen.shape
+    return seen.reshape(B, Hkv, Hq // Hkv, Tq).all(dim=-1).all(dim=-1)
 
 
 def run_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, factor: float,
                  ref: torch.Tensor, plain: torch.Tensor, leaves: dict[str, list[torch.Tensor]],
-                 tensors: dict[str, torch.Tensor], floors: dict[str, float], rec: Recorder) -> Outcome:
-    """dq (rows that see a key), dk, dv of the kernel vs the fp64 reference's, next to the plain's."""
+                 tensors: dict[str, torch.Tensor], floors: dict[str, float], rec: Recorder,
+                 nan_rows: bool = False) -> Outcome:
+    """dq (rows that see a key), dk, dv of the kernel vs the fp64 reference's, next to the plain's.
+
+    ``nan_rows``: the kernel's forward is NaN on the rows that see no key, as its declared policy allows; the
+    softmax backward then carries that NaN into dk and dv of the keys those rows share (0·NaN = NaN), as module
+    mode's ``fully_masked_policy=nan`` accepts: dk, dv are judged on the (batch row, kv head) slices without
+    such a row, and dq on the rows that see a key, as always."""
     evidence = {**tensors, "grad_out": inp.grad_out}
     try:
         mine = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
@@ -135,8 +153,9 @@ def run_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype
     ref_g = torch.autograd.grad(ref, leaves["ref"], inp.grad_out.double())
     plain_g = torch.autograd.grad(plain, leaves["plain"], inp.grad_out)
     judged: dict[str, Comparison] = {}
+    kv_rows = kv_slices_without_nan_rows(inp.seen, case.Hkv) if nan_rows else None
     for i, name in enumerate(("dq", "dk", "dv")):
-        j = judge(got[i], ref_g[i], plain_g[i], dtype, factor, inp.seen if name == "dq" else None)
+        j = judge(got[i], ref_g[i], plain_g[i], dtype, factor, inp.seen if name == "dq" else kv_rows)
         judged[name] = replace(j, atol=max(j.atol, floors[name]))
         rec.metric("err", j.err, tensor=name, plain_err=j.plain_err, limit=judged[name].threshold, **case.tags())
     worst_name, worst = max(judged.items(), key=lambda kv: kv[1].ratio)
@@ -144,5 +163,8 @@ def run_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype
     for i, n in enumerate(("dq", "dk", "dv")):
         evidence[f"{n}_kernel"], evidence[f"{n}_ref"] = got[i], ref_g[i]
     detail = f"{case.label()}: " + ("; ".join(bad) if bad else worst.text(worst_name))
+    if kv_rows is not None:
+        detail += (f" (NaN rows under the declared nan policy: dk, dv judged on {int(kv_rows.sum())} of "
+                   f"{kv_rows.numel()} (batch row, kv head) slices)")
     return Outcome(case, "fail" if bad else "pass", detail, worst.ratio, evidence=evidence)
 
