@@ -105,8 +105,11 @@ BLAME = [  # (overrides, the exact set of failing checks, why the set is what th
     (["impl=buggy_attention:CacheWithoutOffset"], {"kv_cache_decode"}, ""),
     (["impl=buggy_attention:GlobalMaxSoftmax"], {"batch_independence", "fully_masked_rows"},
      "a second real defect: its 0/0 in fully masked rows, hidden by torch.where, is NaN in the backward"),
-    (["impl=buggy_attention:RepeatMaskBug"], {"batch_sizes", "padding_zero", "sdpa_match"},
-     "row b gets another row's padding: padded keys seen, output changed, B=1 differs from B=2"),
+    (["impl=buggy_attention:RepeatMaskBug"], {"batch_sizes", "sdpa_match"},
+     "row b gets another row's padding: output changed, B=1 differs from B=2; the padded keys it lets through are "
+     "seen only by padded queries (causal), don't-care by default"),
+    (["impl=buggy_attention:RepeatMaskBug", "padded_query_policy=attend"], {"batch_sizes", "padding_zero", "sdpa_match"},
+     "padded queries judged: they see the padded keys"),
     (["impl=buggy_attention:DropoutAlwaysOn"], {"dropout_eval_identity"}, ""),
     (["impl=buggy_attention:DropoutNoRescale"], {"dropout_scale"}, ""),
     (["impl=buggy_attention:DropoutKeepProb"], {"dropout_rate", "dropout_scale"}, "keeps p and scales by 1/p"),
@@ -256,7 +259,7 @@ def test_settings_import_no_user_code_and_pick_the_battery():
     assert s.battery.impl == "i12_never_imported:Attn" and s.battery.n_kv_heads == s.battery.n_heads == 2
     assert "i12_never_imported" not in sys.modules and "i12_never_imported_either" not in sys.modules
     k = attn_check.settings(compose("attn-check", ["kernel=i12_never_imported_kernel:attention"]))
-    assert isinstance(k.battery, attn_check.KernelSettings) and len(k.battery.cases) == 108
+    assert isinstance(k.battery, attn_check.KernelSettings) and len(k.battery.cases) == 12 * 15 + 1  # 12 shapes; 1 dropout case
     assert "i12_never_imported_kernel" not in sys.modules
     with pytest.raises(BadInput, match="unknown groups"):
         attn_check.settings(compose("attn-check", ["checks=[masks,speed]"]))

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tfmoe.components.comparison import Comparison, classify_rows, judge
+from tfmoe.components.comparison import Comparison, classify_rows, judge, max_abs_err
 from tfmoe.components.reference_attention import kv_head_index, plain_attention, reference_attention
 from tfmoe.experiments.attn_check.kernel_cases import POLICIES, Case, CaseInputs
 from tfmoe.experiments.attn_check.kernels import Kernel
@@ -73,6 +73,18 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
     return {"dq": 2.0 * dq, "dk": 2.0 * dk, "dv": 2.0 * dv}
 
 
+def reordered_yardstick(inp: CaseInputs, case: Case, plain: torch.Tensor, ref: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """The plain same-dtype implementation whose error is larger: softmax(q kᵀ·s) v as written, or with the scale
+    folded into q and k (√s each, SDPA's math backend's order). FlashAttention's tests likewise measure their
+    PyTorch yardstick with the ops reordered (``reorder_ops=True``): a correct kernel may round in either order
+    (SDPA's math backend reached 5.7x the first order's error in fp32 at D=13, experiments/attn-check.md)."""
+    s = 1.0 / math.sqrt(case.D) if case.scale is None else case.scale
+    with torch.no_grad():
+        other = plain_attention(inp.q * math.sqrt(s), inp.k * math.sqrt(s), inp.v, inp.visible, inp.bias, 1.0)
+    return other if max_abs_err(other, ref, inp.seen) > max_abs_err(plain, ref, inp.seen) else plain
+
+
 def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, expect: dict[str, tuple[str, ...]],
              backward: bool, grad_factor: float, rec: Recorder) -> tuple[Outcome, Outcome | None]:
     """One case: the forward (kernel vs reference on rows that see a key; on rows that see none, in every
@@ -93,7 +105,7 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
     with torch.set_grad_enabled(backward):
         ref, weights = reference_attention(*leaves["ref"], inp.visible, inp.bias, case.scale, return_weights=True)
         plain = plain_attention(*leaves["plain"], inp.visible, inp.bias, case.scale)
-    j = judge(out, ref, plain, dtype, 2.0, inp.seen)
+    j = judge(out, ref, reordered_yardstick(inp, case, plain, ref, dtype), dtype, 2.0, inp.seen)
     rec.metric("err", j.err, tensor="out", plain_err=j.plain_err, limit=j.threshold, **case.tags())
     policy = "none"
     if not bool(inp.seen.all()):
