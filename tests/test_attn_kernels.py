@@ -277,8 +277,9 @@ def test_cli_planted_bug_exit_1_names_the_family(tmp_path):
 
 # ------------------------------------------------------------------------------------ the default matrix
 @pytest.mark.slow
-def test_default_matrix_on_sdpa_passes():
-    rec = run_recorded("attn-check", ["kernel=torch:sdpa"])
+@pytest.mark.parametrize("kernel", ["torch:sdpa", "torch:sdpa-math"])  # math: the 5.7x forward (issue 22)
+def test_default_matrix_on_sdpa_passes(kernel):
+    rec = run_recorded("attn-check", [f"kernel={kernel}"])
     checks = {c.check: c for c in rec.checks_rows}
     assert set(checks) == FAMILIES and all(c.passed for c in checks.values()), \
         {n: c.detail for n, c in checks.items() if not c.passed}
