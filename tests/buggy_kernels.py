@@ -10,10 +10,14 @@ import torch
 NOT_A_FUNCTION = 42
 
 
-def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *, kv_head=None,
-            causal_offset=None, use_bool=True, use_float=True, fill_empty=True):
-    """A plain (B,Hq,Tq,D) attention, written without SDPA; the keyword switches plant the bugs."""
+def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *, dropout_p=0.0, kv_head=None,
+            causal_offset=None, use_bool=True, use_float=True, fill_empty=True, mask_view=None, use_dropout=True,
+            rescale=True, uniform_causal_empty=False):
+    """A plain (B,Hq,Tq,D) attention, written without SDPA (dropout on the weights, torch's RNG, 1/(1-p));
+    the keyword switches plant the bugs."""
     B, Hq, Tq, D = q.shape
+    if attn_mask is not None and mask_view is not None:
+        attn_mask = mask_view(attn_mask)
     Hkv, Tk = k.shape[1], k.shape[2]
     if Hkv != Hq:
         if not enable_gqa:
@@ -33,62 +37,70 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
     s = s.masked_fill(~allowed, float("-inf"))
     if fill_empty:
         empty = torch.isinf(s).all(dim=-1, keepdim=True)
-        w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+        w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1)
+        if not (uniform_causal_empty and is_causal):  # the bug: a causal row that sees no key averages every v
+            w = w.masked_fill(empty, 0.0)
     else:
         w = torch.softmax(s, dim=-1)  # a row of -inf -> NaN
+    if dropout_p and use_dropout:
+        keep = torch.rand(w.shape, device=w.device) >= dropout_p  # (B,Hq,Tq,Tk), torch's RNG
+        w = w * keep / (1.0 - dropout_p) if rescale else w * keep
     return w @ v
 
 
 def plain_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Correct: softmax(q kᵀ·scale + mask) v, fully masked rows -> 0 (SDPA's policy)."""
-    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
 
 
 def kernel_ignores_scale(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Bug (scale): takes `scale` and ignores it (always 1/sqrt(D))."""
-    return _attend(q, k, v, attn_mask, is_causal, None, enable_gqa)
+    return _attend(q, k, v, attn_mask, is_causal, None, enable_gqa, dropout_p=dropout_p)
 
 
 def kernel_bottom_right(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Bug (causal): bottom-right causal alignment while claiming SDPA's top-left is_causal."""
-    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, causal_offset=lambda Tq, Tk: Tk - Tq)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   causal_offset=lambda Tq, Tk: Tk - Tq)
 
 
 def kernel_gqa_modulo(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Bug (gqa): query head h reads kv head h % Hkv instead of h // (Hq / Hkv)."""
-    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, kv_head=lambda Hq, Hkv: torch.arange(Hq) % Hkv)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   kv_head=lambda Hq, Hkv: torch.arange(Hq) % Hkv)
 
 
 def kernel_ignores_bool_mask(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                              enable_gqa=False):
     """Bug (padding_bool): a boolean mask is silently ignored (padded keys get attention)."""
-    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, use_bool=False)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p, use_bool=False)
 
 
 def kernel_ignores_float_mask(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False):
     """Bug (padding_additive): an additive float mask is silently ignored."""
-    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, use_float=False)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p, use_float=False)
 
 
 def kernel_nan_rows(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Bug (fully_masked, against the default expectation zeros): a row that sees no key comes out NaN."""
-    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, fill_empty=False)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p, fill_empty=False)
 
 
 def kernel_nan_to_num_rows(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                            enable_gqa=False):
     """Bug (backward): softmax over an all -inf row, then nan_to_num — the forward is 0 there, but the softmax's
     backward is NaN, and NaN reaches dk and dv (the first cwd kernel written for the tests did exactly this)."""
-    return torch.nan_to_num(_attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, fill_empty=False), nan=0.0)
+    out = _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p, fill_empty=False)
+    return torch.nan_to_num(out, nan=0.0)
 
 
 class _WrongGradAttention(torch.autograd.Function):
     """The right forward, a hand-written backward that forgets the softmax Jacobian's δ term."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, is_causal, scale, enable_gqa):
-        out = _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    def forward(ctx, q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p):
+        out = _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
         ctx.save_for_backward(q, k, v)
         ctx.args = (attn_mask, is_causal, scale, enable_gqa)
         return out
@@ -100,12 +112,81 @@ class _WrongGradAttention(torch.autograd.Function):
             qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
             out = _attend(qq, kk, vv, *ctx.args)
             dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad_out)
-        return 2.0 * dq, dk, dv, None, None, None, None  # dq doubled: the planted bug
+        return 2.0 * dq, dk, dv, None, None, None, None, None  # dq doubled: the planted bug
 
 
 def kernel_wrong_grad(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Bug (backward): the forward is right, dq comes out twice too large."""
-    return _WrongGradAttention.apply(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    return _WrongGradAttention.apply(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p)
+
+
+def kernel_first_query_row_of_mask(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                   enable_gqa=False):
+    """Bug (mask_bool): reads only the first query's row of a boolean mask, mask[..., :1, :], for every query:
+    right for a (B,1,1,Tk) key padding mask (the old matrix's only boolean masks), wrong for a (B,1,Tq,Tk) one.
+    (On a float mask the old matrix's (B,1,Tq,Tk) random bias of pad_additive already showed it.)"""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   mask_view=lambda m: m[..., :1, :] if m.dtype == torch.bool else m)
+
+
+def kernel_first_head_of_mask(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                              enable_gqa=False):
+    """Bug (per_head): reads mask[:, :1], head 0's mask, for every head."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   mask_view=lambda m: m[:, :1])
+
+
+def kernel_uniform_causal_empty(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                enable_gqa=False):
+    """Bug (causal, against the default expectation zeros): bottom-right causal (declared), but a causal row
+    that sees no key (Tq > Tk) averages every v, as x-transformers' Attend does."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   causal_offset=lambda Tq, Tk: Tk - Tq, uniform_causal_empty=True)
+
+
+kernel_uniform_causal_empty.causal_align = "bottom_right"
+
+
+def kernel_like_attend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Correct, with x-transformers' Attend's policies for rows that see no key: zeros for a boolean mask (its
+    masked_fill with finfo.min, then zeroed), NaN for an all -inf additive mask (softmax of -inf), the uniform
+    average of v for a causal row (bottom-right causal, Tq > Tk: its causal mask filled with finfo.min)."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p, fill_empty=False)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   causal_offset=lambda Tq, Tk: Tk - Tq, uniform_causal_empty=True)
+
+
+kernel_like_attend.causal_align = "bottom_right"
+
+
+def kernel_ignores_dropout(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Bug (dropout): takes dropout_p and ignores it."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p, use_dropout=False)
+
+
+def kernel_dropout_no_rescale(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                              enable_gqa=False):
+    """Bug (dropout): drops weights with probability p but forgets the 1/(1-p) rescale."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p, rescale=False)
+
+
+def kernel_dropout_own_generator(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """Bug (dropout): draws its mask from a generator of its own, seeded once: torch.manual_seed does not
+    reach it (the same seed gives another mask on the next call)."""
+    B, Hq, Tq, _ = q.shape
+    out = _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    if not dropout_p:
+        return out
+    w_keep = torch.rand(B, Hq, Tq, k.shape[2], generator=_OWN) >= dropout_p
+    w = _attend(q, k, torch.eye(k.shape[2], dtype=q.dtype).expand(B, k.shape[1], -1, -1), attn_mask, is_causal,
+                scale, enable_gqa)  # the weights themselves (B,Hq,Tq,Tk)
+    heads = torch.arange(Hq) // (Hq // k.shape[1])
+    return (w * w_keep / (1.0 - dropout_p)) @ v[:, heads]
+
+
+_OWN = torch.Generator().manual_seed(1234)
 
 
 def kernel_no_gqa_no_scale(q, k, v, attn_mask=None, is_causal=False):
@@ -117,7 +198,7 @@ def kernel_forward_only(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
     """Correct forward; refuses autograd with NotImplementedError (like FlexAttention on CPU)."""
     if torch.is_grad_enabled() and q.requires_grad:
         raise NotImplementedError("this kernel has no backward yet")
-    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
 
 
 def kernel_crashes_on_masks(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -125,13 +206,14 @@ def kernel_crashes_on_masks(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fa
     """Raises an ordinary error on any mask: the cases fail (with the error), the battery does not crash."""
     if attn_mask is not None:
         raise ValueError("mask layout not understood")
-    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
 
 
 def kernel_declares_bottom_right(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """Correct bottom-right kernel that says so (FlashAttention >= 2.1's convention)."""
-    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, causal_offset=lambda Tq, Tk: Tk - Tq)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   causal_offset=lambda Tq, Tk: Tk - Tq)
 
 
 kernel_declares_bottom_right.causal_align = "bottom_right"
@@ -142,4 +224,4 @@ def kernel_takes_only_q(q):
 
 
 def kernel_wrong_shape(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa).transpose(1, 2)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p).transpose(1, 2)

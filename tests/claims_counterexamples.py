@@ -43,4 +43,19 @@ class DenseMoE(MoELayer):
         return MoEOutput(x + mixture, mixture, routing, keep, torch.full((self.n_experts,), x.shape[0]), None)
 
 
-__all__ = ["UniformAttention", "SelfOnlyAttention", "DenseMoE", "FeedForward"]
+class AlwaysOnExpert(MoELayer):
+    """Runs each token's top-k experts plus one always-on (shared) expert: its FLOPs stay flat as E doubles,
+    yet every token runs k + 1 experts."""
+
+    def __init__(self, d_model: int, d_hidden: int, n_experts: int, top_k: int, **kwargs):
+        super().__init__(d_model, d_hidden, n_experts, top_k, **kwargs)
+        self.shared = FeedForward(d_model, d_hidden, "gelu", bias=False)
+
+    def forward(self, x: torch.Tensor, generator=None, dispatch=None) -> MoEOutput:
+        routed = super().forward(x, generator, dispatch)
+        mixture = routed.mixture + self.shared(x)
+        return MoEOutput(x + mixture if self.residual else mixture, mixture, routed.routing, routed.keep,
+                         routed.processed, routed.capacity)
+
+
+__all__ = ["UniformAttention", "SelfOnlyAttention", "DenseMoE", "AlwaysOnExpert", "FeedForward"]

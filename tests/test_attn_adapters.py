@@ -154,8 +154,12 @@ def test_hf_eager_and_sdpa_disagree_without_a_mask():
 
 # ------------------------------------------------------------------------ a user's layer, another layout
 def test_user_adapter_catches_a_bug_in_its_layer():
-    checks, _ = battery("impl=adapted_attention:BuggyEinsumAdapter", "checks=[sdpa,fully_masked]")
+    # causal + right padding: the bug's only effect is on padded query rows, don't-care unless required
+    checks, _ = battery("impl=adapted_attention:BuggyEinsumAdapter", "checks=[sdpa,fully_masked]",
+                        "padded_query_policy=attend")
     assert failed(checks) == {"sdpa_match"}
+    checks, _ = battery("impl=adapted_attention:BuggyEinsumAdapter", "checks=[sdpa,fully_masked]", "causal=false")
+    assert failed(checks) == {"sdpa_match"}  # real queries see the padded keys
 
 
 def test_user_module_in_the_current_directory_needs_no_pythonpath(tmp_path, monkeypatch):

@@ -88,9 +88,12 @@ BLAME = [  # (overrides, the exact set of failing checks, why the set is what th
     (["impl=buggy_attention:ScaleByDModel", "n_heads=1", "head_counts=[1,2]"], {"head_counts"},
      "sqrt(d_model) = sqrt(d_head) at H=1: only another head count shows it"),
     (["impl=buggy_attention:CausalOffByOne"], {"causal_zero", "sdpa_match"}, "a future key seen changes the output"),
-    (["impl=buggy_attention:PaddingOnQueries"], {"row_sums", "sdpa_match"},
-     "causal + right padding: padded keys are seen only by padded queries, which the bug blanks"),
-    (["impl=buggy_attention:PaddingOnQueries", "causal=false"], {"padding_zero", "row_sums", "sdpa_match"}, ""),
+    (["impl=buggy_attention:PaddingOnQueries"], set(),
+     "causal + right padding: padded keys are seen only by padded queries, whose rows are don't-care by default"),
+    (["impl=buggy_attention:PaddingOnQueries", "padded_query_policy=attend"], {"row_sums", "sdpa_match"},
+     "padded queries judged: the bug blanks them"),
+    (["impl=buggy_attention:PaddingOnQueries", "causal=false"], {"padding_zero", "sdpa_match"},
+     "real queries see padded keys; the blanked padded query rows are don't-care (row_sums skips them)"),
     (["impl=buggy_attention:MissingTransposeMerge"], {"sdpa_match"}, ""),
     (["impl=buggy_attention:HeadAveragedWeights"], {"shapes"}, ""),
     (["impl=buggy_attention:TimeMajorOutput"], {"shapes"}, ""),
@@ -102,8 +105,11 @@ BLAME = [  # (overrides, the exact set of failing checks, why the set is what th
     (["impl=buggy_attention:CacheWithoutOffset"], {"kv_cache_decode"}, ""),
     (["impl=buggy_attention:GlobalMaxSoftmax"], {"batch_independence", "fully_masked_rows"},
      "a second real defect: its 0/0 in fully masked rows, hidden by torch.where, is NaN in the backward"),
-    (["impl=buggy_attention:RepeatMaskBug"], {"batch_sizes", "padding_zero", "sdpa_match"},
-     "row b gets another row's padding: padded keys seen, output changed, B=1 differs from B=2"),
+    (["impl=buggy_attention:RepeatMaskBug"], {"batch_sizes", "sdpa_match"},
+     "row b gets another row's padding: output changed, B=1 differs from B=2; the padded keys it lets through are "
+     "seen only by padded queries (causal), don't-care by default"),
+    (["impl=buggy_attention:RepeatMaskBug", "padded_query_policy=attend"], {"batch_sizes", "padding_zero", "sdpa_match"},
+     "padded queries judged: they see the padded keys"),
     (["impl=buggy_attention:DropoutAlwaysOn"], {"dropout_eval_identity"}, ""),
     (["impl=buggy_attention:DropoutNoRescale"], {"dropout_scale"}, ""),
     (["impl=buggy_attention:DropoutKeepProb"], {"dropout_rate", "dropout_scale"}, "keeps p and scales by 1/p"),
@@ -144,7 +150,7 @@ def test_prerequisites_are_named_not_blamed():
 def test_padding_on_queries_in_the_default_causal_case():
     # causal + right padding: padded keys are visible only to padded queries, which the bug blanks out, so
     # padding_zero cannot see it there (test above uses causal=false); the blanked rows fail row_sums instead
-    checks, _ = battery("impl=buggy_attention:PaddingOnQueries", "checks=[masks,sdpa]")
+    checks, _ = battery("impl=buggy_attention:PaddingOnQueries", "checks=[masks,sdpa]", "padded_query_policy=attend")
     assert checks["padding_zero"].passed and not checks["row_sums"].passed and not checks["sdpa_match"].passed
 
 
@@ -253,7 +259,7 @@ def test_settings_import_no_user_code_and_pick_the_battery():
     assert s.battery.impl == "i12_never_imported:Attn" and s.battery.n_kv_heads == s.battery.n_heads == 2
     assert "i12_never_imported" not in sys.modules and "i12_never_imported_either" not in sys.modules
     k = attn_check.settings(compose("attn-check", ["kernel=i12_never_imported_kernel:attention"]))
-    assert isinstance(k.battery, attn_check.KernelSettings) and len(k.battery.cases) == 108
+    assert isinstance(k.battery, attn_check.KernelSettings) and len(k.battery.cases) == 12 * 15 + 1  # 12 shapes; 1 dropout case
     assert "i12_never_imported_kernel" not in sys.modules
     with pytest.raises(BadInput, match="unknown groups"):
         attn_check.settings(compose("attn-check", ["checks=[masks,speed]"]))
@@ -383,3 +389,65 @@ def test_downcast_fixture_is_diagnosed_not_blamed_on_gradients():
     checks, rec = battery("impl=buggy_attention:DowncastToFp32", "checks=[gradients]")
     assert "gradcheck" not in checks and checks["grad_match"].passed
     assert any("computes in float32" in n for n in rec.notes)
+
+
+# ------------------------------------------------------------------------------ padded query rows (issue 22)
+def test_a_layer_that_zeroes_padded_queries_passes_by_default():
+    """Regression: x-transformers with mask= zeroes the output of padded query positions; sdpa_match failed it
+    although those rows are don't-care in every loss (FlashAttention's tests strip them)."""
+    checks, rec = battery("impl=padded_query_layers:ZeroesPaddedQueries")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    assert any("padded query rows" in n and "padded_query_policy=any" in n for n in rec.notes)
+    checks, _ = battery("impl=padded_query_layers:ZeroesPaddedQueries", "padded_query_policy=zeros",
+                        "checks=[sdpa]")
+    assert checks["padded_query_rows"].passed and checks["sdpa_match"].passed
+    checks, _ = battery("impl=padded_query_layers:ZeroesPaddedQueries", "padded_query_policy=attend",
+                        "checks=[sdpa]")
+    assert not checks["sdpa_match"].passed  # what the layer does not promise, when the user requires it
+
+
+def test_padded_query_policy_zeros_requires_zeros_and_any_does_not():
+    checks, _ = battery("impl=padded_query_layers:HalvesPaddedQueries", "checks=[sdpa,gradients,invariances]")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    checks, _ = battery("impl=padded_query_layers:HalvesPaddedQueries", "padded_query_policy=zeros",
+                        "checks=[sdpa]")
+    assert failed(checks) == {"padded_query_rows"} and "padded query rows" in checks["padded_query_rows"].detail
+
+
+def test_a_bug_in_the_real_rows_still_fails_sdpa_match():
+    checks, _ = battery("impl=padded_query_layers:ZeroesTheLastRealQueryToo", "checks=[sdpa]")
+    assert not checks["sdpa_match"].passed, checks["sdpa_match"].detail
+
+
+@pytest.mark.parametrize("value", ["skip", "ZEROS", "[any]"])
+def test_bad_padded_query_policy(value):
+    with pytest.raises(BadInput, match="padded_query_policy"):
+        run_recorded("attn-check", [f"padded_query_policy={value}"])
+
+
+# ------------------------------------------------------------------------------------ head_counts (issue 22)
+def test_head_counts_is_not_applicable_where_the_layer_cannot_be_rebuilt():
+    """Regression: a layer whose structure changes with the head count (x-transformers drops to_out at H=1)
+    failed head_counts with the load error cut to its first line, 'Error(s) in loading state_dict for ...:'.
+    Now that head count is not applicable, the whole message in the note; the other head counts are judged."""
+    checks, rec = battery("impl=padded_query_layers:OutGainAboveOneHead", "checks=[invariances]",
+                          "head_counts=[1,2,4]")
+    assert checks["head_counts"].passed and "H=4" in checks["head_counts"].detail
+    note = next(n for n in rec.notes if "head_counts not applicable" in n)
+    assert "H=1: RuntimeError: Error(s) in loading state_dict for OutGainAboveOneHead:" in note
+    assert 'Unexpected key(s) in state_dict: "out_gain"' in note  # the reason, not only the first line
+    checks, rec = battery("impl=padded_query_layers:OutGainAboveOneHead", "checks=[invariances]",
+                          "head_counts=[1]")
+    assert "head_counts" not in checks and any("head_counts n/a" in n for n in rec.notes)
+
+
+def test_full_message_keeps_a_real_libraries_load_error_whole():
+    xt = pytest.importorskip("x_transformers.x_transformers")
+    from tfmoe.experiments.attn_check.checks.invariances import full_message
+
+    two, one = xt.Attention(16, heads=2, dim_head=8), xt.Attention(16, heads=1, dim_head=16)
+    with pytest.raises(RuntimeError) as err:
+        one.load_state_dict(two.state_dict())
+    text = full_message(err.value)
+    assert text.startswith("RuntimeError: Error(s) in loading state_dict for Attention:")
+    assert '"to_out.weight"' in text and "\n" not in text

@@ -23,7 +23,8 @@ from tfmoe.testing import run_cli, run_recorded
 # decode-like Tq = 1, head dims 12 / 8 / 16 (one not a multiple of 8), MHA / GQA / MQA with Hq = 6.
 SMALL = ["cases.shapes=[[5,7,12],[7,5,8],[1,6,16]]"]
 FAMILIES = {"kernel_scale", "kernel_gqa", "kernel_causal", "kernel_padding_bool", "kernel_padding_additive",
-            "kernel_fully_masked", "kernel_backward"}
+            "kernel_fully_masked", "kernel_mask_bool", "kernel_mask_additive", "kernel_per_head", "kernel_dropout",
+            "kernel_backward"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -130,7 +131,8 @@ def test_chunked_passes_what_it_can_take_and_says_what_it_cannot():
 def test_flex_forward_passes_backward_is_not_applicable():
     checks, rec = battery("torch:flex", "cases.shapes=[[5,7,12]]")
     assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
-    assert "kernel_backward" not in checks and len(checks) == 6
+    assert "kernel_backward" not in checks and "kernel_dropout" not in checks and len(checks) == len(FAMILIES) - 2
+    assert "kernel_per_head" in checks  # per-head masks reach FlexAttention's mask_mod / score_mod by head
     assert any("kernel_backward n/a" in n and "does not support backward on CPU" in n for n in rec.notes)
 
 
@@ -148,7 +150,8 @@ def test_user_kernel_file_in_the_current_directory(tmp_path):
         "    if attn_mask is not None:\n"
         "        s = s.masked_fill(~attn_mask, float('-inf')) if attn_mask.dtype == torch.bool else s + attn_mask\n"
         "    empty = torch.isinf(s).all(-1, keepdim=True)  # a row that sees no key: 0 out, finite grads\n"
-        "    return s.masked_fill(empty, 0.0).softmax(-1).masked_fill(empty, 0.0) @ v\n")
+        "    w = s.masked_fill(empty, 0.0).softmax(-1).masked_fill(empty, 0.0)\n"
+        "    return torch.nn.functional.dropout(w, dropout_p) @ v\n")
     res = run_cli(["attn-check", "kernel=my_kernel_i13:attention", *SMALL], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr
     import pandas as pd
@@ -186,13 +189,19 @@ def test_declared_bottom_right_kernel_passes_and_nan_policy_can_be_expected():
 PLANTED = [("kernel_ignores_scale", "kernel_scale"), ("kernel_bottom_right", "kernel_causal"),
            ("kernel_gqa_modulo", "kernel_gqa"), ("kernel_ignores_bool_mask", "kernel_padding_bool"),
            ("kernel_ignores_float_mask", "kernel_padding_additive"), ("kernel_nan_rows", "kernel_fully_masked"),
-           ("kernel_wrong_grad", "kernel_backward"), ("kernel_nan_to_num_rows", "kernel_backward")]
+           ("kernel_wrong_grad", "kernel_backward"), ("kernel_nan_to_num_rows", "kernel_backward"),
+           # issue 22 item 6: the holes of the old matrix, each now caught by its family
+           ("kernel_first_query_row_of_mask", "kernel_mask_bool"),
+           ("kernel_first_head_of_mask", "kernel_per_head"), ("kernel_uniform_causal_empty", "kernel_causal"),
+           ("kernel_ignores_dropout", "kernel_dropout"), ("kernel_dropout_no_rescale", "kernel_dropout"),
+           ("kernel_dropout_own_generator", "kernel_dropout")]
 
 
-@pytest.mark.parametrize(("bug", "family"), PLANTED, ids=[p[0] for p in PLANTED])
-def test_planted_bug_fails_exactly_its_family(bug, family):
+@pytest.mark.parametrize(("bug", "families"), PLANTED, ids=[p[0] for p in PLANTED])
+def test_planted_bug_fails_exactly_its_family(bug, families):
     checks, rec = battery(f"buggy_kernels:{bug}")
-    assert failed(checks) == {family}, {n: checks[n].detail for n in failed(checks)}
+    assert failed(checks) == set(families.split("+")), {n: checks[n].detail for n in failed(checks)}
+    family = families.split("+")[0]
     detail = checks[family].detail
     assert "(Tq=" in detail and "Hkv=" in detail and "mask=" in detail  # the failing case is named
     assert any(name.startswith(f"failing.{family}.") for name in rec.tensors_saved)  # and its inputs saved
@@ -268,8 +277,9 @@ def test_cli_planted_bug_exit_1_names_the_family(tmp_path):
 
 # ------------------------------------------------------------------------------------ the default matrix
 @pytest.mark.slow
-def test_default_matrix_on_sdpa_passes():
-    rec = run_recorded("attn-check", ["kernel=torch:sdpa"])
+@pytest.mark.parametrize("kernel", ["torch:sdpa", "torch:sdpa-math"])  # math: the 5.7x forward (issue 22)
+def test_default_matrix_on_sdpa_passes(kernel):
+    rec = run_recorded("attn-check", [f"kernel={kernel}"])
     checks = {c.check: c for c in rec.checks_rows}
     assert set(checks) == FAMILIES and all(c.passed for c in checks.values()), \
         {n: c.detail for n, c in checks.items() if not c.passed}
@@ -286,3 +296,138 @@ def test_default_matrix_on_sdpa_passes():
 def test_cuda_kernels_pass_or_say_why_not(kernel, dtype):
     checks, rec = battery(kernel, "device=cuda", f"dtype={dtype}")
     assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+
+
+# ------------------------------------------------------------------------- policies per kind of row (issue 22)
+ATTEND_POLICY = "kernel_checks.fully_masked_expect={bool:zeros,additive:nan,causal:uniform}"
+
+
+def test_policies_per_kind_of_row_pass_an_attend_like_kernel_through_the_cli(tmp_path):
+    """x-transformers' Attend: zeros for a boolean row that sees no key, NaN for an all -inf additive row, the
+    uniform average for a causal row without a key. Each kind of row is judged in every family, so only a
+    per-kind policy (the exact command-line form) passes it; its NaN backward is accepted as module mode's nan."""
+    res = run_cli(["attn-check", "kernel=buggy_kernels:kernel_like_attend", *SMALL, ATTEND_POLICY], tmp_path)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    import pandas as pd
+
+    checks = pd.read_parquet(res.run_dir / "checks.parquet")
+    assert set(checks["check"]) == FAMILIES and checks["passed"].all()
+    errs = pd.read_parquet(res.run_dir / "metrics.parquet").query("name == 'err' and mask == 'fully_masked_additive'")
+    assert set(errs["tensor"]) == {"out", "dq", "dk", "dv"} and errs["value"].map(math.isfinite).all()
+    res = run_cli(["attn-check", "kernel=buggy_kernels:kernel_like_attend", *SMALL], tmp_path)
+    assert res.exit_code == 1 and "kernel_causal" in res.stderr and "kernel_fully_masked" in res.stderr
+
+
+def test_list_form_of_the_policy_is_accepted_on_the_command_line(tmp_path):
+    """Regression: the documented list form kernel_checks.fully_masked_expect=[zeros,nan,uniform] was refused."""
+    res = run_cli(["attn-check", "kernel=buggy_kernels:kernel_like_attend", *SMALL,
+                   "kernel_checks.fully_masked_expect=[zeros,nan,uniform]"], tmp_path)
+    assert res.exit_code == 0, res.stdout + res.stderr
+
+
+def test_nan_policy_accepts_the_nan_backward_as_module_mode_does():
+    """Regression: under a declared nan policy kernel mode failed the same NaN gradients module mode accepts."""
+    checks, _ = battery("buggy_kernels:kernel_nan_rows", "kernel_checks.fully_masked_expect=nan")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    checks, _ = battery("buggy_kernels:kernel_nan_to_num_rows", "kernel_checks.fully_masked_expect=[zeros,nan]")
+    assert failed(checks) == {"kernel_backward"}  # its forward is zeros there: the NaN backward is a bug
+
+
+def test_a_causal_row_without_a_key_is_judged_in_the_causal_family():
+    checks, _ = battery("buggy_kernels:kernel_uniform_causal_empty")
+    assert "(causal mask) give uniform, expected zeros" in checks["kernel_causal"].detail
+    assert "{causal:uniform}" in checks["kernel_causal"].detail  # the fix, per kind
+    checks, _ = battery("buggy_kernels:kernel_uniform_causal_empty",
+                        "kernel_checks.fully_masked_expect={causal:uniform}")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+
+
+@pytest.mark.parametrize(("value", "fragment"), [
+    ("{padding:zeros}", "unknown kinds of row"), ("{bool:ones}", "fully_masked_expect.bool"),
+    ("[]", "fully_masked_expect"), ("[zeros,ones]", "fully_masked_expect")])
+def test_bad_policies_are_refused(value, fragment):
+    with pytest.raises(BadInput, match=fragment) as err:
+        run_recorded("attn-check", ["kernel=torch:sdpa", f"kernel_checks.fully_masked_expect={value}"])
+    assert "\n" not in str(err.value)
+
+
+def test_policy_forms_resolve_per_kind():
+    from tfmoe.experiments.attn_check import fully_masked_expect
+
+    assert fully_masked_expect("zeros") == {"bool": ("zeros",), "additive": ("zeros",), "causal": ("zeros",)}
+    assert fully_masked_expect(float("nan"))["causal"] == ("nan",)  # Hydra reads the bare word nan as a float
+    assert fully_masked_expect("any")["bool"] == ("zeros", "nan", "uniform")
+    assert fully_masked_expect({"additive": ["nan", "zeros"]}) == {
+        "bool": ("zeros",), "additive": ("nan", "zeros"), "causal": ("zeros",)}  # missing kinds: zeros
+
+
+# ----------------------------------------------------------------------------------- the matrix's new masks
+def test_new_masks_are_full_per_head_and_meet_rows_without_a_key():
+    from tfmoe.experiments.attn_check.kernel_cases import Case, make_inputs
+
+    for mask, heads in (("bool_random", 1), ("bool_structured", 1), ("additive_random", 1),
+                        ("additive_structured", 1), ("per_head_bool", 6), ("per_head_additive", 6)):
+        case = Case("x", 9, 7, 8, 2, mask)
+        inp = make_inputs(case, 2, 6, "top_left", 0, 0, torch.device("cpu"), torch.float32)
+        m = inp.kwargs["attn_mask"]
+        assert tuple(m.shape) == (2, heads, 9, 7), mask
+        assert (m.dtype == torch.bool) == mask.startswith(("bool", "per_head_bool")), mask
+        vis = inp.visible.expand(2, 6, 9, 7)
+        assert not torch.equal(vis[:, :, :1].expand_as(vis), vis), f"{mask}: every query row the same"
+        if heads > 1:
+            assert not torch.equal(vis[:, :1].expand_as(vis), vis), f"{mask}: every head the same"
+        if "random" in mask or mask == "per_head_bool":  # structured masks: rows without a key at some shapes
+            assert not bool(inp.seen.all()), f"{mask}: no row without a key"
+        assert case.row_kind == ("additive" if "additive" in mask else "bool")
+
+
+# ------------------------------------------------------------------------------------------- dropout family
+def test_keep_rate_bound_has_the_stated_false_alarm_probability():
+    from statistics import NormalDist
+
+    from tfmoe.experiments.attn_check.kernel_dropout import FALSE_ALARM, keep_rate_bound
+
+    b = keep_rate_bound(0.2, 36_864)
+    assert math.isclose(b, NormalDist().inv_cdf(1 - FALSE_ALARM / 2) * math.sqrt(0.16 / 36_864))
+    assert 0.009 < b < 0.011  # the default probe: 2 x 6 x 48 x 32 weights x 2 seeds
+    g = torch.Generator().manual_seed(0)  # correct Bernoulli draws stay inside it (here: 200 probes)
+    rates = (torch.rand(200, 36_864, generator=g) >= 0.2).double().mean(dim=1)
+    assert ((rates - 0.8).abs() <= b).all()
+
+
+def test_dropout_family_reads_the_mask_back_exactly():
+    checks, rec = battery("torch:sdpa", "cases.masks=[none]")
+    assert not failed(checks), {n: checks[n].detail for n in failed(checks)}
+    rate = next(r for r in rec.metrics_rows if r["name"] == "dropout_keep_rate")
+    assert abs(rate["value"] - 0.8) <= rate["bound"] and rate["n"] == 2 * 6 * 48 * 32 * 2
+    err = next(r for r in rec.metrics_rows if r["name"] == "dropout_rescale_err")
+    assert err["value"] < 1e-5  # kept weights are P/(1-p) to fp32 rounding
+    checks, rec = battery("torch:sdpa", "cases.masks=[none]", "kernel_checks.dropout_p=0")
+    assert "kernel_dropout" not in checks
+
+
+def test_dropout_bugs_name_their_cause():
+    checks, _ = battery("buggy_kernels:kernel_ignores_dropout", "cases.masks=[none]")
+    assert "dropout_p is ignored" in checks["kernel_dropout"].detail
+    checks, _ = battery("buggy_kernels:kernel_dropout_no_rescale", "cases.masks=[none]")
+    assert "rescaled by 1, not 1/(1-p) = 1.25" in checks["kernel_dropout"].detail
+    checks, _ = battery("buggy_kernels:kernel_dropout_own_generator", "cases.masks=[none]")
+    assert "same torch seed gave a different output" in checks["kernel_dropout"].detail
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    (["kernel_checks.dropout_p=1.0"], "dropout_p"), (["kernel_checks.dropout_shape=[8,16,8]"], "Tk <= D"),
+    (["kernel_checks.dropout_seeds=0"], "dropout_seeds")])
+def test_bad_dropout_settings_are_refused(overrides, fragment):
+    with pytest.raises(BadInput, match=fragment):
+        run_recorded("attn-check", ["kernel=torch:sdpa", *overrides])
+
+
+def test_x_transformers_attend_passes_with_its_declared_policies():
+    """The real x-transformers Attend (behind SDPA's signature: tests/xt_attend_kernel.py) under the per-kind
+    policy: every family passes, its NaN rows' backward included; without the declaration its policies fail."""
+    pytest.importorskip("x_transformers")
+    checks, rec = battery("xt_attend_kernel:attend", ATTEND_POLICY)
+    assert set(checks) == FAMILIES and failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    assert any("causal cases): the kernel gives uniform" in n for n in rec.notes)
+    assert any("fully_masked_additive cases): the kernel gives nan" in n for n in rec.notes)

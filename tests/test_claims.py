@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from claims_counterexamples import DenseMoE, SelfOnlyAttention
+from claims_counterexamples import AlwaysOnExpert, DenseMoE, SelfOnlyAttention
 
 from tfmoe.experiments.block_stats import checks as bc
 from tfmoe.experiments.complexity import checks as cxc
@@ -95,6 +95,15 @@ def test_dense_moe_fails_moe_compute_flat_in_experts() -> None:
     assert cxc.moe_compute_outcome(2, 2).passed  # boundary: k == E
     dense = cxc.moe_compute_outcome(4, 2, layer_fn=DenseMoE)
     assert not dense.passed and dense.observed > 0, dense.detail
+
+
+def test_an_always_on_expert_fails_moe_compute_flat_in_experts() -> None:
+    """Regression (issue 22): top-k plus an always-on expert is flat in E, and passed. The count must now equal
+    N·k·(one expert) + the router exactly: it is off by N·(one expert) = 64·(2·2·32·64) at each E."""
+    shared = cxc.moe_compute_outcome(4, 2, layer_fn=AlwaysOnExpert)
+    assert not shared.passed and shared.observed == 2 * 64 * 2 * 2 * 32 * 64, shared.detail
+    assert "more than its top-k experts" in shared.detail
+    assert cxc.moe_compute_outcome(4, 1).passed and cxc.moe_compute_outcome(8, 2, tokens=1).passed  # boundaries
 
 
 # ------------------------------------------------------------------------------------------ --run

@@ -17,6 +17,7 @@ from tfmoe.experiments import complexity as cx
 from tfmoe.experiments.complexity import checks as cxc
 from tfmoe.experiments.complexity import measure as cxm
 from tfmoe.memory import peak_memory_bytes
+from tfmoe.testing import run_recorded
 
 SMALL = cm.BlockShape(B=2, T=16, D=32, H=4)
 
@@ -246,6 +247,25 @@ def test_kv_cache_check_fails_on_a_formula_missing_v():
 
     o, _ = cxc.kv_cache_outcome(_block(SMALL), SMALL, _x(SMALL), formula=k_only)
     assert not o.passed
+
+
+def test_kv_cache_check_fails_on_a_formula_without_B_at_the_default_B_1():
+    """Regression (issue 22): at the default B=1 (claims --run's too) a formula dropping B passed; the check
+    now also judges a batch of two."""
+    def no_batch(shape, n_tokens, dtype_bytes):  # planted bug
+        return 2 * n_tokens * shape.D * dtype_bytes
+
+    one = cm.BlockShape(B=1, T=16, D=32, H=4)
+    o, cache = cxc.kv_cache_outcome(_block(one), one, _x(one), formula=no_batch)
+    assert not o.passed and o.observed == 2 * 16 * 32 * 4 and "B=2" in o.detail, o.detail
+    assert cache.nbytes() == 2 * 16 * 32 * 4  # the returned cache is B=1's (kv_cache_per_token_match reads it)
+    o, _ = cxc.kv_cache_outcome(_block(one), one, _x(one))
+    assert o.passed, o.detail
+    o, _ = cxc.kv_cache_outcome(_block(SMALL), SMALL, _x(SMALL), formula=no_batch)
+    assert not o.passed  # B=2 already shows it
+    rec = run_recorded("complexity", [*QUICK, "B=1"])
+    row = next(c for c in rec.checks_rows if c.check.startswith("kv_cache_bytes_match"))
+    assert row.passed and "B=2" in row.detail
 
 
 @pytest.mark.parametrize("dtype,shape", [

@@ -25,7 +25,10 @@ DOCUMENTED_FORMS = {
         "checks=all,[masks,sdpa],masks,[masks,sdpa,fully_masked,gradients,kv_cache,chunked,invariances,dropout]",
         "lengths=null,[4,3]", "head_counts=null,[1,2]", "dropout=0,0.2", "mode=full,chunked",
         "impl=mypackage.module:MyAttention,torch:mha,hf:llama", "chunked.impl=mypackage.module:my_function",
-        "chunked.probe_T=32768",
+        "chunked.probe_T=32768", "fully_masked_policy=finite,nan,any", "padded_query_policy=any,attend,zeros",
+        "kernel_checks.fully_masked_expect=zeros,nan,any,[zeros,nan,uniform],{bool:zeros,additive:nan,causal:uniform}",
+        "kernel_checks.dropout_p=0,0.2", "kernel_checks.dropout_shape=[48,32,32]",
+        "cases.masks=[none,causal,bool_random,per_head_additive]",
     ],
     "arch": ["rope=false", "visibility_tol_eps=8,16.5", "equivariance_tol_eps=32.5", "min_position_effect=1"],
     "block-stats": [
@@ -74,8 +77,11 @@ def test_the_forms_table_names_real_keys() -> None:
     """Each CONFIG_FORMS entry names a key of that config whose default is one of its forms."""
     for (config, key), forms in CONFIG_FORMS.items():
         cfg = yaml.safe_load((Path(config_dir()) / f"{config}.yaml").read_text())
-        assert key in cfg, (config, key)
-        assert isinstance(cfg[key], forms), (config, key, cfg[key])
+        for part in key.split(".")[:-1]:  # a dotted key: kernel_checks.fully_masked_expect
+            cfg = cfg[part]
+        leaf = key.split(".")[-1]
+        assert leaf in cfg, (config, key)
+        assert isinstance(cfg[leaf], forms), (config, key, cfg[leaf])
 
 
 def test_documented_list_form_of_checks_runs_through_the_cli(tmp_path: Path) -> None:

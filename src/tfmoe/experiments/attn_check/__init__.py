@@ -39,13 +39,14 @@ from omegaconf import DictConfig, OmegaConf
 from tfmoe.components.reference_attention import CAUSAL_ALIGNS
 from tfmoe.errors import BadInput
 from tfmoe.experiments.attn_check.checks import GROUPS
-from tfmoe.experiments.attn_check.kernel_cases import MASKS, POLICIES, build_cases
+from tfmoe.experiments.attn_check.kernel_cases import MASKS, POLICIES, ROW_KINDS, build_cases
 from tfmoe.experiments.attn_check.settings import KernelSettings, ModuleSettings, Settings
 from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int, require_number
 
 MODES = ("full", "chunked")
 FULLY_MASKED_POLICIES = ("finite", "zeros", "nan", "mean_of_v", "any")
+PADDED_QUERY_POLICIES = ("any", "attend", "zeros")
 
 
 # ============================================================================================ settings
@@ -117,6 +118,10 @@ def module_settings(cfg: DictConfig) -> ModuleSettings:
         policy = "nan"  # Hydra's grammar reads the bare word nan as a float
     if policy not in FULLY_MASKED_POLICIES:
         raise BadInput(f"fully_masked_policy={policy!r} is unknown: use one of {list(FULLY_MASKED_POLICIES)}")
+    padded = OmegaConf.select(cfg, "padded_query_policy", default="any")
+    if padded not in PADDED_QUERY_POLICIES:
+        raise BadInput(f"padded_query_policy={padded!r} is unknown: use any (padded query rows are don't-care), "
+                       "attend (they must attend like real queries) or zeros (the layer zeroes them)")
     hf_impl = OmegaConf.select(cfg, "hf.attn_implementation", default="eager")
     if hf_impl not in ("eager", "sdpa"):
         raise BadInput(f"hf.attn_implementation={hf_impl!r} is not supported: use eager or sdpa")
@@ -138,6 +143,7 @@ def module_settings(cfg: DictConfig) -> ModuleSettings:
         probe_block_size=require_int(cfg, "chunked.probe_block_size", 1), memory_ratio_max=float(ratio),
         timing_repeats=require_int(cfg, "chunked.timing_repeats", 1), groups=tuple(groups),
         n_kv_heads=n_kv or n_heads, hf_attn_implementation=hf_impl, fully_masked_policy=policy,
+        padded_query_policy=padded,
     )
 
 
@@ -176,23 +182,58 @@ def kernel_settings(cfg: DictConfig) -> KernelSettings:
     if not isinstance(masks, list) or not masks or any(m not in MASKS for m in masks):
         raise BadInput(f"cases.masks={masks!r} must be a non-empty list from {list(MASKS)}")
     scale = require_number(cfg, "cases.scale", positive=True)
-    expect = _list(OmegaConf.select(cfg, "kernel_checks.fully_masked_expect"))
-
-    def policy_name(p: Any) -> Any:  # Hydra's grammar reads nan as a float
-        return "nan" if isinstance(p, float) and math.isnan(p) else p
-
-    expect = [policy_name(p) for p in expect] if isinstance(expect, list) else policy_name(expect)
-    expect_t = POLICIES if expect == "any" else tuple(expect) if isinstance(expect, list) else (expect,)
-    if not expect_t or any(p not in POLICIES for p in expect_t):
-        raise BadInput(f"kernel_checks.fully_masked_expect={expect!r} is unknown: use zeros, nan, uniform, "
-                       "a list of them, or any")
+    expect = fully_masked_expect(OmegaConf.select(cfg, "kernel_checks.fully_masked_expect"))
+    dropout_p = OmegaConf.select(cfg, "kernel_checks.dropout_p", default=0.0)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise BadInput(f"kernel_checks.dropout_p={dropout_p!r} is not a probability in [0, 1): pass e.g. "
+                       "kernel_checks.dropout_p=0.2 (0 skips the dropout family)")
+    shape = _list(OmegaConf.select(cfg, "kernel_checks.dropout_shape", default=[48, 32, 32]))
+    if (not isinstance(shape, list) or len(shape) != 3
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape) or shape[1] > shape[2]):
+        raise BadInput(f"kernel_checks.dropout_shape={shape!r} must be [Tq, Tk, D] positive integers with Tk <= D "
+                       "(the probe reads each weight through a one-hot v), e.g. [48,32,32]")
+    seeds = require_int(cfg, "kernel_checks.dropout_seeds", 2)
     backward = OmegaConf.select(cfg, "kernel_checks.backward")
     if not isinstance(backward, bool):
         raise BadInput(f"kernel_checks.backward={backward!r} is not true/false")
     factor = require_number(cfg, "kernel_checks.grad_factor", positive=True)
-    return KernelSettings(spec, align, B, Hq, tuple(build_cases(raw, Hq, kv_heads, masks, scale)), expect_t,
-                          backward, factor, module_keys_set=cfg.get("impl") is not None,
-                          threads=cfg.get("threads"))
+    cases = build_cases(raw, Hq, kv_heads, masks, scale, float(dropout_p), tuple(shape))
+    return KernelSettings(spec, align, B, Hq, tuple(cases), expect, backward, factor,
+                          module_keys_set=cfg.get("impl") is not None, threads=cfg.get("threads"),
+                          dropout_seeds=seeds)
+
+
+def _policy_name(p: Any) -> Any:  # Hydra's grammar reads the bare word nan as a float
+    return "nan" if isinstance(p, float) and math.isnan(p) else p
+
+
+def _policies(value: Any, key: str) -> tuple[str, ...]:
+    """One kind's policies: a name, a list of names, or any."""
+    value = _list(value)
+    names = [_policy_name(p) for p in value] if isinstance(value, list) else [_policy_name(value)]
+    if names == ["any"]:
+        return POLICIES
+    if not names or any(not isinstance(p, str) or p not in POLICIES for p in names):
+        shown = value if not isinstance(value, float) else _policy_name(value)
+        raise BadInput(f"{key}={shown!r} is unknown: use zeros, nan, uniform, a list of them (e.g. "
+                       f"{key}=[zeros,nan]), any, or one per kind of row, e.g. "
+                       "kernel_checks.fully_masked_expect={bool:zeros,additive:nan,causal:uniform}")
+    return tuple(dict.fromkeys(names))
+
+
+def fully_masked_expect(value: Any) -> dict[str, tuple[str, ...]]:
+    """The policy for rows that see no key, per kind of row (ROW_KINDS: bool, additive, causal): one policy
+    (or list, or any) for every kind, or a mapping {kind: policy} whose missing kinds expect zeros."""
+    key = "kernel_checks.fully_masked_expect"
+    if OmegaConf.is_dict(value) or isinstance(value, dict):
+        given = dict(OmegaConf.to_container(value)) if OmegaConf.is_dict(value) else dict(value)
+        unknown = [k for k in given if k not in ROW_KINDS]
+        if unknown:
+            raise BadInput(f"{key} names unknown kinds of row {unknown}: use {list(ROW_KINDS)} (a row that sees no "
+                           "key because of a boolean mask, an all -inf additive mask, or a causal mask)")
+        return {kind: _policies(given.get(kind, "zeros"), f"{key}.{kind}") for kind in ROW_KINDS}
+    one = _policies(value, key)
+    return dict.fromkeys(ROW_KINDS, one)
 
 
 # ================================================================================================= run

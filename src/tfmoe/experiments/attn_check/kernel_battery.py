@@ -10,6 +10,7 @@ import torch
 
 from tfmoe.errors import BadInput
 from tfmoe.experiments.attn_check.kernel_cases import FAMILIES, Case, make_inputs
+from tfmoe.experiments.attn_check.kernel_dropout import run_dropout_case
 from tfmoe.experiments.attn_check.kernel_judging import Outcome, missing_params, run_case
 from tfmoe.experiments.attn_check.kernels import load_kernel
 from tfmoe.memory import available_memory_bytes
@@ -22,22 +23,35 @@ if TYPE_CHECKING:
 
 PREREQ_TEXT = {"scale": "kernel_scale (plain attention)", "gqa": "kernel_gqa (Hkv < Hq)",
                "padding_bool": "kernel_padding_bool (boolean masks)",
-               "padding_additive": "kernel_padding_additive (float masks)"}
+               "padding_additive": "kernel_padding_additive (float masks)",
+               "fully_masked": "kernel_fully_masked (rows that see no key)",
+               "mask_bool": "kernel_mask_bool ((B,1,Tq,Tk) boolean masks)",
+               "mask_additive": "kernel_mask_additive ((B,1,Tq,Tk) float masks)"}
+
+
+UNMET = ("fail", "not judged")  # a prerequisite family with this verdict blocks the cases resting on it
 
 
 def prerequisites(case: Case, Hq: int) -> list[str]:
-    """The families a case's verdict rests on: a failure there would fail this case for another reason."""
+    """The families a case's verdict rests on: a failure there would fail this case for another reason
+    (a (B,1,Tq,Tk) mask rests on the key-padding masks and on the policy for rows that see no key, which its
+    random masks hold too; a per-head mask on the (B,1,Tq,Tk) masks of its kind)."""
     needs = [] if case.family == "scale" else ["scale"]
     if case.Hkv != Hq and case.family != "gqa":
         needs.append("gqa")
-    if case.family == "fully_masked":
-        needs.append("padding_additive" if case.mask == "fully_masked_additive" else "padding_bool")
+    additive = case.row_kind == "additive"
+    if case.family in ("fully_masked", "mask_bool", "mask_additive"):
+        needs.append("padding_additive" if additive else "padding_bool")
+    if case.family in ("mask_bool", "mask_additive"):
+        needs.append("fully_masked")
+    if case.family == "per_head":
+        needs.append("mask_additive" if additive else "mask_bool")
     return needs
 
 
 def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_blocked: str) -> str:
     """One check ``kernel_<family>`` over its cases (pass / fail), or a note when nothing was judged (n/a).
-    Returns the family's verdict: pass | fail | n/a."""
+    Returns the family's verdict: pass | fail | n/a | not judged (every case blocked by a prerequisite)."""
     name = f"kernel_{family}"
     by = {s: [o for o in outcomes if o.status == s] for s in ("pass", "fail", "n/a", "skipped", "blocked")}
     counts = ", ".join(f"{len(v)} {s}" for s, v in by.items() if v)
@@ -52,7 +66,7 @@ def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_bl
             rec.note(f"{name}: {len(by['blocked'])} cases not judged: {reason_blocked}")
     if not by["pass"] and not by["fail"]:
         rec.note(f"{name} n/a ({counts or 'no cases'}): " + "; ".join(extras))
-        return "n/a"
+        return "not judged" if by["blocked"] else "n/a"  # not judged: what rests on it is not judged either
     failed = sorted(by["fail"], key=lambda o: -o.ratio)
     if failed:
         worst = failed[0]
@@ -98,6 +112,8 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
                        "use smaller cases.shapes")
     for n in kernel.notes:
         rec.note(n)
+    expect = "; ".join(f"{kind}: {'|'.join(p)}" for kind, p in s.fully_masked_expect.items())
+    rec.note(f"rows that see no key, judged in every family against kernel_checks.fully_masked_expect ({expect})")
     rec.note(f"kernel mode: {s.spec}, causal_align={align}, B={s.B}, Hq={s.Hq}, {len(s.cases)} forward cases; "
              "reference = fp64 first-principles attention (tfmoe.components.reference_attention); "
              f"rule: err <= 2·plain + rounding (output), {s.grad_factor:g}·plain + rounding (dq, dk, dv)")
@@ -116,7 +132,7 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
         with rec.stage("kernel_family", family=family):
             for i in idx:
                 case = s.cases[i]
-                blocked = [p for p in prerequisites(case, s.Hq) if verdict.get(p) == "fail"]
+                blocked = [p for p in prerequisites(case, s.Hq) if verdict.get(p) in UNMET]
                 inp = make_inputs(case, s.B, s.Hq, align, rec.seed, i, device, dtype)
                 missing = missing_params(kernel, inp.kwargs)
                 if blocked:
@@ -124,6 +140,9 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
                 elif missing:
                     o = Outcome(case, "skipped", f"{case.label()}: the kernel's signature has no "
                                 f"{', '.join(missing)}")
+                elif family == "dropout":
+                    o = run_dropout_case(kernel, case, inp, dtype, rec.seed * 1_000_003 + i, s.dropout_seeds, rec)
+                    rec.metric("case_passed", float(o.status == "pass"), status=o.status, **case.tags())
                 else:
                     o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, s.backward, s.grad_factor, rec)
                     if o.policy != "none":
@@ -132,15 +151,15 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
                                **case.tags())
                     if bwd is not None:
                         backward_outcomes[i] = bwd
-                if s.backward:
+                if s.backward and family != "dropout":  # the backward of a dropout case is not judged
                     backward_outcomes.setdefault(i, Outcome(case, o.status, o.detail) if o.status in (
                         "n/a", "skipped") else Outcome(case, "blocked", f"{case.label()}: its forward did not pass"))
                 outcomes[family].append(o)
         blocked_by = sorted({p for o in outcomes[family] if o.status == "blocked"
-                             for p in prerequisites(o.case, s.Hq) if verdict.get(p) == "fail"})
+                             for p in prerequisites(o.case, s.Hq) if verdict.get(p) in UNMET})
         verdict[family] = record_family(rec, family, outcomes[family],
-                                        "prerequisite " + ", ".join(PREREQ_TEXT[p] for p in blocked_by)
-                                        + " failed: fix that first")
+                                        "prerequisite " + ", ".join(f"{PREREQ_TEXT[p]} {verdict[p]}"
+                                                                    for p in blocked_by) + ": fix that first")
     if s.backward:
         outcomes["backward"] = [backward_outcomes[i] for i in sorted(backward_outcomes)]
         verdict["backward"] = record_family(rec, "backward", outcomes["backward"],

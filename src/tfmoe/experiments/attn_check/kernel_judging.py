@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from tfmoe.components.comparison import Comparison, classify_rows, judge
+from tfmoe.components.comparison import Comparison, classify_rows, judge, max_abs_err
 from tfmoe.components.reference_attention import kv_head_index, plain_attention, reference_attention
 from tfmoe.experiments.attn_check.kernel_cases import POLICIES, Case, CaseInputs
 from tfmoe.experiments.attn_check.kernels import Kernel
@@ -73,10 +73,23 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
     return {"dq": 2.0 * dq, "dk": 2.0 * dk, "dv": 2.0 * dv}
 
 
-def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, expect: tuple[str, ...],
+def reordered_yardstick(inp: CaseInputs, case: Case, plain: torch.Tensor, ref: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """The plain same-dtype implementation whose error is larger: softmax(q kᵀ·s) v as written, or with the scale
+    folded into q and k (√s each, SDPA's math backend's order). FlashAttention's tests likewise measure their
+    PyTorch yardstick with the ops reordered (``reorder_ops=True``): a correct kernel may round in either order
+    (SDPA's math backend reached 5.7x the first order's error in fp32 at D=13, experiments/attn-check.md)."""
+    s = 1.0 / math.sqrt(case.D) if case.scale is None else case.scale
+    with torch.no_grad():
+        other = plain_attention(inp.q * math.sqrt(s), inp.k * math.sqrt(s), inp.v, inp.visible, inp.bias, 1.0)
+    return other if max_abs_err(other, ref, inp.seen) > max_abs_err(plain, ref, inp.seen) else plain
+
+
+def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, expect: dict[str, tuple[str, ...]],
              backward: bool, grad_factor: float, rec: Recorder) -> tuple[Outcome, Outcome | None]:
-    """One case: the forward (kernel vs reference on rows that see a key; the policy on rows that see none),
-    then — if the forward passed and backward is on — dq (rows that see a key), dk, dv."""
+    """One case: the forward (kernel vs reference on rows that see a key; on rows that see none, in every
+    family, the policy declared for the case's kind of row: ``expect[case.row_kind]``), then — if the forward
+    passed and backward is on — dq (rows that see a key), dk, dv."""
     tensors = {"q": inp.q, "k": inp.k, "v": inp.v, **{k: v for k, v in inp.kwargs.items()
                                                       if isinstance(v, torch.Tensor)}}
     try:
@@ -92,7 +105,7 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
     with torch.set_grad_enabled(backward):
         ref, weights = reference_attention(*leaves["ref"], inp.visible, inp.bias, case.scale, return_weights=True)
         plain = plain_attention(*leaves["plain"], inp.visible, inp.bias, case.scale)
-    j = judge(out, ref, plain, dtype, 2.0, inp.seen)
+    j = judge(out, ref, reordered_yardstick(inp, case, plain, ref, dtype), dtype, 2.0, inp.seen)
     rec.metric("err", j.err, tensor="out", plain_err=j.plain_err, limit=j.threshold, **case.tags())
     policy = "none"
     if not bool(inp.seen.all()):
@@ -102,11 +115,15 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
         policy = {"mean_of_v": "uniform"}.get(kind, kind)
     ratio = j.ratio
     problems = [] if j.passed else [j.text("out")]
-    if case.family == "fully_masked" and policy not in expect:
-        problems.append(f"rows that see no key give {policy}, expected {'|'.join(expect)} "
-                        f"(kernel_checks.fully_masked_expect; set it to {policy} if that is your kernel's "
+    allowed = expect[case.row_kind]
+    if policy != "none" and policy not in allowed:
+        n = int((~inp.seen).sum())
+        problems.append(f"{n} rows that see no key ({case.row_kind} mask) give {policy}, expected "
+                        f"{'|'.join(allowed)} (kernel_checks.fully_masked_expect; set it to {policy}, or "
+                        f"{{{case.row_kind}:{policy}}} for {case.row_kind} rows only, if that is your kernel's "
                         "documented policy)" if policy in POLICIES else
-                        f"rows that see no key give {policy} (neither zeros, NaN nor the uniform average of v)")
+                        f"{n} rows that see no key ({case.row_kind} mask) give {policy} (neither zeros, NaN nor "
+                        "the uniform average of v)")
         ratio = math.inf
     evidence = {**tensors, "out": out, "ref": ref.detach()}
     fwd = Outcome(case, "fail" if problems else "pass",
@@ -115,13 +132,26 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
         return fwd, None
     floors = accumulation_atols(inp, ref, weights, 1.0 / math.sqrt(case.D) if case.scale is None else case.scale,
                                 dtype)
-    return fwd, run_backward(kernel, case, inp, dtype, grad_factor, ref, plain, leaves, tensors, floors, rec)
+    return fwd, run_backward(kernel, case, inp, dtype, grad_factor, ref, plain, leaves, tensors, floors, rec,
+                             nan_rows=policy == "nan")
+
+
+def kv_slices_without_nan_rows(seen: torch.Tensor, Hkv: int) -> torch.Tensor:
+    """(B,Hkv) bool: the (batch row, kv head) slices none of whose query heads has a row that sees no key."""
+    B, Hq, Tq = seen.shape
+    return seen.reshape(B, Hkv, Hq // Hkv, Tq).all(dim=-1).all(dim=-1)
 
 
 def run_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, factor: float,
                  ref: torch.Tensor, plain: torch.Tensor, leaves: dict[str, list[torch.Tensor]],
-                 tensors: dict[str, torch.Tensor], floors: dict[str, float], rec: Recorder) -> Outcome:
-    """dq (rows that see a key), dk, dv of the kernel vs the fp64 reference's, next to the plain's."""
+                 tensors: dict[str, torch.Tensor], floors: dict[str, float], rec: Recorder,
+                 nan_rows: bool = False) -> Outcome:
+    """dq (rows that see a key), dk, dv of the kernel vs the fp64 reference's, next to the plain's.
+
+    ``nan_rows``: the kernel's forward is NaN on the rows that see no key, as its declared policy allows; the
+    softmax backward then carries that NaN into dk and dv of the keys those rows share (0·NaN = NaN), as module
+    mode's ``fully_masked_policy=nan`` accepts: dk, dv are judged on the (batch row, kv head) slices without
+    such a row, and dq on the rows that see a key, as always."""
     evidence = {**tensors, "grad_out": inp.grad_out}
     try:
         mine = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
@@ -135,8 +165,9 @@ def run_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype
     ref_g = torch.autograd.grad(ref, leaves["ref"], inp.grad_out.double())
     plain_g = torch.autograd.grad(plain, leaves["plain"], inp.grad_out)
     judged: dict[str, Comparison] = {}
+    kv_rows = kv_slices_without_nan_rows(inp.seen, case.Hkv) if nan_rows else None
     for i, name in enumerate(("dq", "dk", "dv")):
-        j = judge(got[i], ref_g[i], plain_g[i], dtype, factor, inp.seen if name == "dq" else None)
+        j = judge(got[i], ref_g[i], plain_g[i], dtype, factor, inp.seen if name == "dq" else kv_rows)
         judged[name] = replace(j, atol=max(j.atol, floors[name]))
         rec.metric("err", j.err, tensor=name, plain_err=j.plain_err, limit=judged[name].threshold, **case.tags())
     worst_name, worst = max(judged.items(), key=lambda kv: kv[1].ratio)
@@ -144,5 +175,8 @@ def run_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype
     for i, n in enumerate(("dq", "dk", "dv")):
         evidence[f"{n}_kernel"], evidence[f"{n}_ref"] = got[i], ref_g[i]
     detail = f"{case.label()}: " + ("; ".join(bad) if bad else worst.text(worst_name))
+    if kv_rows is not None:
+        detail += (f" (NaN rows under the declared nan policy: dk, dv judged on {int(kv_rows.sum())} of "
+                   f"{kv_rows.numel()} (batch row, kv head) slices)")
     return Outcome(case, "fail" if bad else "pass", detail, worst.ratio, evidence=evidence)
 

@@ -71,17 +71,20 @@ def _flex(compiled: bool, causal_align: str) -> Callable[..., torch.Tensor]:
         B, Hq, Tq, _ = q.shape
         Tk = k.shape[2]
         offset = 0 if causal_align == "top_left" else Tk - Tq
-        bool_mask = attn_mask.expand(B, 1, Tq, Tk) if attn_mask is not None and attn_mask.dtype == torch.bool else None
-        bias = attn_mask.expand(B, 1, Tq, Tk) if attn_mask is not None and bool_mask is None else None
+        mask = None if attn_mask is None else attn_mask.expand(B, attn_mask.shape[-3], Tq, Tk)  # (B,1|Hq,Tq,Tk)
+        per_head = mask is not None and mask.shape[1] > 1
+        bool_mask = mask if mask is not None and mask.dtype == torch.bool else None
+        bias = mask if mask is not None and bool_mask is None else None
 
         def mask_mod(b, h, q_idx, kv_idx):
             keep = (kv_idx <= q_idx + offset) if is_causal else (kv_idx >= 0)
-            return keep & bool_mask[b, 0, q_idx, kv_idx] if bool_mask is not None else keep
+            return keep & bool_mask[b, h if per_head else 0, q_idx, kv_idx] if bool_mask is not None else keep
 
         block_mask = None
         if is_causal or bool_mask is not None:
-            block_mask = create_block_mask(mask_mod, B, None, Tq, Tk, device=q.device)
-        score_mod = None if bias is None else (lambda s, b, h, q_idx, kv_idx: s + bias[b, 0, q_idx, kv_idx])
+            block_mask = create_block_mask(mask_mod, B, Hq if per_head else None, Tq, Tk, device=q.device)
+        score_mod = None if bias is None else (
+            lambda s, b, h, q_idx, kv_idx: s + bias[b, h if per_head else 0, q_idx, kv_idx])
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
             return attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)

@@ -43,7 +43,7 @@ class LayerUnderTest:
     x: torch.Tensor  # (B,T,D) at the run's dtype
     padding_mask: torch.Tensor  # (B,T) True = real token (all True when nothing is padded)
     mask: torch.Tensor | None  # broadcastable (B|1,1,T,T) True = visible, or None (the reference's own)
-    valid: torch.Tensor  # (B,T) queries that see at least one key
+    valid: torch.Tensor  # (B,T) the query rows judged: they see a key and (padded_query_policy != attend) are real
     device: torch.device
     dtype: torch.dtype
     chunked_fn: Callable[..., torch.Tensor]
@@ -69,10 +69,16 @@ class LayerUnderTest:
         padding_mask = lengths_to_key_padding(s.lengths, s.T, device=device)  # (B,T)
         pm_arg = None if bool(padding_mask.all()) else padding_mask
         mask = visibility(s.T, s.T, s.causal, pm_arg, device=device)  # the reference's own mask
-        valid = rows_with_a_key(mask, s.B, s.T)
-        if not bool(valid.all()):
-            rec.note(f"{int((~valid).sum())} query rows of the main case see no key (length 0 rows): excluded "
+        seen = rows_with_a_key(mask, s.B, s.T)
+        if not bool(seen.all()):
+            rec.note(f"{int((~seen).sum())} query rows of the main case see no key (length 0 rows): excluded "
                      "from comparisons (policy)")
+        valid = judged_rows(s.padded_query_policy, mask, padding_mask, s.B, s.T)
+        padded = int((seen & ~valid).sum())
+        if padded:
+            rec.note(f"{padded} padded query rows of the main case (padding_mask False) are excluded from every "
+                     f"comparison (padded_query_policy={s.padded_query_policy}: their output is don't-care in a "
+                     "loss, as in FlashAttention's tests; padded_query_policy=attend judges them, zeros requires 0)")
         return cls(s, rec, adapter, module, x, padding_mask, mask, valid, device, dtype, chunked_fn)
 
     @property
@@ -120,6 +126,16 @@ class LayerUnderTest:
         base: dict[str, Any] = {"x": self.x, "padding_mask": self.padding_mask, **projection_tensors(self.proj())}
         base.update(more)
         return {k: v for k, v in base.items() if isinstance(v, torch.Tensor)}
+
+
+def judged_rows(policy: str, mask: torch.Tensor | None, padding_mask: torch.Tensor | None, B: int,
+                T: int) -> torch.Tensor:
+    """(B,T) on CPU: the query rows a comparison judges: those that see a key and, unless ``policy``
+    (padded_query_policy) is attend, only real queries (padding_mask (B,T) True = real; None = all real)."""
+    rows = rows_with_a_key(mask, B, T)
+    if padding_mask is not None and policy != "attend":
+        rows = rows & padding_mask.detach().to("cpu", torch.bool).expand(B, T)
+    return rows
 
 
 def projection_tensors(p: Projections) -> dict[str, torch.Tensor]:

@@ -137,7 +137,8 @@ def run_groups(layer: LayerUnderTest) -> None:
         group("masks", ["row_sums"] + (["causal_zero"] if s.causal else [])
               + (["padding_zero"] if not bool(layer.padding_mask.all()) else []), masks.check_rows_and_masks)
     if "sdpa" in asked:
-        group("sdpa", ["sdpa_match"], sdpa.check_sdpa)
+        group("sdpa", ["sdpa_match"] + (["padded_query_rows"] if s.padded_query_policy == "zeros" else []),
+              sdpa.check_sdpa)
     if "fully_masked" in asked:
         group("fully_masked", ["fully_masked_rows"], fully_masked.check_fully_masked)
     if "gradients" in asked:

@@ -36,6 +36,7 @@ class ModuleSettings:
     n_kv_heads: int  # already resolved: n_heads when the config leaves it null
     hf_attn_implementation: str  # eager | sdpa
     fully_masked_policy: str  # one of FULLY_MASKED_POLICIES
+    padded_query_policy: str = "any"  # one of PADDED_QUERY_POLICIES: what padded query rows must give
 
     @property
     def d_head(self) -> int:
@@ -51,11 +52,12 @@ class KernelSettings:
     B: int
     Hq: int
     cases: tuple[Case, ...]
-    fully_masked_expect: tuple[str, ...]
+    fully_masked_expect: dict[str, tuple[str, ...]]  # per kind of row that sees no key (kernel_cases.ROW_KINDS)
     backward: bool
     grad_factor: float
     module_keys_set: bool  # impl= is set too (kernel mode ignores the module-mode keys: a note says so)
     threads: int | None  # the harness's intra-op threads key: None -> the battery runs on 1 thread on CPU
+    dropout_seeds: int = 2  # torch seeds of the dropout family's probe
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -52,11 +52,25 @@ def params_outcome(block: torch.nn.Module, shape: cm.BlockShape) -> Outcome:
 
 def kv_cache_outcome(block: TransformerBlock, shape: cm.BlockShape, x: torch.Tensor,
                      formula: Callable[..., int] = cm.kv_cache_bytes) -> tuple[Outcome, KVCache]:
-    """Prefill ``x`` through ``block`` with a fresh KV cache; its tensors' bytes vs the formula."""
-    cache = KVCache()
-    with torch.inference_mode():
-        block(x, cache=cache)
-    return exact_outcome("KV-cache bytes", formula(shape, x.shape[1], x.element_size()), cache.nbytes()), cache
+    """Prefill ``x`` through ``block`` with a fresh KV cache; its tensors' bytes vs the formula. At B = 1 (the
+    default run's, and claims --run's) a formula without B would pass, so the check also prefills a batch of
+    two (``x`` twice) and requires the formula at B = 2 as well. Returns the cache of ``x`` itself."""
+    def prefill(inp: torch.Tensor) -> tuple[int, int, KVCache]:
+        cache = KVCache()
+        with torch.inference_mode():
+            block(inp, cache=cache)
+        s = replace(shape, B=inp.shape[0])
+        return formula(s, inp.shape[1], inp.element_size()), cache.nbytes(), cache
+
+    analytic, observed, cache = prefill(x)
+    if x.shape[0] >= 2:
+        return exact_outcome(f"KV-cache bytes (B={x.shape[0]})", analytic, observed), cache
+    analytic2, observed2, _ = prefill(torch.cat([x, x]))
+    diff = abs(observed - analytic) + abs(observed2 - analytic2)
+    return Outcome(diff == 0, float(diff), 0.0,
+                   f"KV-cache bytes: B={x.shape[0]}: analytic {analytic:,} vs observed {observed:,}; B=2 (judged "
+                   f"too: B=1 cannot show a formula without B): analytic {analytic2:,} vs observed {observed2:,}"
+                   ), cache
 
 
 def kv_per_token_outcome(per_token: int, cache_bytes: int, shape: cm.BlockShape, n_layers: int) -> Outcome:
@@ -86,28 +100,38 @@ def moe_outcome(built: dict[str, int], n_experts: int, top_k: int) -> Outcome:
 
 def moe_compute_outcome(n_experts: int, top_k: int, d_model: int = 32, d_hidden: int = 64, tokens: int = 64,
                         layer_fn: Callable[..., torch.nn.Module] | None = None, seed: int = 0) -> Outcome:
-    """MoE grows parameters without growing per-token compute: FlopCounterMode's count of a real MoE layer's
-    forward with 2E experts exceeds the count with E experts by the router's growth (2·N·D·E) alone, while
-    the parameters grow by E experts. ``layer_fn(d_model, d_hidden, n_experts, top_k)`` builds the layer."""
+    """MoE grows parameters without growing per-token compute, on a real MoE layer's forward counted by
+    FlopCounterMode, at E and 2E experts: (1) the count grows by the router's growth (2·N·D·E) alone while the
+    parameters grow; (2) at each E the count is exactly N·k·(one expert's FLOPs) + the router's FLOPs, both
+    counted by FlopCounterMode on the layer's own ``experts[0]`` (one token) and ``router`` (all N tokens),
+    so a layer that runs top-k plus an always-on expert (flat in E too) fails. ``layer_fn(d_model, d_hidden,
+    n_experts, top_k)`` builds the layer (dropless, with ``router`` and ``experts`` as tfmoe's MoELayer)."""
     from tfmoe.components.moe import MoELayer
 
     build = layer_fn or (lambda d, h, e, k: MoELayer(d, h, e, k))
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, d_model, generator=g)  # (N,D)
-    counts, params = [], []
+    counts, params, expected, parts = [], [], [], []
     for e in (n_experts, 2 * n_experts):
         torch.manual_seed(seed)
         layer = build(d_model, d_hidden, e, top_k).eval()
         with torch.no_grad():
             counts.append(counted_flops(layer, x))
+            expert = counted_flops(layer.experts[0], x[:1])  # one expert on one token
+            router = counted_flops(layer.router, x)
+        expected.append(tokens * top_k * expert + router)
+        parts.append(f"E={e}: counted {counts[-1]:,} vs N·k·{expert:,} + router {router:,} = {expected[-1]:,}")
         params.append(sum(p.numel() for p in layer.parameters()))
     router_growth = 2 * tokens * d_model * n_experts
     extra = counts[1] - counts[0] - router_growth
-    passed = extra == 0 and params[1] > params[0]
-    return Outcome(passed, float(abs(extra)), 0.0,
+    off = [c - x_ for c, x_ in zip(counts, expected, strict=True)]
+    passed = extra == 0 and params[1] > params[0] and off == [0, 0]
+    return Outcome(passed, float(abs(extra) + sum(abs(o) for o in off)), 0.0,
                    f"E={n_experts} -> {2 * n_experts}, k={top_k}, N={tokens} tokens, D={d_model}: counted forward FLOPs "
-                   f"{counts[0]:,} -> {counts[1]:,} (router growth 2·N·D·E = {router_growth:,}; observed = the rest of "
-                   f"the growth, must be 0); parameters {params[0]:,} -> {params[1]:,}")
+                   f"{counts[0]:,} -> {counts[1]:,} (router growth 2·N·D·E = {router_growth:,}; the rest of the "
+                   f"growth {extra:,}, must be 0); " + "; ".join(parts)
+                   + (f" (off by {off[0]:,} / {off[1]:,}: each token runs more than its top-k experts)"
+                      if any(off) else "") + f"; parameters {params[0]:,} -> {params[1]:,}")
 
 
 # ------------------------------------------------------------------------------------------ SDPA

@@ -79,8 +79,10 @@ CLAIMS: tuple[Claim, ...] = (
                          "n_layers=2", "vocab=100"),
           ("moe_compute_flat_in_experts", "moe_active_lt_total.T32_D16"),
           "a layer that runs every expert on every token grows its counted FLOPs with E beyond the router's "
-          "2·N·D·E; active parameters equal to the total mean nothing is saved",
+          "2·N·D·E; one that runs more than its top-k experts (e.g. plus an always-on one) counts more than "
+          "N·k·(one expert's FLOPs) + the router's; active parameters equal to the total mean nothing is saved",
           ("tests/test_claims.py::test_dense_moe_fails_moe_compute_flat_in_experts",
+           "tests/test_claims.py::test_an_always_on_expert_fails_moe_compute_flat_in_experts",
            "tests/test_complexity.py::test_moe_checks_fail_on_planted_layer_bugs")),
 )
 

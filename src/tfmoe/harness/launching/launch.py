@@ -60,6 +60,8 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
 # every one of them. Without an entry a value must have the default's type (checks: all -> a string only).
 CONFIG_FORMS: dict[tuple[str, str], tuple[type, ...]] = {
     ("attn_check", "checks"): (str, list),  # checks: all | [masks, sdpa, ...]
+    # zeros | [zeros, nan] | {bool: zeros, additive: nan, causal: uniform}
+    ("attn_check", "kernel_checks.fully_masked_expect"): (str, list, dict),
 }
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from tfmoe.adapters import ContractError
 from tfmoe.components.chunked_attention import naive_attention, naive_attention_bytes
 from tfmoe.components.comparison import compare, max_abs_err
-from tfmoe.components.references import project, reference_dtype
+from tfmoe.components.references import project, reference_dtype, rows_with_a_key
 from tfmoe.experiments.attn_check.layer import LayerUnderTest, record_comparison
 from tfmoe.memory import peak_memory_bytes
 from tfmoe.recorder import Recorder
@@ -91,7 +91,9 @@ def check_chunked(layer: LayerUnderTest) -> None:
         plain = naive_attention(q, k, v, causal=s.causal, key_padding_mask=layer.pm_arg)
     if out.shape != ref.shape:
         raise ContractError(f"chunked output shape {tuple(out.shape)} != {tuple(ref.shape)}")
-    valid = layer.valid[:, None, :].expand(-1, s.n_heads, -1)  # (B,H,T)
+    # every query that sees a key: the chunked path is a kernel, padded queries included (padded_query_policy is
+    # about the layer's output)
+    valid = rows_with_a_key(layer.mask, s.B, s.T)[:, None, :].expand(-1, s.n_heads, -1)  # (B,H,T)
     c = compare(out, ref, plain, layer.dtype, valid)
     record_comparison(layer, "chunked_match", "chunked_vs_sdpa", c,
                        f"{s.chunked_impl} with block_size={s.block_size} ({math.ceil(s.T / s.block_size)} key blocks) "

@@ -18,7 +18,7 @@ from tfmoe.components.references import (
     sdpa_attention,
     visibility,
 )
-from tfmoe.experiments.attn_check.layer import LayerUnderTest, precision_diagnosis
+from tfmoe.experiments.attn_check.layer import LayerUnderTest, judged_rows, precision_diagnosis
 
 # Backward rule: a fused kernel's gradients (PyTorch's own SDPA backward, via nn.MultiheadAttention or HF's sdpa)
 # reach 2.1-2.6x a plain autograd composition's error on these tiny cases (30 seeds, experiments/attn-check.md),
@@ -74,7 +74,7 @@ def check_gradients(layer: LayerUnderTest) -> None:
     params64 = [t.detach().clone().requires_grad_(True) for t in layer.adapter.parameters(module64).values()]
     inputs = (torch.randn(2, Tg, s.d_model, dtype=torch.float64, device=layer.device, requires_grad=True), *params64)
     mask_g = visibility(Tg, Tg, s.causal, pm_arg, device=layer.device)
-    valid_g = rows_with_a_key(mask_g, 2, Tg)
+    valid_g = judged_rows(s.padded_query_policy, mask_g, pm_arg, 2, Tg)
     with torch.no_grad():
         x64 = inputs[0].detach()
         p64 = layer.adapter.projections(dict(zip(names, (t.detach() for t in params64), strict=True)),
@@ -107,7 +107,7 @@ def check_gradients(layer: LayerUnderTest) -> None:
                   evidence={"x": x64, "padding_mask": pm_g,
                             **{f"param.{n}": t.detach() for n, t in zip(names, params64, strict=True)}})
 
-    rows_ok = layer.valid.all(dim=1)  # batch rows without fully masked queries
+    rows_ok = rows_with_a_key(layer.mask, s.B, s.T).all(dim=1)  # batch rows without fully masked queries
     if not bool(rows_ok.any()):
         rec.note("grad_match skipped: every batch row has a fully masked query")
         return
@@ -115,7 +115,7 @@ def check_gradients(layer: LayerUnderTest) -> None:
     pm0 = layer.padding_mask[rows_ok.to(layer.device)]
     pm0_arg = None if bool(pm0.all()) else pm0
     mask0 = visibility(s.T, s.T, s.causal, pm0_arg, device=layer.device)
-    valid0 = rows_with_a_key(mask0, x0.shape[0], s.T)
+    valid0 = judged_rows(s.padded_query_policy, mask0, pm0_arg, x0.shape[0], s.T)
     f_mod, names = _functional(layer, layer.module, pm0_arg)
     params = [t.detach() for t in layer.adapter.parameters(layer.module).values()]
     with torch.no_grad():
@@ -125,7 +125,7 @@ def check_gradients(layer: LayerUnderTest) -> None:
                  f"limit {c0.threshold:.3g}; sdpa_match judges that), so its gradients cannot be compared with the "
                  "reference's; fix the forward first (gradcheck judges the backward against the module's own forward)")
         return
-    g = torch.randn(x0.shape, device=layer.device)
+    g = torch.randn(x0.shape, device=layer.device) * valid0[..., None].to(layer.device)  # judged rows only
 
     def grads(forward: Callable[..., torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor | None]:
         leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x0, *params)]

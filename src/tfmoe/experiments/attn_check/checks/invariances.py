@@ -7,10 +7,17 @@ import math
 import torch
 
 from tfmoe.components.comparison import compare, max_abs_err
-from tfmoe.components.references import rows_with_a_key, visibility
-from tfmoe.experiments.attn_check.layer import LayerUnderTest
+from tfmoe.components.references import visibility
+from tfmoe.experiments.attn_check.layer import LayerUnderTest, judged_rows
 
 X_SCALE_OTHER_ROWS = 10.0  # batch-independence probe: the other rows are redrawn at 10x the scale
+
+
+def full_message(exc: BaseException) -> str:
+    """The exception's type and its whole message, its lines joined (load_state_dict's first line alone,
+    'Error(s) in loading state_dict for Attention:', says nothing)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {' '.join(lines)}"
 
 
 def check_invariances(layer: LayerUnderTest) -> None:
@@ -23,7 +30,7 @@ def check_invariances(layer: LayerUnderTest) -> None:
     B = x.shape[0]
     pm_arg = None if bool(pm.all()) else pm
     mask = visibility(s.T, s.T, s.causal, pm_arg, device=layer.device)
-    valid = rows_with_a_key(mask, B, s.T)
+    valid = judged_rows(s.padded_query_policy, mask, pm_arg, B, s.T)
     with torch.no_grad():
         out_a, _ = layer.call(layer.module, x, pm_arg)
         x_b = x.clone()
@@ -65,14 +72,16 @@ def check_invariances(layer: LayerUnderTest) -> None:
                  f"(err {c_main.err:.3g} > limit {c_main.threshold:.3g}; sdpa_match judges that); head_counts judges "
                  "a module right at one head count and wrong at another")
         return
-    worst, parts, shaped = 0.0, [], []
+    worst, parts, shaped, unbuildable = 0.0, [], [], []
     for h in s.head_counts:
         try:
             module_h = layer.build(n_heads=h, state=layer.state())
-        except RuntimeError as exc:  # load_state_dict: the parameter shapes depend on n_heads
-            if "size mismatch" not in str(exc):
-                raise
-            shaped.append(h)
+        except Exception as exc:  # the layer cannot be rebuilt with h heads and read the same weights
+            if isinstance(exc, RuntimeError) and "size mismatch" in str(exc) and "Unexpected key" not in str(exc) \
+                    and "Missing key" not in str(exc):
+                shaped.append(h)
+            else:
+                unbuildable.append(f"H={h}: {full_message(exc)}")
             continue
         with torch.no_grad():
             out_h, _ = layer.call(module_h, layer.x, layer.pm_arg)
@@ -86,7 +95,13 @@ def check_invariances(layer: LayerUnderTest) -> None:
     if shaped:
         rec.note(f"head_counts: H={shaped} not run: {layer.adapter.name}'s parameter shapes depend on n_heads, so the "
                  "same weights cannot be read with that many heads")
+    if unbuildable:
+        rec.note(f"head_counts not applicable at {len(unbuildable)} head count(s): {layer.adapter.name} cannot be "
+                 "rebuilt with that many heads and load the same weights (its structure depends on n_heads); "
+                 + "; ".join(unbuildable))
     if not parts:
+        if unbuildable or shaped:
+            rec.note("head_counts n/a: no other head count could be judged")
         return
     rec.check_le("head_counts", worst, 1.0, "the same weights with other head counts vs SDPA with that many heads "
                  "(err/limit): " + "; ".join(parts), evidence=layer.evidence())

@@ -29,7 +29,8 @@ def check_rows_and_masks(layer: LayerUnderTest) -> None:
                          f"module computes its softmax in {str(coarse).removeprefix('torch.')} (see sdpa_match)")
                 break
     layer.rec.check_le("row_sums", dev, tol, f"max |Σ_k w - 1| over {int(layer.valid.sum())} query rows x {s.n_heads} heads "
-                     f"(rows without a visible key excluded); tolerance 4·eps·(1+log2 T)" + cause,
+                     f"(rows without a visible key{'' if s.padded_query_policy == 'attend' else ' and padded queries'} excluded); "
+                     "tolerance 4·eps·(1+log2 T)" + cause,
                      evidence=layer.evidence(attn=attn))
     if s.causal:
         future = ~torch.ones(s.T, s.T, dtype=torch.bool).tril()  # (T,T) key j > query i

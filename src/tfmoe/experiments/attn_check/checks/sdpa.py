@@ -39,8 +39,26 @@ def check_sdpa(layer: LayerUnderTest) -> None:
     record_comparison(layer, "sdpa_match", "module_vs_sdpa", c,
                        f"module vs SDPA in {str(rd).removeprefix('torch.')} on the module's weights" + cause,
                        layer.evidence(out=out, ref=ref))
+    if layer.s.padded_query_policy == "zeros":
+        check_padded_queries_zero(layer, out, ref)
     if layer.attn is not None and layer.attn.shape == ref_w.shape:
         valid_w = layer.valid[:, None, :].expand(-1, layer.s.n_heads, -1)  # (B,H,T)
         layer.rec.metric("max_abs_err", max_abs_err(layer.attn, ref_w, valid_w), comparison="weights_vs_reference",
                        dtype=str(layer.dtype).removeprefix("torch."))
 
+
+
+def check_padded_queries_zero(layer: LayerUnderTest, out: torch.Tensor, ref: torch.Tensor) -> None:
+    """padded_query_policy=zeros: the layer's output at padded query positions (padding_mask False) is 0, within
+    8 eps of the run's dtype at the reference's scale."""
+    pad = ~layer.padding_mask.to(out.device)  # (B,T)
+    n = int(pad.sum())
+    if not n:
+        layer.rec.note("padded_query_rows not run: the main case has no padded query (lengths=...)")
+        return
+    rows = out.detach().double()[pad]  # (n,D)
+    worst = float(rows.abs().max()) if bool(torch.isfinite(rows).all()) else math.inf
+    tol = 8 * torch.finfo(layer.dtype).eps * max(1.0, float(ref.detach().double().abs().max()))
+    layer.rec.check_le("padded_query_rows", worst, tol,
+                       f"padded_query_policy=zeros: max |out| over the {n} padded query rows {worst:.3g} "
+                       f"(limit 8 eps x max|ref| = {tol:.3g})", evidence=layer.evidence(out=out))
