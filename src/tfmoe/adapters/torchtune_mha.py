@@ -9,10 +9,10 @@ What the reference is told (read from torchtune 0.6.1's source, not assumed):
 - the scale is SDPA's default 1/sqrt(Dh).
 
 Masks: torchtune's self-attention is called ``module(x, x, mask=...)`` (y = x is the key/value input); its bool
-``mask`` (B, Tq, Tk) is True = the query attends to the key, and it replaces the causal default when given, so the
-adapter passes the causal triangle and the key padding together as one mask (and no mask when nothing is hidden and
-the layer is not causal is impossible: torchtune's default is causal, so a non-causal call passes an all-True mask).
-The layer returns no weights; dropout is SDPA's ``dropout_p`` (``attn_dropout``) in training mode."""
+``mask`` (B, Tq, Tk) is True = the query attends to the key and replaces the causal default when given. The adapter
+passes no mask for a causal call without padding (torchtune's own ``is_causal`` path), else one mask holding the
+causal triangle (when causal) and the key padding. The layer returns no weights; dropout is SDPA's ``dropout_p``
+(``attn_dropout``) in training mode."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, s
 from tfmoe.components.references import Projections, Rope
 from tfmoe.errors import BadInput
 
-SUPPORTED = "torchtune 0.6.1 (the `torchtune` extra)"
+SUPPORTED = "torchtune 0.6.1 with torchao 0.11.0 (the `torchtune` extra)"
 VARIANTS = {"mha": True, "mha-nope": False}  # spec -> RoPE on
 ROPE_BASE = 10_000.0
 
@@ -34,8 +34,9 @@ def require_torchtune() -> Any:
     try:
         import torchtune
         from torchtune import modules
-    except ImportError as exc:
-        raise BadInput(f"impl=torchtune:...: needs {SUPPORTED}: pip install -e '.[torchtune]' ({exc})") from None
+    except Exception as exc:  # not installed, or torchtune refusing its torchao (it needs torchao < 0.12)
+        raise BadInput(f"impl=torchtune:...: needs {SUPPORTED}: pip install -e '.[torchtune]' "
+                       f"({type(exc).__name__}: {exc})") from None
     if torchtune.__version__.split("+")[0] != "0.6.1":  # the wheel says 0.6.1+cpu
         raise BadInput(f"impl=torchtune:...: found torchtune {torchtune.__version__}, the adapter is tested on "
                        f"{SUPPORTED}: pip install -e '.[torchtune]'")

@@ -28,7 +28,8 @@ from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, s
 from tfmoe.components.references import Projections, Rope
 from tfmoe.errors import BadInput
 
-SUPPORTED = ">=2.31.10,<2.32"
+TESTED = "2.31.10"
+SUPPORTED = f"=={TESTED}"
 VARIANTS = {"attention": (False, True), "attention-nope": (False, False), "attention-flash": (True, True),
             "attention-flash-nope": (True, False)}  # spec -> (flash, RoPE)
 ROPE_BASE = 10_000.0
@@ -43,8 +44,7 @@ def require_x_transformers() -> Any:
     except (ImportError, PackageNotFoundError) as exc:
         raise BadInput(f"impl=x-transformers:...: needs x-transformers {SUPPORTED} (the `xtransformers` extra): "
                        f"pip install -e '.[xtransformers]' ({exc})") from None
-    major, minor, *_ = (int(p) for p in found.split(".")[:3])
-    if (major, minor) != (2, 31):
+    if found != TESTED:
         raise BadInput(f"impl=x-transformers:...: found x-transformers {found}, the adapter is tested on "
                        f"{SUPPORTED}: pip install -e '.[xtransformers]'")
     return xt
