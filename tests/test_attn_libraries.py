@@ -14,7 +14,16 @@ import os
 import buggy_libraries as bugs
 import pytest
 import torch
-from test_attn_adapters import SMALL
+from library_cases import (
+    CORRECT,
+    EXTRAS,
+    PADDED_QUERIES,
+    PLANTED,
+    PLANTED_GROUPS,
+    SMALL,
+    describe,
+    import_problem,
+)
 from test_attn_check import failed
 
 from tfmoe.components.references import Rope, rotate
@@ -23,29 +32,24 @@ from tfmoe.testing import run_recorded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-EXTRAS = {"torchtune": ("torchtune.modules", "torchtune"), "x-transformers": ("x_transformers", "xtransformers"),
-          "timm": ("timm.layers", "timm")}
-FAST_GROUPS = "checks=[masks,sdpa,invariances]"
-FULL = ["lengths=[6,6]"]  # no padded rows: x-transformers zeroes padded query rows (see PADDED_QUERIES)
-PADDED_QUERIES = pytest.mark.xfail(strict=True, reason="holes: padded query rows are excluded from comparisons by "
-                                   "default (padded_query_policy); x-transformers' mask= zeroes them")
+PADDED_XFAIL = pytest.mark.xfail(strict=True, reason="holes: padded query rows are excluded from comparisons by "
+                                 "default (padded_query_policy); x-transformers' mask= zeroes them")
 
 
 def library(scheme: str) -> None:
-    """Skip (locally) or fail (CI) when the library of impl=<scheme>:... does not import."""
-    module, extra = EXTRAS[scheme]
-    try:
-        __import__(module)
-    except ImportError as exc:
-        reason = f"the `{extra}` extra is not installed ({exc}): pip install -e '.[{extra}]'" + (
-            " (make setup does)" if scheme != "timm" else " beside a torchvision built for this torch (make setup "
-            "does not: PyPI's torchvision is a CUDA build, see pyproject.toml)")
-        if os.environ.get("CI") and scheme != "timm":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    except RuntimeError as exc:  # timm -> torchvision whose C ops do not load beside this torch
-        pytest.skip(f"`import {module}` fails in torchvision ({exc}): timm needs a torchvision built for torch "
-                    f"{torch.__version__}; PyPI has only CUDA builds, so the `timm` extra is not in make setup")
+    """Skip (locally) or fail (under CI) when the library of impl=<scheme>:... does not import. timm always skips
+    then: make setup does not install it (PyPI's torchvision, which it imports, is a CUDA build)."""
+    problem = import_problem(scheme)
+    if not problem:
+        return
+    extra = EXTRAS[scheme][1]
+    if scheme == "timm":
+        pytest.skip(f"{problem}: timm needs a torchvision built for torch {torch.__version__}; PyPI has only CUDA "
+                    "builds, so make setup does not install the `timm` extra (see pyproject.toml)")
+    reason = f"{problem}: pip install -e '.[{extra}]' (make setup does)"
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 def battery(spec: str, *overrides: str):
@@ -60,48 +64,18 @@ def assert_passes(checks, expected: set[str]) -> None:
 
 
 # -------------------------------------------------------------------------- correct configurations pass
-# (spec, overrides, checks that must have been judged); every config: fp32 unless it says a dtype
-CORRECT = [
-    ("torchtune:mha", [], {"sdpa_match", "grad_match", "batch_sizes", "head_counts", "dropout_rate"}),  # MHA, RoPE, causal, padding
-    ("torchtune:mha", ["n_kv_heads=2", FAST_GROUPS], {"sdpa_match", "batch_sizes"}),  # GQA
-    ("torchtune:mha", ["n_kv_heads=1", FAST_GROUPS], {"sdpa_match"}),  # MQA
-    ("torchtune:mha-nope", ["causal=false", FAST_GROUPS], {"sdpa_match", "head_counts"}),
-    ("torchtune:mha", ["dtype=bf16", "n_kv_heads=2", "checks=[sdpa]"], {"sdpa_match"}),
-    ("torchtune:mha", ["dtype=fp16", "checks=[sdpa]"], {"sdpa_match"}),
-    ("x-transformers:attention", [*FULL, "head_counts=[1,2,4]"],
-     {"sdpa_match", "row_sums", "causal_zero", "grad_match", "head_counts", "dropout_rate"}),  # MHA, RoPE, causal
-    ("x-transformers:attention", ["n_kv_heads=2", *FULL, FAST_GROUPS], {"sdpa_match", "row_sums"}),  # GQA (tiled)
-    ("x-transformers:attention-flash", ["n_kv_heads=2", *FULL, FAST_GROUPS], {"sdpa_match"}),
-    ("x-transformers:attention-nope", ["causal=false", *FULL, "head_counts=[1,2,4,8]", FAST_GROUPS],
-     {"sdpa_match", "head_counts"}),
-    ("x-transformers:attention", ["checks=[masks]"], {"padding_zero", "causal_zero"}),  # key padding: the weights
-    ("x-transformers:attention", ["dtype=fp16", "n_kv_heads=2", *FULL, "checks=[sdpa]"], {"sdpa_match"}),
-    ("x-transformers:attention-flash", ["dtype=bf16", *FULL, "checks=[sdpa]"], {"sdpa_match"}),
-    ("timm:attention", [], {"sdpa_match", "gradcheck", "head_counts", "dropout_rate"}),  # causal, padding
-    ("timm:attention-unfused", ["fully_masked_policy=nan"], {"sdpa_match", "gradcheck", "head_counts"}),
-    ("timm:attention", ["causal=false", FAST_GROUPS], {"sdpa_match"}),
-    ("timm:attention-unfused", ["dtype=bf16", "checks=[sdpa]"], {"sdpa_match"}),
-    ("timm:attention", ["dtype=fp16", "checks=[sdpa]"], {"sdpa_match"}),
-]
-
-
-def config_id(case) -> str:
-    spec, overrides, _ = case
-    return " ".join([spec, *(o for o in overrides if not o.startswith("checks="))])
-
-
-@pytest.mark.parametrize(("spec", "overrides", "judged"), CORRECT, ids=[config_id(c) for c in CORRECT])
+@pytest.mark.parametrize(("spec", "overrides", "judged"), CORRECT, ids=[describe(s, o) for s, o, _ in CORRECT])
 def test_correct_library_layer_passes(spec, overrides, judged):
     checks, _ = battery(spec, *overrides)
     assert_passes(checks, judged)
 
 
-@PADDED_QUERIES
-@pytest.mark.parametrize("spec", ["x-transformers:attention", "x-transformers:attention-flash"])
-def test_x_transformers_with_padded_queries_passes(spec):
+@PADDED_XFAIL
+@pytest.mark.parametrize(("spec", "overrides", "judged"), PADDED_QUERIES, ids=[s for s, _, _ in PADDED_QUERIES])
+def test_x_transformers_with_padded_queries_passes(spec, overrides, judged):
     """Right-padded rows through mask=: the outputs at padded query positions are zeros, which no loss reads."""
-    checks, _ = battery(spec, "checks=[sdpa]")
-    assert_passes(checks, {"sdpa_match"})
+    checks, _ = battery(spec, *overrides)
+    assert_passes(checks, judged)
 
 
 def test_timm_unfused_nan_rows_need_the_declared_policy():
@@ -111,33 +85,12 @@ def test_timm_unfused_nan_rows_need_the_declared_policy():
 
 
 # ------------------------------------------------------------------------ bugs planted inside the libraries
-# (plant, spec, overrides, the checks that must fail; None = at least those, others may fail too)
-PLANTED = [
-    (bugs.plant_torchtune_softmax_axis, "torchtune:mha", [], {"sdpa_match"}),
-    (bugs.plant_torchtune_scale, "torchtune:mha", [], {"sdpa_match"}),
-    (bugs.plant_torchtune_causal_off_by_one, "torchtune:mha", ["lengths=[6,6]"], {"sdpa_match"}),
-    (bugs.plant_torchtune_padding_ignored, "torchtune:mha", [], {"sdpa_match"}),
-    (bugs.plant_torchtune_rope_half, "torchtune:mha", [], {"sdpa_match"}),
-    (bugs.plant_torchtune_gqa_tiled, "torchtune:mha", ["n_kv_heads=2"], {"sdpa_match"}),
-    (bugs.plant_xt_softmax_axis, "x-transformers:attention", FULL, {"sdpa_match", "row_sums"}),
-    (bugs.plant_xt_scale, "x-transformers:attention-flash", FULL, {"sdpa_match"}),
-    (bugs.plant_xt_causal_off_by_one, "x-transformers:attention", FULL, {"sdpa_match", "causal_zero"}),
-    (bugs.plant_xt_padding_ignored, "x-transformers:attention", [], {"padding_zero"}),
-    (bugs.plant_xt_rope_half, "x-transformers:attention", FULL, {"sdpa_match"}),
-    (bugs.plant_xt_gqa_interleaved, "x-transformers:attention", ["n_kv_heads=2", *FULL], {"sdpa_match"}),
-    (bugs.plant_timm_softmax_axis, "timm:attention-unfused", [], {"sdpa_match"}),
-    (bugs.plant_timm_scale, "timm:attention", [], {"sdpa_match"}),
-    (bugs.plant_timm_causal_off_by_one, "timm:attention", ["lengths=[6,6]"], {"sdpa_match"}),
-    (bugs.plant_timm_padding_ignored, "timm:attention", ["causal=false"], {"sdpa_match"}),
-]
-
-
 @pytest.mark.parametrize(("plant", "spec", "overrides", "must_fail"), PLANTED,
                          ids=[p.__name__.removeprefix("plant_") for p, *_ in PLANTED])
 def test_bug_planted_in_the_library_is_caught(monkeypatch, plant, spec, overrides, must_fail):
     library(spec.split(":")[0])
     plant(monkeypatch)
-    checks, _ = battery(spec, *overrides, "checks=[masks,sdpa]")
+    checks, _ = battery(spec, *overrides, PLANTED_GROUPS)
     assert must_fail <= failed(checks), {n: (c.passed, c.detail) for n, c in checks.items()}
 
 
