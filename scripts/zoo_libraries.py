@@ -62,8 +62,8 @@ def section() -> tuple[str, dict[str, int]]:
     import library_cases as cases
     from pytest import MonkeyPatch
 
-    counts = {"configurations": 0, "passed": 0, "false_alarms": 0, "not_run": 0, "bugs_planted": 0,
-              "bugs_caught": 0, "bugs_missed": 0}
+    counts = {"configurations": 0, "passed": 0, "false_alarms": 0, "configurations_not_run": 0, "bugs_planted": 0,
+              "bugs_caught": 0, "bugs_missed": 0, "bugs_not_run": 0}
     rows: list[tuple[str, str, str, str, str]] = []
     problems = {s: cases.import_problem(s) for s in cases.EXTRAS}
 
@@ -71,7 +71,7 @@ def section() -> tuple[str, dict[str, int]]:
         lib = cases.library_of(spec)
         counts["configurations"] += 1
         if problems[lib]:
-            counts["not_run"] += 1
+            counts["configurations_not_run"] += 1
             rows.append((lib, _version(lib), f"`{cases.describe(spec, overrides)}`", f"not run: {problems[lib]}", ""))
             continue
         code, run_id, failed, refused = _run(spec, overrides)
@@ -89,7 +89,7 @@ def section() -> tuple[str, dict[str, int]]:
         what = f"`{cases.describe(spec, overrides)}` + planted bug `{plant.__name__.removeprefix('plant_')}`"
         counts["bugs_planted"] += 1
         if problems[lib]:
-            counts["not_run"] += 1
+            counts["bugs_not_run"] += 1
             rows.append((lib, _version(lib), what, f"not run: {problems[lib]}", ""))
             continue
         with MonkeyPatch.context() as mp:
@@ -103,9 +103,10 @@ def section() -> tuple[str, dict[str, int]]:
             verdict = f"**BUG MISSED** (exit {code}): " + (refused or "failed " + (", ".join(sorted(failed)) or "nothing"))
         rows.append((lib, _version(lib), what, verdict, run_id))
 
-    lines = [f"Correct configurations: {counts['passed']} of {counts['configurations']} pass "
-             f"({counts['false_alarms']} false alarms); planted bugs: {counts['bugs_caught']} of "
-             f"{counts['bugs_planted']} caught; not run: {counts['not_run']}.", "",
+    lines = [f"Correct configurations: {counts['passed']} of {counts['configurations']} pass, "
+             f"{counts['false_alarms']} false alarms, {counts['configurations_not_run']} not run. Planted bugs: "
+             f"{counts['bugs_caught']} of {counts['bugs_planted']} caught, {counts['bugs_missed']} missed, "
+             f"{counts['bugs_not_run']} not run.", "",
              "| library | version | configuration | verdict | run id |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {lib} | {ver} | {conf} | {verdict.replace('|', '/')} | {run_id} |"
               for lib, ver, conf, verdict, run_id in rows]
