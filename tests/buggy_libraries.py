@@ -32,12 +32,9 @@ def _torchtune_call(softmax_dim: int = -1, scale_power: float = 0.5, causal_diag
     def make() -> Callable[..., torch.Tensor]:
         def call(q, k, v, mask, dropout_p, is_causal):
             Tq, Tk = q.shape[-2], k.shape[-2]
-            visible = None
-            if mask is None or ignore_mask:  # ignore_mask: the padding mask is dropped, the causal default kept
-                if is_causal or ignore_mask:
-                    visible = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(causal_diagonal)
-            else:
-                visible = mask[:, None]
+            visible = None if mask is None or ignore_mask else mask[:, None]  # ignore_mask: the mask is dropped
+            if is_causal:  # torchtune: mask None and the layer causal
+                visible = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(causal_diagonal)
             return plain_attend(q, k, v, visible, q.shape[-1] ** -scale_power, softmax_dim)
         return call
     return make
@@ -62,7 +59,7 @@ def plant_torchtune_causal_off_by_one(monkeypatch) -> None:
 
 
 def plant_torchtune_padding_ignored(monkeypatch) -> None:
-    _patch_torchtune_call(monkeypatch, ignore_mask=True)  # the mask is dropped, the causal default used
+    _patch_torchtune_call(monkeypatch, ignore_mask=True)  # the mask (key padding of a non-causal call) is dropped
 
 
 def plant_torchtune_rope_half(monkeypatch) -> None:

@@ -23,7 +23,8 @@ CORRECT = [
     ("torchtune:mha", [], {"sdpa_match", "grad_match", "batch_sizes", "head_counts", "dropout_rate"}),  # MHA, RoPE, causal, padding
     ("torchtune:mha", ["n_kv_heads=2", FAST_GROUPS], {"sdpa_match", "batch_sizes"}),  # GQA
     ("torchtune:mha", ["n_kv_heads=1", FAST_GROUPS], {"sdpa_match"}),  # MQA
-    ("torchtune:mha-nope", ["causal=false", FAST_GROUPS], {"sdpa_match", "head_counts"}),
+    ("torchtune:mha-nope", ["causal=false", FAST_GROUPS], {"sdpa_match", "head_counts"}),  # key padding
+    ("torchtune:mha", ["causal=false", "checks=[sdpa]"], {"sdpa_match"}),  # key padding with RoPE
     ("torchtune:mha", ["dtype=bf16", "n_kv_heads=2", "checks=[sdpa]"], {"sdpa_match"}),
     ("torchtune:mha", ["dtype=fp16", "checks=[sdpa]"], {"sdpa_match"}),
     ("x-transformers:attention", [FULL, "head_counts=[1,2,4]"],
@@ -32,7 +33,7 @@ CORRECT = [
     ("x-transformers:attention-flash", ["n_kv_heads=2", FULL, FAST_GROUPS], {"sdpa_match"}),
     ("x-transformers:attention-nope", ["causal=false", FULL, "head_counts=[1,2,4,8]", FAST_GROUPS],
      {"sdpa_match", "head_counts"}),
-    ("x-transformers:attention", ["checks=[masks]"], {"padding_zero", "causal_zero"}),  # key padding, via the weights
+    ("x-transformers:attention", ["causal=false", "checks=[masks]"], {"padding_zero"}),  # key padding, on the weights
     ("x-transformers:attention", ["dtype=fp16", "n_kv_heads=2", FULL, "checks=[sdpa]"], {"sdpa_match"}),
     ("x-transformers:attention-flash", ["dtype=bf16", FULL, "checks=[sdpa]"], {"sdpa_match"}),
     ("timm:attention", [], {"sdpa_match", "gradcheck", "head_counts", "dropout_rate"}),  # causal, padding
@@ -41,10 +42,13 @@ CORRECT = [
     ("timm:attention-unfused", ["dtype=bf16", "checks=[sdpa]"], {"sdpa_match"}),
     ("timm:attention", ["dtype=fp16", "checks=[sdpa]"], {"sdpa_match"}),
 ]
-# right-padded rows through x-transformers' mask=, which zeroes padded query rows' output: correct once padded
-# query rows are excluded from comparisons by default (issue 22's padded_query_policy)
-PADDED_QUERIES = [("x-transformers:attention", ["checks=[sdpa]"], {"sdpa_match"}),
-                  ("x-transformers:attention-flash", ["checks=[sdpa]"], {"sdpa_match"})]
+# Key padding is judged where it shows: with right padding and a causal mask no real query sees a padded key, so
+# ignoring the padding changes only padded query rows (don't-care). The padding cases are therefore non-causal.
+# x-transformers' mask= zeroes padded query rows' output: correct once padded query rows are excluded from
+# comparisons by default (issue 22's padded_query_policy)
+PADDED_QUERIES = [("x-transformers:attention", ["causal=false", "checks=[masks,sdpa]"], {"sdpa_match", "padding_zero"}),
+                  ("x-transformers:attention-flash", ["causal=false", "checks=[sdpa]"], {"sdpa_match"}),
+                  ("x-transformers:attention", ["checks=[sdpa]"], {"sdpa_match"})]
 
 # (plant, spec, overrides, the checks that must fail); each run with checks=[masks,sdpa]
 PLANTED_GROUPS = "checks=[masks,sdpa]"
@@ -52,13 +56,13 @@ PLANTED = [
     (bugs.plant_torchtune_softmax_axis, "torchtune:mha", [], {"sdpa_match"}),
     (bugs.plant_torchtune_scale, "torchtune:mha", [], {"sdpa_match"}),
     (bugs.plant_torchtune_causal_off_by_one, "torchtune:mha", [FULL], {"sdpa_match"}),
-    (bugs.plant_torchtune_padding_ignored, "torchtune:mha", [], {"sdpa_match"}),
+    (bugs.plant_torchtune_padding_ignored, "torchtune:mha", ["causal=false"], {"sdpa_match"}),
     (bugs.plant_torchtune_rope_half, "torchtune:mha", [], {"sdpa_match"}),
     (bugs.plant_torchtune_gqa_tiled, "torchtune:mha", ["n_kv_heads=2"], {"sdpa_match"}),
     (bugs.plant_xt_softmax_axis, "x-transformers:attention", [FULL], {"sdpa_match", "row_sums"}),
     (bugs.plant_xt_scale, "x-transformers:attention-flash", [FULL], {"sdpa_match"}),
     (bugs.plant_xt_causal_off_by_one, "x-transformers:attention", [FULL], {"sdpa_match", "causal_zero"}),
-    (bugs.plant_xt_padding_ignored, "x-transformers:attention", [], {"padding_zero"}),
+    (bugs.plant_xt_padding_ignored, "x-transformers:attention", ["causal=false"], {"padding_zero"}),
     (bugs.plant_xt_rope_half, "x-transformers:attention", [FULL], {"sdpa_match"}),
     (bugs.plant_xt_gqa_interleaved, "x-transformers:attention", ["n_kv_heads=2", FULL], {"sdpa_match"}),
     (bugs.plant_timm_softmax_axis, "timm:attention-unfused", [], {"sdpa_match"}),

@@ -71,7 +71,7 @@ def test_correct_library_layer_passes(spec, overrides, judged):
 
 
 @PADDED_XFAIL
-@pytest.mark.parametrize(("spec", "overrides", "judged"), PADDED_QUERIES, ids=[s for s, _, _ in PADDED_QUERIES])
+@pytest.mark.parametrize(("spec", "overrides", "judged"), PADDED_QUERIES, ids=[describe(s, o) for s, o, _ in PADDED_QUERIES])
 def test_x_transformers_with_padded_queries_passes(spec, overrides, judged):
     """Right-padded rows through mask=: the outputs at padded query positions are zeros, which no loss reads."""
     checks, _ = battery(spec, *overrides)
