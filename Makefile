@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" -e '.[dev,hf,mlflow,ray,moe-libs]' $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL))
+	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" -e '.[dev,hf,mlflow,ray,moe-libs,torchtune,xtransformers]' $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL))
 	touch $@
 
 run: setup

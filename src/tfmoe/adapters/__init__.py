@@ -1,6 +1,7 @@
 """Attention adapters: how attn-check drives layers written in other layouts (see ``base`` for the protocol).
 
-``load_adapter(spec)``: ``torch:mha``, ``hf:<model_type>``, ``pkg.module:Class`` (a course-interface nn.Module, or
+``load_adapter(spec)``: ``torch:mha``, ``hf:<model_type>``, ``torchtune:mha``, ``x-transformers:attention``,
+``timm:attention`` (and their variants, see ``LIBRARIES``), ``pkg.module:Class`` (a course-interface nn.Module, or
 an :class:`~tfmoe.adapters.base.AttentionAdapter` subclass written for a user's own layout).
 
 MoE layers for route-sim's layer battery: ``load_layer(impl, sizes)`` picks one of ``moe_layers`` (the package's
@@ -22,7 +23,26 @@ from tfmoe.user_code import load_object
 if TYPE_CHECKING:
     from tfmoe.adapters.moe_layers import LayerSizes, LayerUnderTest
 
-BUILTIN = ("torch:mha", "hf:<model_type>")
+BUILTIN = ("torch:mha", "hf:<model_type>", "torchtune:mha[-nope]", "x-transformers:attention[-flash][-nope]",
+           "timm:attention[-unfused]")
+# third-party attention layers, each behind its own extra (pyproject.toml): scheme -> what impl= may name
+LIBRARIES = {"torchtune": "mha, mha-nope", "x-transformers": "attention, attention-nope, attention-flash, "
+             "attention-flash-nope", "timm": "attention, attention-unfused"}
+
+
+def library_adapter(scheme: str, variant: str) -> AttentionAdapter:
+    """``impl=torchtune:...``, ``impl=x-transformers:...``, ``impl=timm:...`` (each module imported only here)."""
+    if scheme == "torchtune":
+        from tfmoe.adapters.torchtune_mha import TorchtuneMHA
+
+        return TorchtuneMHA(variant)
+    if scheme == "x-transformers":
+        from tfmoe.adapters.xtransformers import XTransformersAttention
+
+        return XTransformersAttention(variant)
+    from tfmoe.adapters.timm_attention import TimmAttention
+
+    return TimmAttention(variant)
 
 
 def load_adapter(spec: str, attn_implementation: str = "eager") -> AttentionAdapter:
@@ -41,6 +61,8 @@ def load_adapter(spec: str, attn_implementation: str = "eager") -> AttentionAdap
         from tfmoe.adapters.huggingface import HuggingFace
 
         return HuggingFace(rest, attn_implementation)
+    if sep and scheme in LIBRARIES:
+        return library_adapter(scheme, rest)
     obj = load_object(spec, "impl")
     if isinstance(obj, AttentionAdapter):
         return obj

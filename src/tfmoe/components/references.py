@@ -61,11 +61,13 @@ def lengths_to_key_padding(lengths: list[int] | tuple[int, ...], T: int, device:
 # ====================================================================================== projections
 @dataclass
 class Rope:
-    """Rotary positions (Su et al. 2021) in the "rotate half" layout that GPT-NeoX, Llama and Hugging Face use:
-    dims (i, i + Dh/2) form the pair rotated by angle pos · theta^(-2i/Dh)."""
+    """Rotary positions (Su et al. 2021). pairing="rotate_half" (GPT-NeoX, Llama, Hugging Face): dims (i, i + Dh/2)
+    form the pair rotated by angle pos · theta^(-2i/Dh); pairing="interleaved" (the paper's, Meta's Llama
+    reference, torchtune, x-transformers): dims (2i, 2i + 1) form that pair."""
 
     theta: float
     rotary_dim: int  # = Dh (full rotary); the adapters refuse partial rotary
+    pairing: str = "rotate_half"  # rotate_half | interleaved
 
 
 @dataclass
@@ -122,6 +124,14 @@ def rotate(t: torch.Tensor, rope: Rope, positions: torch.Tensor, exact: bool = T
     exact=True (the reference): angles and the rotation in float64 whatever t's dtype. exact=False (the plain
     same-dtype yardstick): angles in float32 at least, cos/sin rounded to t's dtype and the rotation done there,
     as a plain implementation in that dtype would."""
+    if rope.pairing == "interleaved":  # pair (2i, 2i+1) -> (i, i + d/2): rotate there, then put the dims back
+        order = torch.arange(t.shape[-1], device=t.device)
+        d = rope.rotary_dim
+        order[:d] = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(t.device)
+        halves = rotate(t.index_select(-1, order), Rope(rope.theta, d), positions, exact)
+        return halves.index_select(-1, order.argsort())
+    if rope.pairing != "rotate_half":
+        raise ValueError(f"unknown RoPE pairing {rope.pairing!r}: rotate_half or interleaved")
     d = rope.rotary_dim
     half = d // 2
     if exact:
