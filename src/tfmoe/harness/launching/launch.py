@@ -231,6 +231,48 @@ def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
     return [job for batch in BasicSweeper.split_arguments(task, None) for job in batch]
 
 
+def check_utf8(args: list[str]) -> None:
+    """Refuse an argument that is not UTF-8 text (Python keeps its bytes as surrogates; parquet, the log and
+    Hydra's grammar cannot hold them) before anything is composed or written."""
+    for a in args:
+        try:
+            a.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = a.encode("utf-8", "surrogateescape")
+            raise BadInput(f"argument {raw!r} is not UTF-8 text: retype it in UTF-8 (nothing was run)") from None
+
+
+def job_settings(module: Any, cfg: Any) -> Any:
+    """What a run refuses before it starts, in the order the runner meets them: its seed, device, dtype, threads
+    and flush interval (runtime.py), then the experiment's own ``settings(cfg)``. BadInput on the first problem."""
+    from tfmoe.harness.launching.runner import check_flush_every
+    from tfmoe.runtime import check_seed, check_threads, resolve_device, resolve_dtype
+
+    check_seed(cfg)
+    resolve_dtype(cfg.get("dtype"), resolve_device(cfg.get("device")))
+    check_threads(cfg)
+    check_flush_every(cfg)
+    return module.settings(cfg)
+
+
+def validate_run_settings(exp: Experiment, composed: Any) -> None:
+    """A single run's settings, built from its composed config before its run directory exists: the contract
+    sweeps keep (:func:`validate_sweep_settings`), so a typo writes nothing. A config whose settings fail other
+    than with BadInput (e.g. a ``${hydra:...}`` interpolation, which resolves only inside the job) is left to the
+    run to record."""
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = OmegaConf.create(OmegaConf.to_container(composed, resolve=False))
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    try:
+        job_settings(exp.load(), cfg)
+    except BadInput:
+        raise
+    except Exception:  # not bad input: the run itself records what happens
+        return
+
+
 def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
     """Build every job's settings (the experiment contract's ``settings(cfg)``) before any job of a sweep starts:
     BadInput naming the first refused job's overrides, the problem and the fix. Each job's config is derived
@@ -334,6 +376,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     from tfmoe.harness.reading.reports import exit_code_of, print_outcome
     from tfmoe.harness.store.sweeps import has_unstarted_jobs
 
+    check_utf8(args)
     overrides, flags = split_args(args)
     overrides = [force_expect(o) for o in overrides]
     composed = validate_overrides(exp, overrides)
@@ -341,6 +384,8 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     if not any(f in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for f in flags):
         if multirun:
             validate_sweep_settings(exp, overrides)
+        else:
+            validate_run_settings(exp, composed)
         check_writable(str(composed.run_root))
     key, out = output_dir(composed, multirun)
     overrides = dir_override(key, out, overrides)
