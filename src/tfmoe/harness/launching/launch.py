@@ -203,8 +203,14 @@ def check_launcher_installed(key: str, overrides: list[str]) -> None:
                                f"pip install -e '.[{extra}]' (make test installs it)")
 
 
+# Free space a run directory needs to start: Hydra's .hydra/ files, the log, run.parquet (~10 KB each), the first
+# records; below it the run would fail half-written (a run on a full disk then reports its first refused write).
+MIN_FREE_BYTES = 128 * 1024
+
+
 def check_writable(run_root: str) -> None:
-    """Refuse an unwritable runs root before any run starts (nothing is lost, nothing half-written)."""
+    """Refuse an unwritable or full runs root before any run starts (nothing is lost, nothing half-written)."""
+    import shutil
     import tempfile
 
     root = Path(run_root)
@@ -212,9 +218,13 @@ def check_writable(run_root: str) -> None:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=root):
             pass
+        free = shutil.disk_usage(root).free
     except OSError as exc:
         raise BadInput(f"cannot write runs under {root} ({exc.strerror or exc}): pass run_root=DIR that you "
                        "can write, or fix the permissions") from None
+    if free < MIN_FREE_BYTES:
+        raise BadInput(f"cannot write runs under {root}: only {free // 1024} KiB free (a run needs at least "
+                       f"{MIN_FREE_BYTES // 1024} KiB to start): free space there, or pass run_root=DIR on another disk")
 
 
 def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
@@ -412,6 +422,12 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         dirs, sweeps = made_dirs(out, multirun)
         if made is not None:
             made.extend(dirs)
+    unrecorded = {d for d in runner.UNRECORDED if d == out.resolve() or out.resolve() in d.parents}
+    runner.UNRECORDED.difference_update(unrecorded)
+    unwritten = [s for s in hydra_callbacks.UNWRITTEN_SWEEPS if s.resolve() == out.resolve()]
+    hydra_callbacks.UNWRITTEN_SWEEPS.clear()
+    if unrecorded or unwritten:  # the file system refused a final record: its one stderr line is the outcome
+        return worst_exit_code([exit_code_of([d for d in dirs if d not in unrecorded]), Status.ERROR.exit_code])
     if hydra_failed and not sweeps and not dirs:
         return EXIT_FROM_HYDRA
     if not dirs:

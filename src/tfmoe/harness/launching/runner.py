@@ -22,7 +22,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tfmoe.errors import BadInput, Terminated
+from tfmoe.errors import BadInput, Terminated, disk_problem
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.runtime import (
     check_seed,
@@ -40,6 +40,9 @@ log = logging.getLogger("tfmoe")
 # The process that launched the sweep (set by launch.run_experiment). A job interrupted there stops the whole
 # sweep (the interrupt is re-raised); a job in a worker (joblib, submitit, SLURM, Ray) returns its exit code.
 LAUNCHER_PID: int | None = None
+# Run directories of this process whose final run.parquet the file system refused (full disk, read-only): their
+# status on disk is still `running` (readers say `lost` once the process ends); launch exits 2 for them.
+UNRECORDED: set[Path] = set()
 
 
 def _run_name() -> str:
@@ -118,11 +121,17 @@ class Heartbeat:
         return self
 
     def _loop(self) -> None:
+        warned = False
         while not self._stop.wait(self.every_s):
             try:
                 self.writer.checkpoint(self.rec)
             except Exception as exc:  # a failed periodic write must not stop the run; the final write decides
-                log.warning("periodic write of the records failed: %s: %s", type(exc).__name__, exc)
+                if disk_problem(exc) is not None:
+                    continue  # a full disk / read-only file system: the final write says so, in one line
+                if not warned:  # once: a failure would repeat every interval
+                    log.warning("periodic write of the records failed (not retried in the log): %s",
+                                disk_problem(exc, self.writer.run_dir) or f"{type(exc).__name__}: {exc}")
+                    warned = True
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
@@ -215,8 +224,12 @@ def execute(cfg: DictConfig) -> int:
         overrides=list(hc.overrides.task), device=str(cfg.get("device")), dtype=str(cfg.get("dtype")),
         sweep_dir=sweep_dir,
     )
-    with terminate_on():
-        return _execute(cfg, exp, writer, err, run_dir)
+    raise_before, logging.raiseExceptions = logging.raiseExceptions, False  # a log file on a full disk: no
+    try:  # '--- Logging error ---' traceback per line (the run says what it could not write, once)
+        with terminate_on():
+            return _execute(cfg, exp, writer, err, run_dir)
+    finally:
+        logging.raiseExceptions = raise_before
 
 
 def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) -> int:
@@ -227,6 +240,7 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
 
     rec = None
     status, code, error = Status.OK, Status.OK.exit_code, None
+    told = False  # a full disk / read-only file system already said on stderr
     device = None
     expectations: list = []
     stop: BaseException | None = None
@@ -280,10 +294,15 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
         error = f"{exc} ({SIGNAL_CAUSES.get(exc.signal_name, 'a signal that ends the process')})"
         err.print(f"{exp.name}: {exc}; the records so far are in {run_dir}", markup=False)
     except Exception as exc:  # a bug: keep the records, point at the log
-        status, code = Status.CRASHED, Status.CRASHED.exit_code
-        error = f"{type(exc).__name__}: {exc}"
-        log.error("run crashed:\n%s", traceback.format_exc())
-        err.print(f"{exp.name} crashed ({error}); traceback in {run_dir}/{exp.name}.log", markup=False)
+        disk = disk_problem(exc, run_dir)
+        if disk is not None:  # the file system refused a write (full disk, read-only): not a bug of tfmoe
+            status, code, error, told = Status.ERROR, Status.ERROR.exit_code, disk, True
+            err.print(f"error: {disk}", markup=False, emoji=False)
+        else:
+            status, code = Status.CRASHED, Status.CRASHED.exit_code
+            error = f"{type(exc).__name__}: {exc}"
+            log.error("run crashed:\n%s", traceback.format_exc())
+            err.print(f"{exp.name} crashed ({error}); traceback in {run_dir}/{exp.name}.log", markup=False)
     except BaseException as exc:  # SystemExit from a library, GeneratorExit...: never recorded as ok
         status, code, error = Status.CRASHED, Status.CRASHED.exit_code, f"{type(exc).__name__}: {exc}"
         log.error("run stopped by %s:\n%s", type(exc).__name__, traceback.format_exc())
@@ -295,8 +314,17 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
             with contextlib.suppress(Exception):
                 finish_expectations(expectations, rec, writer)
         peak_dev = device_peak(device) if device is not None else None
-        writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
-                      int(cfg.get("tensor_max_numel", 1_000_000)))
+        try:
+            status, code, error = writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
+                                                int(cfg.get("tensor_max_numel", 1_000_000)))
+        except OSError as exc:  # run.parquet itself refused: the run cannot record how it ended
+            disk = disk_problem(exc, run_dir)
+            if disk is None:
+                raise
+            UNRECORDED.add(run_dir.resolve())
+            status, code, error = Status.ERROR, Status.ERROR.exit_code, f"{disk} (the run's end is not recorded)"
+        if not told and status == Status.ERROR and "cannot write " in (error or ""):  # one line, the first refusal
+            err.print(f"error: {error[error.index('cannot write '):].split('; ')[0]}", markup=False, emoji=False)
         log.info("run %s: %s (exit %d) in %s", writer.run_id, status, code, run_dir)
     if stop is not None and os.getpid() == LAUNCHER_PID:
         raise stop  # stop the whole in-process sweep too; the CLI exits 130 (Ctrl-C) or 143 (SIGTERM)
