@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.errors import BadInput, Terminated
 from tfmoe.paths import CHECKOUT_ROOT
 from tfmoe.registry import EXPERIMENTS, Experiment
 from tfmoe.status import Status, worst_exit_code
@@ -402,6 +402,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     if multirun:
         flags = ["--multirun", *flags]
     runner.LAUNCHER_PID = os.getpid()
+    os.environ[runner.LAUNCHER_ENV] = str(os.getpid())  # a launcher's worker processes know whom they serve
     saved_argv = sys.argv
     sys.argv = [f"tfmoe {exp.name}", *flags, *overrides]
     GlobalHydra.instance().clear()
@@ -409,10 +410,14 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     hydra_failed = False
     dirs: list[Path] = []
     sweeps: list[Path] = []
+    stopped: BaseException | None = None
     try:
-        main()
+        with runner.stop_reaches_workers(out):
+            main()
     except SystemExit as exc:  # Hydra's own error path: a bad config, or a launcher that lost a job
         hydra_failed = exc.code not in (0, None)
+    except (KeyboardInterrupt, Terminated) as exc:  # Ctrl-C / SIGTERM here: say each job's outcome, then stop
+        stopped = exc
     finally:
         sys.argv = saved_argv
         GlobalHydra.instance().clear()
@@ -422,6 +427,10 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         dirs, sweeps = made_dirs(out, multirun)
         if made is not None:
             made.extend(dirs)
+    if stopped is not None:
+        if multirun and dirs and not quiet:
+            print_outcome(dirs, sweeps)
+        raise stopped
     unrecorded = {d for d in runner.UNRECORDED if d == out.resolve() or out.resolve() in d.parents}
     runner.UNRECORDED.difference_update(unrecorded)
     unwritten = [s for s in hydra_callbacks.UNWRITTEN_SWEEPS if s.resolve() == out.resolve()]
