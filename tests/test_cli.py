@@ -62,7 +62,7 @@ def test_bad_input_exits_2_with_one_line(workdir: Path, args: list[str], needle:
 def test_cuda_without_cuda_says_use_cpu(workdir: Path) -> None:
     r = run_cli(["shift-labels", "--device", "cuda"], workdir)
     assert r.exit_code == 2 and "--device cpu" in r.stderr
-    assert notebook.load_run(r.run_dir).run["status"] == "error"  # the run directory says what happened
+    assert r.run_dir is None and not (workdir / "runs").exists()  # refused before its run directory (issue 24)
 
 
 @pytest.mark.parametrize("override", ["ignore_index=-1e2", "model.d_model=64", "seed=range(0,2)", "seed=3,4"])
@@ -226,8 +226,8 @@ def _add_failure(args: tuple[str, str, str]) -> str:
 
 
 def test_failures_add_is_append_only_and_safe_concurrently(workdir: Path) -> None:
-    bad = run_cli(["shift-labels", "sequences=[[BOS,EOS]]", "ignore_index=1"], workdir)
-    assert bad.exit_code == 2  # ignore_index collides with an id: an `error` run
+    bad = run_cli(["shift-labels", "--expect", "valid_labels < 0"], workdir)
+    assert bad.exit_code == 4  # an expectation that misses: an `unexpected` run (a typo writes no run, issue 24)
     log = workdir / "failures.md"
     log.write_text("# Failures log\n\nhand-written entry that must survive\n")
     (workdir / "tests").mkdir()

@@ -154,9 +154,12 @@ def test_worst_exit_code_ranks_signals() -> None:
 
 
 def test_bad_flush_interval_is_bad_input(fake_experiment) -> None:
+    from tfmoe.errors import BadInput
     from tfmoe.harness.launching import launch
 
-    assert launch.run_experiment(fake_experiment, ["flush_every_s=0"], quiet=True) == 2
+    with pytest.raises(BadInput, match="flush_every_s=0"):  # refused before the run directory (exit 2 in the CLI)
+        launch.run_experiment(fake_experiment, ["flush_every_s=0"], quiet=True)
+    assert not list(Path("runs").rglob("run.parquet"))
     assert launch.run_experiment(fake_experiment, ["flush_every_s=null"], quiet=True) == 0
 
 

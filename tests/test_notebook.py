@@ -231,8 +231,8 @@ def test_runner_applies_threads_and_restores_them(fake_experiment) -> None:
     code, run_dir = _run_fake(fake_experiment, "threads=1")
     assert code == 0 and torch.get_num_threads() == before
     assert any("1 torch intra-op thread" in n for n in notebook.load_run(run_dir).run["notes"])
-    code, _ = _run_fake(fake_experiment, "threads=0")
-    assert code == 2  # bad input, one line
+    with pytest.raises(BadInput, match="threads=0"):  # bad input, refused before the run starts (exit 2)
+        _run_fake(fake_experiment, "threads=0")
     with pytest.raises(KeyboardInterrupt):
         launch.run_experiment(fake_experiment, ["mode=interrupt", "threads=1"], quiet=True)
     assert torch.get_num_threads() == before

@@ -33,3 +33,29 @@ class Terminated(BaseException):
 def raise_terminated(signum: int, frame: object = None) -> None:
     """A signal handler: turn the signal into :class:`Terminated` in the main thread."""
     raise Terminated(signum)
+
+
+# What the file system, not tfmoe, refuses: a full disk or quota, a read-only mount
+DISK_ERRNOS = {28, 122, 30}  # ENOSPC, EDQUOT, EROFS
+
+
+def disk_problem(exc: BaseException, path: object = None) -> str | None:
+    """One line naming the cause, the path and the fix when ``exc`` (or what caused it) is a full disk, a quota or a
+    read-only file system; None for any other error."""
+    import errno
+    import os
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        code = getattr(seen, "errno", None)
+        if code is None and "No space left on device" in str(seen):
+            code = errno.ENOSPC
+        if code is None and "database or disk is full" in str(seen):
+            code = errno.ENOSPC
+        if code in DISK_ERRNOS:
+            where = getattr(seen, "filename", None) or path
+            fix = ("free space there, or pass run_root=DIR on another disk" if code != errno.EROFS
+                   else "pass run_root=DIR that you can write")
+            return f"cannot write {where}: {os.strerror(code)} (errno {errno.errorcode[code]}): {fix}"
+        seen = seen.__cause__ or seen.__context__
+    return None

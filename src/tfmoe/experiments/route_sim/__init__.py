@@ -78,7 +78,7 @@ def settings(cfg: DictConfig) -> Settings:
         raise BadInput(f"strategies={list(strategies)} lists a strategy twice: list each once")
     tokens = require_int(cfg, "tokens", 1)
     score_func = _choice(cfg, "score_func", moe.SCORE_FUNCS)
-    return Settings(
+    built = Settings(
         tokens=tokens, n_experts=n_experts, top_k=top_k, capacity_factor=cf,
         score_func=score_func, d_model=require_int(cfg, "d_model", 1),
         d_hidden=require_int(cfg, "d_hidden", 1), dispatch=_choice(cfg, "dispatch", moe.DISPATCHES),
@@ -91,6 +91,40 @@ def settings(cfg: DictConfig) -> Settings:
         bias_update_rate=require_number(cfg, "bias_update_rate", minimum=0.0, fix=COEF_FIX),
         layer=layer_settings(cfg, n_experts, top_k, score_func),
     )
+    if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before the run starts
+        import psutil
+
+        refuse_oversized(built, str(cfg.get("dtype")), int(psutil.virtual_memory().available), "the host's")
+    return built
+
+
+# Bytes per course-case token (fp32), fitted to torch.profiler's measured peak of course_case at 20,000 tokens
+# (tests/test_route_sim.py checks the estimate stays within 1.0-1.5x of a real run's peak): the per-token tensors
+# scale with d_model (x, the two dispatches' outputs and gathers, the dense fp64 and plain references, twice with a
+# capacity), d_hidden (one expert's hidden activations in the fp64 reference), n_experts (logits, probs, the dense
+# gate) and top_k (indices, weights, keep masks).
+BYTES_PER_TOKEN = {"d_model": 64, "d_hidden": 16, "n_experts": 24, "top_k": 32}
+DTYPE_FACTOR = {"fp64": 1.3}  # fp64 runs measured 1.27x fp32's; fp16/bf16 kept at fp32's (the references are fp64)
+MEMORY_FRACTION = 0.8
+
+
+def estimated_course_bytes(s: Settings, dtype: str) -> int:
+    """Peak bytes the course case allocates for ``s.tokens`` tokens (the training simulation and the layer battery
+    use ``train_tokens`` and ``layer.batch*seq`` tokens, small by default, and are not counted)."""
+    per_token = (BYTES_PER_TOKEN["d_model"] * s.d_model + BYTES_PER_TOKEN["d_hidden"] * s.d_hidden
+                 + BYTES_PER_TOKEN["n_experts"] * s.n_experts + BYTES_PER_TOKEN["top_k"] * s.top_k)
+    return int(s.tokens * per_token * DTYPE_FACTOR.get(dtype, 1.0))
+
+
+def refuse_oversized(s: Settings, dtype: str, available: int, where: str) -> None:
+    """BadInput naming the estimate, the memory available and the largest ``tokens`` that fits, when the course
+    case would not fit in ``MEMORY_FRACTION`` of ``available``."""
+    need, budget = estimated_course_bytes(s, dtype), MEMORY_FRACTION * available
+    if need > budget:
+        fits = max(1, int(s.tokens * budget / need))
+        raise BadInput(f"tokens={s.tokens} needs about {need / 2**30:,.1f} GiB for the course case (estimate) but "
+                       f"only {budget / 2**30:,.1f} GiB ({MEMORY_FRACTION:.0%} of {where} {available / 2**30:,.1f} "
+                       f"GiB available) is free: lower tokens (at most about tokens={fits})")
 
 
 def layer_settings(cfg: DictConfig, n_experts: int, top_k: int, score_func: str) -> LayerSettings:
@@ -123,6 +157,13 @@ def layer_settings(cfg: DictConfig, n_experts: int, top_k: int, score_func: str)
 
 def run(s: Settings, rec: Recorder) -> None:
     """The layer battery; then, for the package's own layer, the course case and the training simulation."""
+    import torch
+
+    from tfmoe.memory import available_memory_bytes
+
+    if s.layer.impl is None:  # on the run's own device (a CUDA run's memory is not the host's)
+        refuse_oversized(s, "fp64" if rec.dtype == torch.float64 else "fp32", available_memory_bytes(rec.device),
+                         f"{rec.device}'s")
     lut = route_layer.run_battery(s.layer, rec)
     route_layer.battery_rows(rec, lut.label).print_to(rec.console)
     if s.layer.impl is not None:  # a user's or a transformers layer: the battery is the whole run

@@ -24,6 +24,28 @@ STARTED_SWEEPS: dict[Path, str] = {}
 # The progress bar lives at module level: launchers pickle the callback objects to send jobs to workers,
 # and a rich Progress (locks, threads) cannot be pickled.
 _PROGRESS: dict[str, Any] = {}
+# Sweeps whose sweep.parquet the file system refused (full disk, read-only): launch exits 2 for them.
+UNWRITTEN_SWEEPS: list[Path] = []
+
+
+def _write_or_say(sweep_dir: Path, experiment: str) -> bool:
+    """write_sweep_outputs; a full disk or read-only file system is one line on stderr (and UNWRITTEN_SWEEPS), not
+    a traceback through Hydra."""
+    import sys
+
+    from tfmoe.errors import disk_problem
+
+    try:
+        write_sweep_outputs(sweep_dir, experiment)
+    except Exception as exc:
+        said = disk_problem(exc, sweep_dir / "sweep.parquet")
+        if said is None:
+            raise
+        print(f"error: {said} (sweep.parquet not written: `tfmoe sweep-complete {sweep_dir}` writes it later)",
+              file=sys.stderr)
+        UNWRITTEN_SWEEPS.append(sweep_dir)
+        return False
+    return True
 
 
 class SweepCallback(Callback):
@@ -59,7 +81,7 @@ class SweepCallback(Callback):
         stop_progress(finished=True)
         sweep_dir = Path(str(config.hydra.sweep.dir))
         STARTED_SWEEPS.pop(sweep_dir, None)
-        write_sweep_outputs(sweep_dir, config.experiment)
+        _write_or_say(sweep_dir, config.experiment)
 
 
 def stop_progress(finished: bool) -> None:
@@ -80,7 +102,8 @@ def complete_unfinished_sweeps() -> list[Path]:
     for sweep_dir, experiment in list(STARTED_SWEEPS.items()):
         STARTED_SWEEPS.pop(sweep_dir)
         try:
-            write_sweep_outputs(sweep_dir, experiment)
+            if not _write_or_say(sweep_dir, experiment):
+                continue
         except Exception as exc:  # completing must never hide why the sweep stopped
             log.error("could not complete %s/sweep.parquet: %s: %s", sweep_dir, type(exc).__name__, exc)
             continue

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.errors import BadInput, Terminated
 from tfmoe.paths import CHECKOUT_ROOT
 from tfmoe.registry import EXPERIMENTS, Experiment
 from tfmoe.status import Status, worst_exit_code
@@ -228,8 +228,14 @@ def check_launcher_installed(key: str, overrides: list[str]) -> None:
                                f"pip install -e '.[{extra}]' (make test installs it)")
 
 
+# Free space a run directory needs to start: Hydra's .hydra/ files, the log, run.parquet (~10 KB each), the first
+# records; below it the run would fail half-written (a run on a full disk then reports its first refused write).
+MIN_FREE_BYTES = 128 * 1024
+
+
 def check_writable(run_root: str) -> None:
-    """Refuse an unwritable runs root before any run starts (nothing is lost, nothing half-written)."""
+    """Refuse an unwritable or full runs root before any run starts (nothing is lost, nothing half-written)."""
+    import shutil
     import tempfile
 
     root = Path(run_root)
@@ -237,9 +243,13 @@ def check_writable(run_root: str) -> None:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=root):
             pass
+        free = shutil.disk_usage(root).free
     except OSError as exc:
         raise BadInput(f"cannot write runs under {root} ({exc.strerror or exc}): pass run_root=DIR that you "
                        "can write, or fix the permissions") from None
+    if free < MIN_FREE_BYTES:
+        raise BadInput(f"cannot write runs under {root}: only {free // 1024} KiB free (a run needs at least "
+                       f"{MIN_FREE_BYTES // 1024} KiB to start): free space there, or pass run_root=DIR on another disk")
 
 
 def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
@@ -254,6 +264,48 @@ def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
         return None
     task = [o for o in parsed if not o.is_hydra_override()]
     return [job for batch in BasicSweeper.split_arguments(task, None) for job in batch]
+
+
+def check_utf8(args: list[str]) -> None:
+    """Refuse an argument that is not UTF-8 text (Python keeps its bytes as surrogates; parquet, the log and
+    Hydra's grammar cannot hold them) before anything is composed or written."""
+    for a in args:
+        try:
+            a.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = a.encode("utf-8", "surrogateescape")
+            raise BadInput(f"argument {raw!r} is not UTF-8 text: retype it in UTF-8 (nothing was run)") from None
+
+
+def job_settings(module: Any, cfg: Any) -> Any:
+    """What a run refuses before it starts, in the order the runner meets them: its seed, device, dtype, threads
+    and flush interval (runtime.py), then the experiment's own ``settings(cfg)``. BadInput on the first problem."""
+    from tfmoe.harness.launching.runner import check_flush_every
+    from tfmoe.runtime import check_seed, check_threads, resolve_device, resolve_dtype
+
+    check_seed(cfg)
+    resolve_dtype(cfg.get("dtype"), resolve_device(cfg.get("device")))
+    check_threads(cfg)
+    check_flush_every(cfg)
+    return module.settings(cfg)
+
+
+def validate_run_settings(exp: Experiment, composed: Any) -> None:
+    """A single run's settings, built from its composed config before its run directory exists: the contract
+    sweeps keep (:func:`validate_sweep_settings`), so a typo writes nothing. A config whose settings fail other
+    than with BadInput (e.g. a ``${hydra:...}`` interpolation, which resolves only inside the job) is left to the
+    run to record."""
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = OmegaConf.create(OmegaConf.to_container(composed, resolve=False))
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    try:
+        job_settings(exp.load(), cfg)
+    except BadInput:
+        raise
+    except Exception:  # not bad input: the run itself records what happens
+        return
 
 
 def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
@@ -360,6 +412,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     from tfmoe.harness.reading.reports import exit_code_of, print_outcome
     from tfmoe.harness.store.sweeps import has_unstarted_jobs
 
+    check_utf8(args)
     overrides, flags = split_args(args)
     overrides = [force_expect(o) for o in overrides]
     composed = validate_overrides(exp, overrides)
@@ -367,12 +420,15 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     if not any(f in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for f in flags):
         if multirun:
             validate_sweep_settings(exp, overrides)
+        else:
+            validate_run_settings(exp, composed)
         check_writable(str(composed.run_root))
     key, out = output_dir(composed, multirun)
     overrides = dir_override(key, out, overrides)
     if multirun:
         flags = ["--multirun", *flags]
     runner.LAUNCHER_PID = os.getpid()
+    os.environ[runner.LAUNCHER_ENV] = str(os.getpid())  # a launcher's worker processes know whom they serve
     saved_argv = sys.argv
     sys.argv = [f"tfmoe {exp.name}", *flags, *overrides]
     GlobalHydra.instance().clear()
@@ -380,10 +436,14 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     hydra_failed = False
     dirs: list[Path] = []
     sweeps: list[Path] = []
+    stopped: BaseException | None = None
     try:
-        main()
+        with runner.stop_reaches_workers(out):
+            main()
     except SystemExit as exc:  # Hydra's own error path: a bad config, or a launcher that lost a job
         hydra_failed = exc.code not in (0, None)
+    except (KeyboardInterrupt, Terminated) as exc:  # Ctrl-C / SIGTERM here: say each job's outcome, then stop
+        stopped = exc
     finally:
         sys.argv = saved_argv
         GlobalHydra.instance().clear()
@@ -393,6 +453,16 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         dirs, sweeps = made_dirs(out, multirun)
         if made is not None:
             made.extend(dirs)
+    if stopped is not None:
+        if multirun and dirs and not quiet:
+            print_outcome(dirs, sweeps)
+        raise stopped
+    unrecorded = {d for d in runner.UNRECORDED if d == out.resolve() or out.resolve() in d.parents}
+    runner.UNRECORDED.difference_update(unrecorded)
+    unwritten = [s for s in hydra_callbacks.UNWRITTEN_SWEEPS if s.resolve() == out.resolve()]
+    hydra_callbacks.UNWRITTEN_SWEEPS.clear()
+    if unrecorded or unwritten:  # the file system refused a final record: its one stderr line is the outcome
+        return worst_exit_code([exit_code_of([d for d in dirs if d not in unrecorded]), Status.ERROR.exit_code])
     if hydra_failed and not sweeps and not dirs:
         return EXIT_FROM_HYDRA
     if not dirs:

@@ -14,6 +14,7 @@ import resource
 import signal
 import sys
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tfmoe.errors import BadInput, Terminated
+from tfmoe.errors import BadInput, Terminated, disk_problem
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.runtime import (
     check_seed,
@@ -40,6 +41,115 @@ log = logging.getLogger("tfmoe")
 # The process that launched the sweep (set by launch.run_experiment). A job interrupted there stops the whole
 # sweep (the interrupt is re-raised); a job in a worker (joblib, submitit, SLURM, Ray) returns its exit code.
 LAUNCHER_PID: int | None = None
+# Run directories of this process whose final run.parquet the file system refused (full disk, read-only): their
+# status on disk is still `running` (readers say `lost` once the process ends); launch exits 2 for them.
+UNRECORDED: set[Path] = set()
+# The launching process's pid, in the environment its worker processes (joblib's loky workers) inherit.
+LAUNCHER_ENV = "TFMOE_LAUNCHER_PID"
+STOP_WAIT_S = 60.0  # how long the launcher waits, on SIGTERM, for its workers' jobs to record `interrupted`
+
+
+def _worker_children() -> list[Any]:
+    """This process's child processes that run jobs (not multiprocessing's resource trackers, which ignore SIGTERM
+    and end when their launcher does)."""
+    import psutil
+
+    kids = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if not any("resource_tracker" in part for part in child.cmdline()):
+                kids.append(child)
+    return kids
+
+
+@contextlib.contextmanager
+def stop_reaches_workers(jobs_under: Path) -> Iterator[None]:
+    """While a launch runs: SIGTERM reaches the launcher's worker processes first, and the launcher waits until none
+    of their jobs under ``jobs_under`` is still ``running`` (each records ``interrupted``; a worker then takes no
+    next job), then stops as before. Without it joblib, on the launcher's interrupt, kills its workers at once and
+    their jobs are ``lost``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def forward(signum: int, frame: Any) -> None:
+        import psutil
+
+        from tfmoe.harness.store.rundir import RUN_FILE, read_parquet
+
+        kids = _worker_children()
+        for child in kids:
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signum)
+        pids = {c.pid for c in kids}
+
+        def busy() -> bool:
+            for f in Path(jobs_under).glob(f"*/{RUN_FILE}"):
+                with contextlib.suppress(Exception):
+                    row = read_parquet(f).iloc[0]
+                    if row["status"] == Status.RUNNING and int(row["pid"]) in pids and psutil.pid_exists(int(row["pid"])):
+                        return True
+            return False
+
+        deadline = time.monotonic() + STOP_WAIT_S
+        while pids and busy() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if callable(previous):
+            previous(signum, frame)
+        raise Terminated(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def in_loky_worker() -> bool:
+    """Whether this process is a worker of a joblib (loky) launcher started by tfmoe."""
+    import multiprocessing
+
+    launcher = os.environ.get(LAUNCHER_ENV)
+    return (launcher is not None and os.getpid() != int(launcher)
+            and type(multiprocessing.current_process()).__name__ == "LokyProcess")
+
+
+_WATCHING: list[threading.Thread] = []
+_JOB_RUNNING = threading.Event()  # a joblib worker is inside a job
+_STOPPED: list[int] = []  # a joblib worker was told to stop: it takes no next job
+
+
+def watch_the_launcher() -> None:
+    """In a joblib worker (once): SIGTERM between jobs marks the worker stopped (it takes no next job) instead of
+    killing it (loky would then kill its sibling workers mid-job); when the launching process dies (SIGKILL, a lost
+    machine) the worker SIGTERMs itself, so its job records ``interrupted``, and then exits instead of running on
+    (loky's workers outlive a killed parent)."""
+    if _WATCHING or not in_loky_worker() or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: _STOPPED.append(signal_exit(signum)))
+    parent = os.getppid()
+
+    def loop() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + STOP_WAIT_S
+        while _JOB_RUNNING.is_set() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os._exit(signal_exit(signal.SIGTERM))
+
+    thread = threading.Thread(target=loop, name="tfmoe-launcher-watch", daemon=True)
+    thread.start()
+    _WATCHING.append(thread)
+
+
+def signal_exit(signum: int) -> int:
+    from tfmoe.status import signal_exit_code
+
+    return signal_exit_code(signum)
+
+
 
 
 def _run_name() -> str:
@@ -118,11 +228,17 @@ class Heartbeat:
         return self
 
     def _loop(self) -> None:
+        warned = False
         while not self._stop.wait(self.every_s):
             try:
                 self.writer.checkpoint(self.rec)
             except Exception as exc:  # a failed periodic write must not stop the run; the final write decides
-                log.warning("periodic write of the records failed: %s: %s", type(exc).__name__, exc)
+                if disk_problem(exc) is not None:
+                    continue  # a full disk / read-only file system: the final write says so, in one line
+                if not warned:  # once: a failure would repeat every interval
+                    log.warning("periodic write of the records failed (not retried in the log): %s",
+                                disk_problem(exc, self.writer.run_dir) or f"{type(exc).__name__}: {exc}")
+                    warned = True
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
@@ -215,8 +331,21 @@ def execute(cfg: DictConfig) -> int:
         overrides=list(hc.overrides.task), device=str(cfg.get("device")), dtype=str(cfg.get("dtype")),
         sweep_dir=sweep_dir,
     )
-    with terminate_on():
-        return _execute(cfg, exp, writer, err, run_dir)
+    raise_before, logging.raiseExceptions = logging.raiseExceptions, False  # a log file on a full disk: no
+    watch_the_launcher()
+    if _STOPPED:  # a joblib worker told to stop: this job never starts (the sweep lists it not_started)
+        logging.raiseExceptions = raise_before
+        return _STOPPED[0]
+    _JOB_RUNNING.set()
+    try:  # '--- Logging error ---' traceback per line (the run says what it could not write, once)
+        with terminate_on():
+            code = _execute(cfg, exp, writer, err, run_dir)
+    finally:
+        _JOB_RUNNING.clear()
+        logging.raiseExceptions = raise_before
+    if code >= 128 and in_loky_worker():  # stopped by a signal, records written: take no next job
+        _STOPPED.append(code)
+    return code
 
 
 def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) -> int:
@@ -227,6 +356,7 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
 
     rec = None
     status, code, error = Status.OK, Status.OK.exit_code, None
+    told = False  # a full disk / read-only file system already said on stderr
     device = None
     expectations: list = []
     stop: BaseException | None = None
@@ -280,10 +410,15 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
         error = f"{exc} ({SIGNAL_CAUSES.get(exc.signal_name, 'a signal that ends the process')})"
         err.print(f"{exp.name}: {exc}; the records so far are in {run_dir}", markup=False)
     except Exception as exc:  # a bug: keep the records, point at the log
-        status, code = Status.CRASHED, Status.CRASHED.exit_code
-        error = f"{type(exc).__name__}: {exc}"
-        log.error("run crashed:\n%s", traceback.format_exc())
-        err.print(f"{exp.name} crashed ({error}); traceback in {run_dir}/{exp.name}.log", markup=False)
+        disk = disk_problem(exc, run_dir)
+        if disk is not None:  # the file system refused a write (full disk, read-only): not a bug of tfmoe
+            status, code, error, told = Status.ERROR, Status.ERROR.exit_code, disk, True
+            err.print(f"error: {disk}", markup=False, emoji=False)
+        else:
+            status, code = Status.CRASHED, Status.CRASHED.exit_code
+            error = f"{type(exc).__name__}: {exc}"
+            log.error("run crashed:\n%s", traceback.format_exc())
+            err.print(f"{exp.name} crashed ({error}); traceback in {run_dir}/{exp.name}.log", markup=False)
     except BaseException as exc:  # SystemExit from a library, GeneratorExit...: never recorded as ok
         status, code, error = Status.CRASHED, Status.CRASHED.exit_code, f"{type(exc).__name__}: {exc}"
         log.error("run stopped by %s:\n%s", type(exc).__name__, traceback.format_exc())
@@ -295,8 +430,17 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
             with contextlib.suppress(Exception):
                 finish_expectations(expectations, rec, writer)
         peak_dev = device_peak(device) if device is not None else None
-        writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
-                      int(cfg.get("tensor_max_numel", 1_000_000)))
+        try:
+            status, code, error = writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
+                                                int(cfg.get("tensor_max_numel", 1_000_000)))
+        except OSError as exc:  # run.parquet itself refused: the run cannot record how it ended
+            disk = disk_problem(exc, run_dir)
+            if disk is None:
+                raise
+            UNRECORDED.add(run_dir.resolve())
+            status, code, error = Status.ERROR, Status.ERROR.exit_code, f"{disk} (the run's end is not recorded)"
+        if not told and status == Status.ERROR and "cannot write " in (error or ""):  # one line, the first refusal
+            err.print(f"error: {error[error.index('cannot write '):].split('; ')[0]}", markup=False, emoji=False)
         log.info("run %s: %s (exit %d) in %s", writer.run_id, status, code, run_dir)
     if stop is not None and os.getpid() == LAUNCHER_PID:
         raise stop  # stop the whole in-process sweep too; the CLI exits 130 (Ctrl-C) or 143 (SIGTERM)

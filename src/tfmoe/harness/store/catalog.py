@@ -103,19 +103,49 @@ def open_catalog(runs_root: Path) -> sqlite3.Connection:
     root = Path(runs_root)
     db = root / CATALOG_FILE
     if not os.access(root, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
-        conn = _connect(":memory:")
-    else:
+        return _in_memory(root)
+    conn = None
+    try:
         try:
             conn = _connect(str(db))
             conn.execute("SELECT count(*) FROM runs").fetchone()
-        except sqlite3.DatabaseError:  # not a database / malformed: it is only a cache, rebuild it
+        except sqlite3.DatabaseError as exc:  # not a database / malformed: it is only a cache, rebuild it
+            if _disk_full(exc):
+                raise
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{db}{suffix}").unlink(missing_ok=True)
             conn = _connect(str(db))
-    if not _fresh(conn, root):
-        _reset(conn, root)
+        if not _fresh(conn, root):
+            _reset(conn, root)
+        sync(conn, root)
+    except (sqlite3.OperationalError, OSError) as exc:
+        if not _disk_full(exc):
+            raise
+        if conn is not None:
+            conn.close()
+        import sys
+
+        # the catalog is only a cache: the runs are listed from a full scan, and the user hears why once
+        print(f"warning: cannot write the run catalog {db} ({exc}): listing the runs from a full scan; free "
+              "space there", file=sys.stderr)
+        return _in_memory(root)
+    return conn
+
+
+def _in_memory(root: Path) -> sqlite3.Connection:
+    conn = _connect(":memory:")
+    _reset(conn, root)
     sync(conn, root)
     return conn
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """A full disk or quota, or a read-only file system, as SQLite or the OS reports it."""
+    import errno
+
+    text = str(exc)
+    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) or any(
+        t in text for t in ("database or disk is full", "readonly database", "disk I/O error"))
 
 
 def rebuild(runs_root: Path) -> int:

@@ -22,7 +22,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tfmoe.errors import BadInput
+from tfmoe.errors import BadInput, disk_problem
 from tfmoe.harness.store.rundir import (
     CHECKS_SCHEMA,
     EXPECTATIONS_FILE,
@@ -181,10 +181,15 @@ class RunWriter:
         atomic_replace(self.run_dir / RUN_FILE, lambda tmp: pq.write_table(table, tmp))
 
     def finish(self, rec: Any, status: Status, exit_code: int, error: str | None,
-               peak_device_mem_bytes: int | None, peak_rss_bytes: int | None, tensor_max_numel: int) -> None:
-        """Write every record the recorder holds (whatever state the run ended in), then run.parquet."""
+               peak_device_mem_bytes: int | None, peak_rss_bytes: int | None,
+               tensor_max_numel: int) -> tuple[Status, int, str | None]:
+        """Write every record the recorder holds (whatever state the run ended in), then run.parquet; returns the
+        (status, exit code, error) written. A record the file system refuses (full disk, read-only: errors.disk_problem)
+        makes an ok run ``error`` (exit 2), another one ``crashed``; an OSError writing run.parquet itself propagates
+        (the run cannot record its end: readers then see it ``lost``)."""
         notes: list[str] = []
         problems: list[str] = []
+        disk: str | None = None
         if rec is not None:
             notes = list(rec.notes)
             for what, fn in [
@@ -197,18 +202,30 @@ class RunWriter:
                 try:
                     fn()
                 except Exception as exc:  # keep going: one bad record must not lose the others
-                    problems.append(f"could not write {what}: {type(exc).__name__}: {exc}")
+                    said = disk_problem(exc, self.run_dir)
+                    disk = disk or said
+                    problems.append(f"could not write {what}: {said or f'{type(exc).__name__}: {exc}'}")
         if problems:
             error = "; ".join(([error] if error else []) + problems)
             if status == Status.OK:
-                status, exit_code = Status.CRASHED, Status.CRASHED.exit_code
+                status = Status.ERROR if disk else Status.CRASHED
+                exit_code = status.exit_code
+        try:  # before run.parquet, whose final row is the sign that the run ended
+            write_text(self.run_dir / "summary.md", self._summary(rec, status, error, notes))
+        except OSError as exc:
+            said = disk_problem(exc, self.run_dir)
+            if said is None:
+                raise
+            error = "; ".join(([error] if error else []) + [f"could not write summary.md: {said}"])
+            if status == Status.OK:
+                status, exit_code = Status.ERROR, Status.ERROR.exit_code
         finished = utcnow()
         self.write_run(self._row(
             status, finished_at=finished, wall_s=(finished - self.started_at).total_seconds(), error=error,
             exit_code=exit_code, peak_device_mem_bytes=peak_device_mem_bytes, peak_rss_bytes=peak_rss_bytes,
             notes=notes,
         ))
-        write_text(self.run_dir / "summary.md", self._summary(rec, status, error, notes))
+        return status, exit_code, error
 
     def _write_checks(self, rec: Any) -> None:
         rows = [vars(c) for c in list(rec.checks_rows)]

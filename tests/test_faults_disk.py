@@ -1,0 +1,187 @@
+"""A full disk and a read-only runs root, on a REAL small tmpfs (issue 24, item 5): at every stage a run or sweep
+says so in one line on stderr naming the cause and the path, never a traceback, and its status tells the truth.
+
+Mounting needs root (CAP_SYS_ADMIN); where it is not permitted these tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tfmoe.testing import run_cli
+
+TFMOE = [sys.executable, "-m", "tfmoe.cli"]
+ROUTE = ["route-sim", "steps=6", "train_tokens=64"]
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, size: str) -> Iterator[Path]:
+    where.mkdir(parents=True, exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no mount(8) on this machine: the tmpfs tests need it")
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                       text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({p.stderr.strip() or p.returncode}): needs root / CAP_SYS_ADMIN")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs, unmounted afterwards."""
+    with _tmpfs(tmp_path / "mnt", "2m") as mnt:
+        yield mnt
+
+
+def _fill(mnt: Path, leave: int) -> None:
+    """Fill the file system to ``leave`` bytes free (a real file of zeros)."""
+    filler = mnt / "filler"
+    filler.unlink(missing_ok=True)
+    free = shutil.disk_usage(mnt).free
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+    assert abs(shutil.disk_usage(mnt).free - leave) <= 8192, shutil.disk_usage(mnt).free
+
+
+def _one_clean_line(stderr: str, *said: str) -> str:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr and all(s in lines[0] for s in said), stderr
+    return lines[0]
+
+
+def _remount(mnt: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(mnt)], check=True)
+
+
+def test_read_only_runs_root_refuses_runs_and_sweeps_and_still_lists(small_fs: Path, tmp_path: Path) -> None:
+    (tmp_path / "made").mkdir()
+    ok = run_cli([*ROUTE, "steps=0"], tmp_path / "made")
+    assert ok.exit_code == 0, ok.stderr
+    shutil.copytree(tmp_path / "made" / "runs", small_fs / "runs")  # (this process keeps the run's log file open)
+    _remount(small_fs, "ro")
+    try:
+        for args in ([*ROUTE], [*ROUTE, "-m", "top_k=1,2"]):
+            r = run_cli(args, small_fs)
+            assert r.exit_code == 2, r.stdout + r.stderr
+            _one_clean_line(r.stderr, "cannot write runs under runs", "Read-only file system")
+        listing = run_cli(["runs", "--format", "json"], small_fs)
+        assert listing.exit_code == 0 and "Traceback" not in listing.stderr, listing.stderr
+        assert [r["status"] for r in json.loads(listing.stdout)] == ["ok"]
+    finally:
+        _remount(small_fs, "rw")
+    assert len(list((small_fs / "runs").rglob("run.parquet"))) == 1  # nothing was written by the refused ones
+
+
+def test_a_full_disk_refuses_the_run_before_its_directory(small_fs: Path) -> None:
+    _fill(small_fs, 100 * 1024)
+    r = run_cli(ROUTE, small_fs)
+    assert r.exit_code == 2
+    _one_clean_line(r.stderr, "only 100 KiB free", "free space there, or pass run_root=DIR")
+    assert not list(small_fs.rglob("run.parquet"))
+
+
+def _sizes(run_dir: Path) -> tuple[int, int]:
+    """(bytes of everything but the plots, bytes of the plots) of a finished run directory."""
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    used = {p: -(-p.stat().st_size // 4096) * 4096 for p in files}  # whole pages, as tmpfs counts them
+    plots = sum(n for p, n in used.items() if p.suffix == ".png")
+    return sum(used.values()) - plots, plots
+
+
+def test_plots_that_cannot_be_written_make_the_run_error_not_ok(small_fs: Path, tmp_path: Path) -> None:
+    """Today: exit 3 `crashed`, nothing on stderr, and the log says `ok (exit 0)`."""
+    (tmp_path / "ref").mkdir()
+    ref = run_cli(ROUTE, tmp_path / "ref")  # the same run on a roomy disk: how much its records and plots take
+    records, plots = _sizes(ref.run_dir)
+    assert plots > 64 * 1024, plots
+    from tfmoe.harness.launching.launch import MIN_FREE_BYTES
+
+    leave = max(MIN_FREE_BYTES + 4096, records + 64 * 1024)  # the records fit (with tmpfs' page rounding), the plots not
+    assert leave < records + plots - 32 * 1024, (records, plots)
+    _fill(small_fs, leave)
+    r = run_cli(ROUTE, small_fs)
+    assert r.exit_code == 2, r.stdout + r.stderr
+    line = _one_clean_line(r.stderr, "No space left on device", str(small_fs))
+    run = pd.read_parquet(r.run_dir / "run.parquet").iloc[0]
+    assert run["status"] == "error" and run["exit_code"] == 2 and "could not write plots" in run["error"], line
+    assert (r.run_dir / "metrics.parquet").exists() and (r.run_dir / "checks.parquet").exists()  # records kept
+    log = (r.run_dir / "route-sim.log").read_text()
+    assert "ok (exit 0)" not in log and "error (exit 2)" in log, log
+
+
+def test_a_disk_that_fills_during_the_run_is_one_line_and_the_run_not_ok(small_fs: Path) -> None:
+    """The disk fills while the run flushes its records (a real process): today exit 2 with 107 lines of stderr and 5
+    tracebacks, its final table saying `running`; `tfmoe runs` then fails with an sqlite traceback."""
+    proc = subprocess.Popen([*TFMOE, "route-sim", "steps=400", "strategies=[none,aux_loss]", "flush_every_s=0.2"],
+                            cwd=small_fs, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(small_fs.rglob("metrics.parquet")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.1)
+        _fill(small_fs, 0)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, err
+    _one_clean_line(err, "No space left on device", str(small_fs / "runs"))
+    assert "running" not in out  # no outcome table claiming it still runs
+    from tfmoe.harness.store import notebook
+
+    (run_dir,) = [small_fs / p if not p.is_absolute() else p for p in notebook.find_runs(small_fs / "runs")]
+    assert notebook.read_run_row(run_dir)["status"] in ("lost", "error")  # never ok, never a live `running`
+    listing = subprocess.run([*TFMOE, "runs", "--format", "json"], cwd=small_fs, capture_output=True, text=True,
+                             timeout=120)
+    assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr
+    assert "cannot write the run catalog" in listing.stderr and len(listing.stderr.strip().splitlines()) == 1
+    assert "ok" not in [r["status"] for r in json.loads(listing.stdout)]
+
+
+def test_the_catalog_on_a_full_disk_falls_back_to_a_full_scan(small_fs: Path) -> None:
+    (small_fs.parent / "made").mkdir()
+    r = run_cli([*ROUTE, "steps=0"], small_fs.parent / "made")
+    assert r.exit_code == 0
+    shutil.copytree(small_fs.parent / "made" / "runs", small_fs / "runs")
+    for p in small_fs.joinpath("runs").glob(".tfmoe-catalog*"):
+        p.unlink()
+    _fill(small_fs, 0)
+    listing = run_cli(["runs", "--format", "json"], small_fs)
+    assert listing.exit_code == 0 and [r["status"] for r in json.loads(listing.stdout)] == ["ok"], listing.stderr
+    _one_clean_line(listing.stderr, "cannot write the run catalog", "database or disk is full")
+    sql = run_cli(["sql", "SELECT status FROM runs", "--format", "json"], small_fs)
+    assert sql.exit_code == 0 and '"ok"' in sql.stdout, sql.stdout + sql.stderr
+
+
+def test_disk_problem_names_only_file_system_refusals() -> None:
+    import errno
+
+    from tfmoe.errors import disk_problem
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/runs/x/run.parquet")
+    assert disk_problem(full) == ("cannot write /runs/x/run.parquet: No space left on device (errno ENOSPC): free "
+                                  "space there, or pass run_root=DIR on another disk")
+    ro = OSError(errno.EROFS, "Read-only file system")
+    assert "pass run_root=DIR that you can write" in disk_problem(ro, "/runs")
+    wrapped = RuntimeError("flush failed")
+    wrapped.__cause__ = OSError("[Errno 28] Error writing bytes to file. Detail: No space left on device")
+    assert "No space left on device" in disk_problem(wrapped, "/runs/y")
+    assert disk_problem(OSError(errno.ENOENT, "No such file")) is None
+    assert disk_problem(ValueError("bad")) is None
+    assert os.strerror(errno.ENOSPC) in disk_problem(full)

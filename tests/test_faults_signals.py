@@ -1,0 +1,122 @@
+"""Stopping a sweep from outside, on real processes (issue 24, item 5): SIGTERM to a basic sweep prints every job's
+outcome; SIGTERM to a joblib sweep leaves its running jobs `interrupted` (not `lost`); SIGKILL of a joblib sweep's
+launcher leaves no worker running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+
+from tfmoe.harness.store import notebook
+
+TFMOE = [sys.executable, "-m", "tfmoe.cli"]
+LONG = ["route-sim", "-m", "steps=1000000", "strategies=[none]", "flush_every_s=0.3"]
+JOBLIB = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
+
+
+def _start(cwd: Path, args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([*TFMOE, *args], cwd=cwd, env={**os.environ, "COLUMNS": "200"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _jobs_with_metrics(cwd: Path, n: int, proc: subprocess.Popen, timeout: float = 180.0) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = sorted(p.parent for p in cwd.glob("runs/route-sim/multirun-*/*/metrics.parquet"))
+        if len(found) >= n:
+            return found
+        if proc.poll() is not None:
+            raise AssertionError(f"the sweep ended (exit {proc.returncode}) early: {proc.stderr.read()}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {n} jobs' metrics")
+
+
+def _statuses(sweep: Path) -> dict[str, str]:
+    return pd.read_parquet(sweep / "sweep.parquet").drop_duplicates("job").set_index("job")["status"].to_dict()
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_sigterm_to_a_basic_sweep_prints_every_jobs_outcome(tmp_path: Path) -> None:
+    proc = _start(tmp_path, [*LONG, "top_k=1,2"])
+    try:
+        (job,) = _jobs_with_metrics(tmp_path, 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        _end(proc)
+    assert proc.returncode == 143, err
+    assert "job 0 (steps=1000000 strategies=[none] flush_every_s=0.3 top_k=1): interrupted" in out, out
+    assert "job 1 (steps=1000000 strategies=[none] flush_every_s=0.3 top_k=2): not_started" in out, out
+    assert _statuses(job.parent) == {"0": "interrupted", "1": "not_started"}
+
+
+def _sweep_processes(launcher: int) -> list[psutil.Process]:
+    return psutil.Process(launcher).children(recursive=True)
+
+
+def _alive(procs: list[psutil.Process]) -> list[str]:
+    left = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            continue
+    return left
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_joblib_sweep_leaves_its_jobs_interrupted(tmp_path: Path) -> None:
+    """Today: joblib kills its workers on the launcher's interrupt, and the jobs are `lost`."""
+    proc = _start(tmp_path, [*LONG, *JOBLIB, "top_k=1,2,3"])
+    try:
+        jobs = _jobs_with_metrics(tmp_path, 2, proc)
+        workers = _sweep_processes(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        _end(proc)
+    assert proc.returncode == 143, err
+    for job in jobs:
+        run = notebook.load_run(job)
+        assert run.run["status"] == "interrupted" and "SIGTERM" in run.run["error"], (job, run.run["status"])
+        assert not run.metrics.empty  # the records it had were flushed by the job itself
+    assert _statuses(jobs[0].parent) == {"0": "interrupted", "1": "interrupted", "2": "not_started"}
+    assert "job 0 (" in out and "job 2 (" in out and "not_started" in out, out
+    time.sleep(2)
+    assert not _alive(workers)
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_joblib_launcher_leaves_no_worker_running(tmp_path: Path) -> None:
+    """Today: loky's workers run on and finish their jobs; a worker and two resource trackers were alive 16 minutes
+    later. Each worker now watches its launcher: its job records `interrupted` and the worker exits."""
+    proc = _start(tmp_path, [*LONG, *JOBLIB, "top_k=1,2,3"])
+    try:
+        jobs = _jobs_with_metrics(tmp_path, 2, proc)
+        sweep = _sweep_processes(proc.pid)
+        assert sweep, "no worker processes found"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        time.sleep(10)
+        left = _alive(sweep)
+    finally:
+        for p in _alive(sweep):  # never leave them to the next test
+            os.kill(int(p.split()[0]), signal.SIGKILL)
+        _end(proc)
+    assert not left, left
+    for job in jobs:
+        assert notebook.read_run_row(job)["status"] == "interrupted", job
