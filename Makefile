@@ -1,4 +1,4 @@
-# Two commands (README): `make run` sets up and runs every experiment; `make test` sets up and runs the tests.
+# Two commands (README.md): `make run` sets up and runs every experiment; `make test` sets up and runs the tests.
 VENV ?= .venv
 comma := ,
 PYTHON ?= python3
