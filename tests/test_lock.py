@@ -130,3 +130,43 @@ def test_version_drift_boundaries() -> None:
     assert version_drift({"torch": "2.12.0", "numpy": "2.4.6"}, locked) == [("torch", "2.12.0", "2.13.0+cpu")]
     assert version_drift({"torch": None, "numpy": float("nan"), "pandas": "1.0"}, locked) == []  # not recorded/locked
     assert version_drift({}, {}) == []
+
+
+def _makefile_extras() -> list[str]:
+    import re
+
+    return re.search(r"^EXTRAS = (.+)$", (REPO / "Makefile").read_text(), re.M).group(1).strip().split(",")
+
+
+def stale(wanted: list[str], pins: dict[str, str]) -> list[str]:
+    """Each requirement the lock does not pin within its range."""
+    from packaging.requirements import Requirement
+
+    lines = []
+    for text in wanted:
+        req = Requirement(text)
+        pinned = pins.get(canonical(req.name))
+        if pinned is None or not req.specifier.contains(pinned, prereleases=True):
+            lines.append(f"{text}: locked {pinned or 'nothing'}")
+    return lines
+
+
+def test_the_lock_is_current_with_pyproject_every_requirement_is_pinned_within_its_range() -> None:
+    """A requirement added to pyproject.toml (a new extra, a raised floor) without `make lock` fails here, naming it."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = list(project["dependencies"])
+    for extra in _makefile_extras():
+        wanted += project["optional-dependencies"][extra]
+    assert len(wanted) > 20
+    problems = stale(wanted, read_lock(LOCK))
+    assert not problems, "requirements.lock is stale, run `make lock`: " + "; ".join(problems)
+
+
+def test_a_requirement_the_lock_does_not_satisfy_is_named() -> None:
+    pins = read_lock(LOCK)
+    assert stale(["torch==2.13.0", "typer>=0.12", "Hydra_Core==1.3.8"], pins) == []  # local label, names
+    assert stale(["torch==2.12.0", "not-a-locked-package>=1", f"numpy>{pins['numpy']}"], pins) == [
+        f"torch==2.12.0: locked {pins['torch']}", "not-a-locked-package>=1: locked nothing",
+        f"numpy>{pins['numpy']}: locked {pins['numpy']}"]
