@@ -30,9 +30,9 @@ ifeq ($(TORCH_INDEX_URL),)
 	$(VENV)/bin/python scripts/check_lock.py
 else
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)" --index-url $(TORCH_INDEX_URL)
-	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
-	$(VENV)/bin/python scripts/check_lock.py --without torch > $(VENV)/lock-without-torch.txt
+	PYTHONPATH=src $(VENV)/bin/python scripts/check_lock.py --without torch > $(VENV)/lock-without-torch.txt
 	$(VENV)/bin/pip install -q --require-hashes --no-deps -r $(VENV)/lock-without-torch.txt
+	$(VENV)/bin/pip install -q --no-deps --no-build-isolation -e .
 	$(VENV)/bin/python scripts/check_lock.py --skip torch
 endif
 	$(VENV)/bin/pip check
