@@ -2,7 +2,7 @@
 # The device check to run on a CUDA machine (one prepared script, as the workplace's GPU loans are short):
 # the headline attn-check in fp16 and bf16, attn-check's kernel mode on every SDPA backend and FlexAttention,
 # shift-labels on CUDA, and the CUDA-only tests. Results land in
-# $OUT (or ./cuda-check) for the lab reports. Needs the CUDA build of torch 2.13.0 (README, "GPU install").
+# $OUT (or ./cuda-check) for the lab reports. Needs the CUDA build of torch 2.13.0 (docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-cuda-check}

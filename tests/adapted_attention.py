@@ -1,5 +1,5 @@
-"""A user's attention layer in another layout, and the adapter that lets attn-check judge it (README: "Check
-your own attention"). The layer keeps its projections as (D, H, Dh) einsum tensors, takes the key mask and the
+"""A user's attention layer in another layout, and the adapter that lets attn-check judge it
+(docs/checking-your-own-layers.md, "An attention module"). The layer keeps its projections as (D, H, Dh) einsum tensors, takes the key mask and the
 causal flag at call time, applies RoPE itself and returns no weights."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""README's "How to add an experiment", run as written: its config and recipe blocks, registered, through the CLI."""
+"""docs/layout.md's "How to add an experiment", run as written: its config and recipe blocks, registered, through the CLI."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def readme_blocks() -> tuple[str, str]:
-    """The yaml and python code blocks of README's "How to add an experiment" section."""
-    text = (REPO / "README.md").read_text()
-    section = text.split("### How to add an experiment", 1)[1].split("\n## ", 1)[0]
+    """The yaml and python code blocks of docs/layout.md's "How to add an experiment" section."""
+    text = (REPO / "docs" / "layout.md").read_text(encoding="utf-8")
+    section = text.split("## How to add an experiment", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```(yaml|python)\n(.*?)```", section, re.S)
     kinds = dict((kind, textwrap.dedent(body)) for kind, body in blocks)
-    assert set(kinds) == {"yaml", "python"}, "README's how-to lost its config or recipe block"
+    assert set(kinds) == {"yaml", "python"}, "docs/layout.md's how-to lost its config or recipe block"
     return kinds["yaml"], kinds["python"]
 
 
@@ -37,7 +37,7 @@ def my_exp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     (conf / "my_exp.yaml").write_text(config)
     module = types.ModuleType("tfmoe.experiments.my_exp")
     monkeypatch.setitem(sys.modules, "tfmoe.experiments.my_exp", module)  # dataclasses look their module up
-    exec(compile(recipe, "README.md#how-to-add-an-experiment", "exec"), module.__dict__)
+    exec(compile(recipe, "docs/layout.md#how-to-add-an-experiment", "exec"), module.__dict__)
     exp = registry.Experiment("my-exp", "my_exp", "my_exp", "one-line help")
     monkeypatch.setitem(registry.EXPERIMENTS, "my-exp", exp)
     monkeypatch.setenv("TFMOE_CONF", str(conf))

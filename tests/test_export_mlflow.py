@@ -117,7 +117,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_mlflow_ui_shows_an_exported_runs_metrics_in_headless_chromium(fake_experiment) -> None:
-    """`mlflow ui --backend-store-uri sqlite:///mlflow.db` (README) on localhost, the run's page read by Debian's
+    """`mlflow ui --backend-store-uri sqlite:///mlflow.db` (docs/notebook-at-scale.md) on localhost, the run's page read by Debian's
     chromium (installed by scripts/chromium-up.sh) with the page's JavaScript run."""
     import subprocess
     import time

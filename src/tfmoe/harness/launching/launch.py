@@ -308,13 +308,13 @@ def validate_run_settings(exp: Experiment, composed: Any) -> None:
         return
 
 
-def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
+def validate_sweep_settings(exp: Experiment, overrides: list[str], strict: bool = False) -> None:
     """Build every job's settings (the experiment contract's ``settings(cfg)``) before any job of a sweep starts:
     BadInput naming the first refused job's overrides, the problem and the fix. Each job's config is derived
     from one composed config (sweep_speed.JobConfigs), as the sweep itself will compose it. Skipped for sweepers
     other than Hydra's basic one; a job whose config does not compose, or whose settings() fails other than with
     BadInput (e.g. a ``${hydra:...}`` interpolation, which only resolves inside the job), is left to the sweep to
-    report."""
+    report, unless ``strict`` (validate-only mode): then any failure refuses the job."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
@@ -339,7 +339,9 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
 
             try:
                 base = compose(None, [])
-            except Exception:
+            except Exception as exc:
+                if strict:
+                    raise BadInput(f"the config does not compose: {' '.join(str(exc).split())[:300]}") from None
                 return  # Hydra reports it when the sweep starts
             configs = JobConfigs(loader, None, compose, base=base)
             for i, job in enumerate(jobs):
@@ -347,17 +349,42 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str]) -> None:
                     cfg = configs(job)
                     with read_write(cfg), open_dict(cfg):  # the job's config, as run_job hands it over
                         del cfg["hydra"]
-                    validate_tag_values(exp, expectations.parse(cfg.get("expect")), module.settings(cfg))
+                    validate_tag_values(exp, expectations.parse(cfg.get("expect")), job_settings(module, cfg))
                 except BadInput as exc:
                     refused.append((i, job, str(exc)))
-                except Exception:  # not bad input: the job itself records what happens
-                    continue
+                except Exception as exc:  # not bad input: the job itself records what happens
+                    if strict:
+                        refused.append((i, job, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"))
     finally:
         GlobalHydra.instance().clear()
     if refused:
         i, job, problem = refused[0]
         more = f" ({len(refused)} of {len(jobs)} jobs refused)" if len(jobs) > 1 else ""
         raise BadInput(f"sweep job {i} ({' '.join(job) or 'no overrides'}): {problem}{more}; nothing was run")
+
+
+# TFMOE_VALIDATE_ONLY=1: an experiment command does all of its validation (overrides, expectations, every job's
+# settings(cfg), Hydra's own flags) and stops before Hydra launches anything; tests/test_docs_commands.py uses it.
+VALIDATE_ONLY_ENV = "TFMOE_VALIDATE_ONLY"
+
+
+def validate_only() -> bool:
+    """Whether $TFMOE_VALIDATE_ONLY asks to validate an experiment command without running it."""
+    return os.environ.get(VALIDATE_ONLY_ENV, "").strip() not in ("", "0")
+
+
+def validate_hydra_flags(flags: list[str], overrides: list[str]) -> None:
+    """Hydra's own argument parser over the flags: BadInput for a flag Hydra does not know."""
+    from hydra._internal.utils import get_args_parser
+
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            get_args_parser().parse_args([*flags, *overrides])
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            last = (said.getvalue().strip().splitlines() or ["unknown flag"])[-1]
+            raise BadInput(f"{last.split(': error: ', 1)[-1]}: see `tfmoe <experiment> --help`") from None
 
 
 def output_dir(composed: Any, multirun: bool) -> tuple[str, Path]:
@@ -417,14 +444,20 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     overrides = [force_expect(o) for o in overrides]
     composed = validate_overrides(exp, overrides)
     validate_expectations(exp, composed, multirun)
+    checking = validate_only()
     if not any(f in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for f in flags):
-        if multirun:
-            validate_sweep_settings(exp, overrides)
+        if multirun or checking:
+            validate_sweep_settings(exp, overrides, strict=checking)
         else:
             validate_run_settings(exp, composed)
         check_writable(str(composed.run_root))
     key, out = output_dir(composed, multirun)
     overrides = dir_override(key, out, overrides)
+    if checking:
+        validate_hydra_flags(flags, overrides)
+        n = len(sweep_job_overrides(overrides) or [None]) if multirun else 1
+        print(f"valid: tfmoe {exp.name}, {n} job(s); nothing was run ({VALIDATE_ONLY_ENV} is set)")
+        return 0
     if multirun:
         flags = ["--multirun", *flags]
     runner.LAUNCHER_PID = os.getpid()

@@ -202,6 +202,7 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
             "tensors": data.tensor_table.drop(columns=["values"], errors="ignore").to_dict("records"),
             "plots": [str(p) for p in data.plots],
             "conclusions": _conclusions_records(data.path),
+            "version_drift": [dict(zip(("package", "run", "locked"), d, strict=True)) for d in _drift(data.run)],
         }, default=_jsonable))
         return
     run = dict(data.run)
@@ -215,6 +216,9 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
                           "error", "peak_rss_bytes", "peak_device_mem_bytes", "notes", *ENV_KEYS,
                           "pid", "process_started_at", "heartbeat_at"]])
     print_frame(head, fmt, f"run {run['run_id']} ({data.path})")
+    for package, recorded, locked in _drift(data.run):
+        print(f"version drift: {package} {recorded} in this run, {locked} in requirements.lock "
+              "(`make setup` installs the locked versions)")
     if fmt == "md":
         print("\n### config\n\n```yaml\n" + data.config + "```")
     else:
@@ -238,6 +242,14 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
     if plots:
         print("plots: " + ", ".join(str(p) for p in plots))
     _show_conclusions(data.path)
+
+
+def _drift(run: Any) -> list[tuple[str, str, str]]:
+    """The run's recorded versions that differ from the checkout's requirements.lock (none without a lock)."""
+    from tfmoe.harness.store.lockfile import lock_path, read_lock, version_drift
+
+    path = lock_path()
+    return version_drift(dict(run), read_lock(path)) if path is not None else []
 
 
 def _show_conclusions(run_dir: Path) -> None:
