@@ -143,9 +143,10 @@ TESTS_PY = "import pytest\n\n\n@pytest.mark.parametrize('x', [1])\ndef test_y(x)
 
 @pytest.fixture
 def failed_run(workdir: Path) -> Path:
-    """A real `error` run (ignore_index collides with a token id) and a tests/ folder with real test names."""
-    bad = run_cli(["shift-labels", "sequences=[[BOS,EOS]]", "ignore_index=1"], workdir)
-    assert bad.exit_code == 2 and bad.run_dir is not None
+    """A real `unexpected` run (an expectation that misses; a settings typo writes no run since issue 24) and a
+    tests/ folder with real test names."""
+    bad = run_cli(["shift-labels", "--expect", "valid_labels < 0"], workdir)
+    assert bad.exit_code == 4 and bad.run_dir is not None
     (workdir / "tests").mkdir()
     (workdir / "tests" / "test_x.py").write_text(TESTS_PY)
     return bad.run_dir
@@ -220,7 +221,7 @@ def test_failures_add_and_conclude_on_a_read_only_file_system_exit_2_in_one_line
     assert f"cannot write {point / 'failures.md'}.lock: Read-only file system" in r.stderr
     r = run_cli(["failures", "add", failed_run.name, "--file", str(point / "failures.md")], workdir)
     assert r.exit_code == 2 and "Read-only file system" in r.stderr  # the log alone read-only
-    r = run_cli(["conclude", failed_run.name, "--proven", "ignore_index collides with a token id"], point)
+    r = run_cli(["conclude", failed_run.name, "--proven", "valid_labels is never negative"], point)
     assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "cannot write" in r.stderr and "conclusions.parquet" in r.stderr and "Read-only file system" in r.stderr
     assert (point / "failures.md").read_text() == "# Failures log\n"
