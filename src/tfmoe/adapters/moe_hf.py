@@ -31,10 +31,9 @@ import torch
 import torch.nn as nn
 
 from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, dense_from_topk, forward_capturing
+from tfmoe.adapters.transformers_support import require_transformers
 from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
-
-HF_EXTRA = "pip install -e '.[hf]' (transformers>=5,<6)"
 
 
 @dataclass(frozen=True)
@@ -57,14 +56,7 @@ LAYOUTS = ("mixtral", "qwen2_moe", "deepseek_v3")
 
 
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise BadInput(f"impl=hf:... needs the optional extra `hf`: {HF_EXTRA}") from None
-    major = int(transformers.__version__.split(".")[0])
-    if major != 5:
-        raise BadInput(f"impl=hf:... needs transformers 5.x, found {transformers.__version__}: {HF_EXTRA}")
-    return transformers
+    return require_transformers()  # the one supported range (tfmoe.adapters.transformers_support)
 
 
 def _fields(config_cls: type) -> set[str]:
