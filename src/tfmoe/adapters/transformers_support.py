@@ -30,8 +30,7 @@ def installed_version() -> str:
 def in_range(version: str) -> bool:
     from packaging.version import Version
 
-    v = Version(version)
-    return Version(FLOOR) <= Version(v.base_version) < Version(CEILING)
+    return Version(FLOOR) <= Version(version) < Version(CEILING)  # 5.0.0rc1 is below the floor
 
 
 def require_transformers() -> Any:
