@@ -98,9 +98,22 @@ def test_each_rope_convention_and_gqa_passes_the_battery(spec, extra):
     assert failed(checks) == set() and "sdpa_match" in checks, {n: checks[n].detail for n in failed(checks)}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", sorted(VETTED))
+def test_every_vetted_type_passes_the_whole_battery(model_type, attn):
+    """Zero false alarms on the full list (the zoo's sweeps run the same; experiments/zoo.md names the runs)."""
+    installed(model_type)
+    layout = VETTED[model_type].layout
+    extra = {"llama": ["n_kv_heads=2"], "bert": ["causal=false"]}.get(layout, [])
+    rec = run_recorded("attn-check", [*SMALL, f"impl=hf:{model_type}", f"hf.attn_implementation={attn}", *extra])
+    checks = {c.check: c for c in rec.checks_rows}
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+
+
 REFUSED = [("qwen3", "q/k norm"), ("nanochat", "q/k norm"), ("gemma2", "softcapping"), ("phi", "partial RoPE"),
            ("phi3", "fused qkv"), ("granite", "non-standard scale"), ("gpt_oss", "scaled RoPE"),
-           ("cohere2", "NoPE"), ("jamba", "no rotary position_embeddings")]
+           ("cohere2", "NoPE"), ("jamba", "no rotary position_embeddings"), ("eurobert", "an encoder")]
 
 
 @pytest.mark.parametrize(("model_type", "fragment"), REFUSED, ids=[m for m, _ in REFUSED])
