@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tfmoe.adapters.transformers_support import SUPPORTED
 from tfmoe.errors import AdapterError, ContractError
 from tfmoe.faults import is_raised, raised_detail, tfmoe_fault
 from tfmoe.harness.method.diagnosis import common_exception, diagnose
@@ -38,7 +39,7 @@ def _caught(fn, *args, **kwargs) -> BaseException:
 def test_an_exception_in_user_code_is_the_users():
     exc = _caught(_user_code_raises)
     assert tfmoe_fault(exc, "tfmoe") is None
-    assert tfmoe_fault(exc, "tfmoe", "transformers", ">=5.0.0,<6") is None  # torch frames are passed over
+    assert tfmoe_fault(exc, "tfmoe", "transformers", SUPPORTED) is None  # torch frames are passed over
 
 
 def test_an_exception_raised_inside_tfmoe_is_tfmoes():
@@ -56,9 +57,9 @@ def test_an_exception_inside_the_library_a_shipped_adapter_drives_names_library_
 
     exc = _caught(create_causal_mask, config=None, inputs_embeds=torch.zeros(1, 2, 4), attention_mask=None,
                   cache=None, position_ids=None)  # raises inside transformers (config None)
-    fault = tfmoe_fault(exc, "impl=hf:llama", "transformers", ">=5.0.0,<6")
+    fault = tfmoe_fault(exc, "impl=hf:llama", "transformers", SUPPORTED)
     assert isinstance(fault, AdapterError)
-    assert f"transformers {transformers.__version__}" in str(fault) and "transformers>=5.0.0,<6" in str(fault)
+    assert f"transformers {transformers.__version__}" in str(fault) and f"transformers{SUPPORTED}" in str(fault)
     # the same exception under a user's own adapter (no library declared) is the user's
     assert tfmoe_fault(exc, "impl=my:Adapter", None) is None
 
@@ -66,7 +67,7 @@ def test_an_exception_inside_the_library_a_shipped_adapter_drives_names_library_
 def test_a_contract_error_is_the_users_unless_a_shipped_adapter_made_it():
     exc = _caught(lambda: (_ for _ in ()).throw(ContractError("output shape (2, 6) != (2, 6, 16)")))
     assert tfmoe_fault(exc, "impl=my:Layer") is None
-    assert isinstance(tfmoe_fault(exc, "impl=hf:llama", "transformers", ">=5.0.0,<6"), AdapterError)
+    assert isinstance(tfmoe_fault(exc, "impl=hf:llama", "transformers", SUPPORTED), AdapterError)
     assert isinstance(tfmoe_fault(AdapterError("x"), "tfmoe"), AdapterError)
 
 

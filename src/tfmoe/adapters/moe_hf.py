@@ -23,6 +23,7 @@ Experts are stored as (E, 2H, D) ``gate_up_proj`` ([gate; up], concatenated) and
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,8 @@ def _fields(config_cls: type) -> set[str]:
     names: set[str] = set(getattr(config_cls, "attribute_map", {}) or {})
     for klass in config_cls.__mro__:
         names |= set(getattr(klass, "__annotations__", {}))
+    # transformers < 5.24's configs are not dataclasses: their fields are __init__'s keyword arguments
+    names |= {n for n in inspect.signature(config_cls.__init__).parameters if n not in ("self", "kwargs")}
     return names
 
 
