@@ -131,8 +131,8 @@ def test_interleaved_rope_rotates_pairs_2i_2i_plus_1():
 
 
 def test_unknown_rope_pairing_is_refused():
-    with pytest.raises(ValueError, match="unknown RoPE pairing 'gptj'"):
-        rotate(torch.ones(1, 1, 2, 4), Rope(10.0, 4, pairing="gptj"), torch.arange(2))
+    with pytest.raises(ValueError, match="RoPE pairing 'gptj' is not one of"):
+        Rope(10.0, 4, pairing="gptj")
 
 
 # --------------------------------------------------------------------------------------------- bad input

@@ -13,6 +13,18 @@ class BadInput(Exception):
     """
 
 
+class AdapterError(RuntimeError):
+    """tfmoe or one of its shipped adapters is at fault (an incompatible library release, a contract the adapter
+    itself breaks), never the layer under test: the run crashes (status ``crashed``, exit 3) with a message naming
+    the library, its version and the supported range."""
+
+
+class ContractError(RuntimeError):
+    """The code under test returned something the adapter protocol (or the kernel signature) does not allow: that
+    check's failure when the code is the user's, tfmoe's fault (:class:`AdapterError`) when a shipped adapter
+    drives a library."""
+
+
 class Terminated(BaseException):
     """Raised in the main thread when the process gets SIGTERM (or another terminating signal), like Ctrl-C
     raises KeyboardInterrupt: the run records what it has, its status becomes ``interrupted``, and the

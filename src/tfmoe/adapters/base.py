@@ -15,6 +15,9 @@ attention (the reference does that from first principles, see ``tfmoe.components
    the softmax scale the layer documents. Pure tensor ops (slicing, transposes), differentiable.
 5. ``n_kv_heads``: GQA / MQA is a build argument; k and v projections are (Hkv·Dh, D).
 
+The RoPE pairing (rotate-half or interleaved, :class:`~tfmoe.components.references.Rope`) and the kv-head mapping
+(query head h reads kv head h // (Hq/Hkv)) are the reference's: an adapter states the pairing its layer uses.
+
 Optional: ``set_projections(module, p)`` writes weights back (the dropout checks need it), ``hooks(module)``
 names the fused qkv and output layers whose shapes the shapes check can observe, ``takes_cache`` (forward takes
 a tfmoe ``KVCache``), ``takes_dropout``, ``returns_weights`` (False: the weight-based checks are not applicable).
@@ -31,11 +34,7 @@ import torch
 import torch.nn as nn
 
 from tfmoe.components.references import Projections
-from tfmoe.errors import BadInput
-
-
-class ContractError(RuntimeError):
-    """The layer under test returned something the protocol does not allow."""
+from tfmoe.errors import BadInput, ContractError
 
 
 class AttentionAdapter(ABC):
@@ -47,6 +46,10 @@ class AttentionAdapter(ABC):
     takes_cache: bool = False
     supports_gqa: bool = True
     notes: tuple[str, ...] = ()  # what the adapter wants said in the run's notes
+    # A shipped adapter names the distribution it drives and the releases it is tested on: an exception raised
+    # inside tfmoe or that library is then tfmoe's error (crashed, exit 3), never the layer's (tfmoe.faults).
+    library: str | None = None
+    supported: str = ""
 
     @abstractmethod
     def build(self, d_model: int, n_heads: int, *, n_kv_heads: int, causal: bool, dropout: float,

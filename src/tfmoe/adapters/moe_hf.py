@@ -23,6 +23,7 @@ Experts are stored as (E, 2H, D) ``gate_up_proj`` ([gate; up], concatenated) and
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +32,9 @@ import torch
 import torch.nn as nn
 
 from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, dense_from_topk, forward_capturing
+from tfmoe.adapters.transformers_support import require_transformers
 from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
-
-HF_EXTRA = "pip install -e '.[hf]' (transformers>=5,<6)"
 
 
 @dataclass(frozen=True)
@@ -135,20 +135,15 @@ REFUSED: dict[str, str] = {  # model type (or type.Block where a type has two bl
 
 
 def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise BadInput(f"impl=hf:... needs the optional extra `hf`: {HF_EXTRA}") from None
-    major = int(transformers.__version__.split(".")[0])
-    if major != 5:
-        raise BadInput(f"impl=hf:... needs transformers 5.x, found {transformers.__version__}: {HF_EXTRA}")
-    return transformers
+    return require_transformers()  # the one supported range (tfmoe.adapters.transformers_support)
 
 
 def _fields(config_cls: type) -> set[str]:
     names: set[str] = set(getattr(config_cls, "attribute_map", {}) or {})
     for klass in config_cls.__mro__:
         names |= set(getattr(klass, "__annotations__", {}))
+    # transformers < 5.24's configs are not dataclasses: their fields are __init__'s keyword arguments
+    names |= {n for n in inspect.signature(config_cls.__init__).parameters if n not in ("self", "kwargs")}
     return names
 
 

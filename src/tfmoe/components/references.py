@@ -59,15 +59,24 @@ def lengths_to_key_padding(lengths: list[int] | tuple[int, ...], T: int, device:
 
 
 # ====================================================================================== projections
+ROPE_PAIRINGS = ("half", "interleaved")
+
+
 @dataclass
 class Rope:
-    """Rotary positions (Su et al. 2021). pairing="rotate_half" (GPT-NeoX, Llama, Hugging Face): dims (i, i + Dh/2)
-    form the pair rotated by angle pos · theta^(-2i/Dh); pairing="interleaved" (the paper's, Meta's Llama
-    reference, torchtune, x-transformers): dims (2i, 2i + 1) form that pair."""
+    """Rotary positions (Su et al. 2021): pair i of a head's first ``rotary_dim`` dims is rotated by the angle
+    pos · theta^(-2i/rotary_dim). Which dims form pair i is the ``pairing``:
+
+    - ``half`` ("rotate half", GPT-NeoX, Llama, most of Hugging Face): dims (i, i + rotary_dim/2);
+    - ``interleaved`` (the paper's and GPT-J's, Cohere, Helium, ERNIE 4.5 in Hugging Face): dims (2i, 2i + 1)."""
 
     theta: float
     rotary_dim: int  # = Dh (full rotary); the adapters refuse partial rotary
-    pairing: str = "rotate_half"  # rotate_half | interleaved
+    pairing: str = "half"
+
+    def __post_init__(self) -> None:
+        if self.pairing not in ROPE_PAIRINGS:
+            raise ValueError(f"RoPE pairing {self.pairing!r} is not one of {ROPE_PAIRINGS}")
 
 
 @dataclass
@@ -117,35 +126,42 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 1, 3).reshape(B, T, H * Dh)
 
 
+def _pairs(t: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (first, second) members of each rotated pair of t (..., Dh): (..., rotary_dim/2) each."""
+    d = rope.rotary_dim
+    if rope.pairing == "half":
+        return t[..., : d // 2], t[..., d // 2 : d]
+    return t[..., 0:d:2], t[..., 1:d:2]
+
+
+def _unpairs(a: torch.Tensor, b: torch.Tensor, rest: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Inverse of :func:`_pairs`: the rotated pairs back in their dims, then the unrotated rest."""
+    if rope.pairing == "half":
+        return torch.cat([a, b, rest], dim=-1)
+    return torch.cat([torch.stack([a, b], dim=-1).flatten(-2), rest], dim=-1)  # a0 b0 a1 b1 ...
+
+
 def rotate(t: torch.Tensor, rope: Rope, positions: torch.Tensor, exact: bool = True) -> torch.Tensor:
-    """RoPE on (B, H, T, Dh) at integer positions (T,): each pair (i, i + Dh/2) is the complex number
-    t_i + j·t_{i+Dh/2}, multiplied by e^{j·pos·theta^(-2i/Dh)}.
+    """RoPE on (B, H, T, Dh) at integer positions (T,): each pair (a_i, b_i) (see :class:`Rope` for which dims)
+    is the complex number a_i + j·b_i, multiplied by e^{j·pos·theta^(-2i/rotary_dim)}.
 
     exact=True (the reference): angles and the rotation in float64 whatever t's dtype. exact=False (the plain
     same-dtype yardstick): angles in float32 at least, cos/sin rounded to t's dtype and the rotation done there,
     as a plain implementation in that dtype would."""
-    if rope.pairing == "interleaved":  # pair (2i, 2i+1) -> (i, i + d/2): rotate there, then put the dims back
-        order = torch.arange(t.shape[-1], device=t.device)
-        d = rope.rotary_dim
-        order[:d] = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)]).to(t.device)
-        halves = rotate(t.index_select(-1, order), Rope(rope.theta, d), positions, exact)
-        return halves.index_select(-1, order.argsort())
-    if rope.pairing != "rotate_half":
-        raise ValueError(f"unknown RoPE pairing {rope.pairing!r}: rotate_half or interleaved")
     d = rope.rotary_dim
     half = d // 2
+    a, b = _pairs(t, rope)  # (..., half) each
     if exact:
         inv_freq = rope.theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / d)  # (half,)
         angle = positions.to(torch.float64).cpu()[:, None] * inv_freq[None, :]  # (T, half)
         rot = torch.polar(torch.ones_like(angle), angle).to(t.device)  # (T, half) e^{j·angle}
-        z = torch.complex(t[..., :half].to(torch.float64), t[..., half:d].to(torch.float64)) * rot
-        return torch.cat([z.real, z.imag, t[..., d:].to(torch.float64)], dim=-1).to(t.dtype)
+        z = torch.complex(a.to(torch.float64), b.to(torch.float64)) * rot
+        return _unpairs(z.real, z.imag, t[..., d:].to(torch.float64), rope).to(t.dtype)
     acc = torch.promote_types(t.dtype, torch.float32)
     inv_freq = rope.theta ** (-torch.arange(half, dtype=acc) * 2.0 / d)
     angle = positions.to(device=t.device, dtype=acc)[:, None] * inv_freq.to(t.device)[None, :]  # (T, half)
     cos, sin = angle.cos().to(t.dtype), angle.sin().to(t.dtype)
-    a, b = t[..., :half], t[..., half:d]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin, t[..., d:]], dim=-1)
+    return _unpairs(a * cos - b * sin, b * cos + a * sin, t[..., d:], rope)
 
 
 def project(x: torch.Tensor, p: Projections, positions: torch.Tensor | None = None,

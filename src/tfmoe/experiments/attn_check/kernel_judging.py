@@ -44,8 +44,8 @@ def call_kernel(kernel: Kernel, inp: CaseInputs, q, k, v) -> torch.Tensor:
 
 
 def _raised(exc: Exception) -> str:
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    return f"{type(exc).__name__}: {first}"
+    message = " ".join(str(exc).split())  # the whole message, on one line
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, scale: float,

@@ -26,6 +26,8 @@ from tfmoe.components.references import (
     sdpa_attention,
     visibility,
 )
+from tfmoe.errors import BadInput
+from tfmoe.faults import tfmoe_fault
 from tfmoe.recorder import Recorder
 
 if TYPE_CHECKING:
@@ -61,8 +63,16 @@ class LayerUnderTest:
         """Build the layer (random weights from the run's seed) and draw the main case: x (B,T,D), the key
         padding of ``s.lengths`` and the reference's own visibility mask."""
         device, dtype = rec.device, rec.dtype
-        module = adapter.build(s.d_model, s.n_heads, n_kv_heads=s.n_kv_heads, causal=s.causal, dropout=s.dropout,
-                               seed=None, dtype=dtype, device=device)
+        try:
+            module = adapter.build(s.d_model, s.n_heads, n_kv_heads=s.n_kv_heads, causal=s.causal,
+                                   dropout=s.dropout, seed=None, dtype=dtype, device=device)
+        except BadInput:
+            raise
+        except Exception as exc:  # tfmoe's or a shipped adapter's fault: say so (library, version, range)
+            fault = tfmoe_fault(exc, f"impl={adapter.spec} (building the layer)", adapter.library, adapter.supported)
+            if fault is not None:
+                raise fault from exc
+            raise
         for text in adapter.notes:
             rec.note(f"{adapter.name}: {text}")
         x = torch.randn(s.B, s.T, s.d_model, device=device).to(dtype)  # (B,T,D)

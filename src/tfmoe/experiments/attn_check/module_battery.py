@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tfmoe.adapters import load_adapter
+from tfmoe.adapters import AttentionAdapter, load_adapter
 from tfmoe.components.chunked_attention import naive_attention_bytes
 from tfmoe.components.references import reference_dtype
 from tfmoe.errors import BadInput
@@ -33,6 +33,7 @@ from tfmoe.experiments.attn_check.checks import (
 from tfmoe.experiments.attn_check.checks.chunked import gib
 from tfmoe.experiments.attn_check.heatmap import attention_heatmap
 from tfmoe.experiments.attn_check.layer import LayerUnderTest
+from tfmoe.faults import raised_detail, tfmoe_fault
 from tfmoe.memory import available_memory_bytes
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
@@ -57,6 +58,9 @@ def refuse_if_too_big(s: ModuleSettings, device: torch.device, dtype: torch.dtyp
                        f"probe but {gib(available)} is available: lower chunked.probe_T, or use mode=chunked")
 
 
+READS_MAIN_FORWARD = ("masks", "sdpa")  # the groups that judge the shapes check's forward instead of calling the layer
+
+
 def unmet_prerequisite(layer: LayerUnderTest, group: str) -> str:
     """Why a group cannot judge this module ('' if it can): every group reads the module's output, so a wrong
     output shape stops all but chunked (which reads only the weights); a random eval-mode forward stops all but
@@ -74,24 +78,38 @@ def unmet_prerequisite(layer: LayerUnderTest, group: str) -> str:
 
 
 def guarded(rec: Recorder, names: list[str], run: Callable[[], None],
-            evidence: Callable[[], dict[str, torch.Tensor]] = dict, blocked: str = "") -> None:
+            evidence: Callable[[], dict[str, torch.Tensor]] = dict, blocked: str = "",
+            adapter: AttentionAdapter | None = None) -> Exception | None:
     """Run one group of checks unless a prerequisite fails (``blocked``: then a note says which check to fix
-    first); if the code under test raises, the group's not-yet-recorded checks fail with the error."""
+    first). If the user's code raises, the group's not-yet-recorded checks fail with the exception (its type and
+    whole message lead the detail); if tfmoe or the shipped ``adapter`` is at fault (:mod:`tfmoe.faults`), the
+    run crashes with an :class:`~tfmoe.errors.AdapterError` instead and the layer is not blamed."""
     if blocked:
         rec.note(f"{', '.join(names)} not judged: {blocked}")
-        return
+        return None
     before = {c.check for c in rec.checks_rows}
     try:
         run()
     except (BadInput, KeyboardInterrupt):
         raise
     except Exception as exc:
-        detail = f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        who = "tfmoe" if adapter is None else f"tfmoe with impl={adapter.spec}"
+        fault = tfmoe_fault(exc, who, getattr(adapter, "library", None), getattr(adapter, "supported", ""))
+        if fault is not None:
+            raise fault from exc
         done = {c.check for c in rec.checks_rows} - before
-        for name in names:
-            if name not in done:
-                rec.check(name, False, None, None, detail, evidence=evidence())
-        rec.note(f"{', '.join(n for n in names if n not in done)}: the module {detail}")
+        fail_raised(rec, [n for n in names if n not in done], exc, evidence)
+        return exc
+    return None
+
+
+def fail_raised(rec: Recorder, names: list[str], exc: Exception,
+                evidence: Callable[[], dict[str, torch.Tensor]] = dict) -> None:
+    """The checks ``names`` fail with the user's exception: observed None, the detail led by its type and message."""
+    detail = raised_detail(exc)
+    for name in names:
+        rec.check(name, False, None, None, detail, evidence=evidence())
+    rec.note(f"{', '.join(names)}: the module {detail}")
 
 
 def run_module_battery(s: ModuleSettings, rec: Recorder) -> None:
@@ -126,8 +144,15 @@ def run_groups(layer: LayerUnderTest) -> None:
     """Every asked-for group, in the battery's order (see the module docstring)."""
     s, rec, adapter = layer.s, layer.rec, layer.adapter
 
+    main_error: list[Exception] = []  # what the main forward (the shapes check) raised, if it did
+
     def group(name: str, checks: list[str], fn: Callable[[LayerUnderTest], None]) -> None:
-        guarded(rec, checks, lambda: fn(layer), layer.evidence, unmet_prerequisite(layer, name))
+        if main_error and name in READS_MAIN_FORWARD:  # their input is that forward: the same exception, not a
+            fail_raised(rec, checks, main_error[0], layer.evidence)  # shape complaint about its missing output
+            return
+        exc = guarded(rec, checks, lambda: fn(layer), layer.evidence, unmet_prerequisite(layer, name), adapter)
+        if name == "shapes" and exc is not None:
+            main_error.append(exc)
 
     group("shapes", ["shapes"], shapes.check_shapes)  # always: it runs the main forward the other checks read
     asked = set(s.groups)

@@ -280,18 +280,20 @@ def keep_code(cfg: DictConfig, writer: Any) -> None:
         log.warning("could not keep the code this run used: %s: %s", type(exc).__name__, exc)
 
 
-def explain_failures(experiment: str, rec: Any, cfg: DictConfig, writer: Any) -> list:
-    """The planted-bug catalogue's likely causes for the failed checks (inferences; kept for summary.md)."""
-    from tfmoe.harness.method.diagnosis import checks_mapping, diagnose, markdown
+def explain_failures(experiment: str, rec: Any, cfg: DictConfig, writer: Any) -> tuple[str | None, list]:
+    """The one exception every check raised (if so) and the planted-bug catalogue's likely causes for the failed
+    checks, from measured checks only (inferences; both kept for summary.md)."""
+    from tfmoe.harness.method.diagnosis import checks_mapping, common_exception, diagnose, markdown
 
     try:
-        found = diagnose(experiment, checks_mapping(rec.checks_rows), rec.metrics_rows,
-                         OmegaConf.to_container(cfg, resolve=True))
+        checks = checks_mapping(rec.checks_rows)
+        same = common_exception(checks)
+        found = diagnose(experiment, checks, rec.metrics_rows, OmegaConf.to_container(cfg, resolve=True))
     except Exception as exc:  # an explanation must never cost the run its records
         log.warning("could not match the failure pattern: %s: %s", type(exc).__name__, exc)
-        return []
-    writer.inference_lines = markdown(found)
-    return found
+        return None, []
+    writer.inference_lines = markdown(found, same)
+    return same, found
 
 
 def finish_expectations(parsed: list, rec: Any, writer: Any) -> list[str]:
@@ -390,8 +392,13 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
         if not rec.all_passed:
             status, code = Status.FAILED, Status.FAILED.exit_code
             failed = [c.check for c in rec.checks_rows if not c.passed]
+            same, inferences = explain_failures(exp.name, rec, cfg, writer)
+            if same:
+                from tfmoe.harness.method.diagnosis import same_exception_line
+
+                err.print(f"{exp.name}: {same_exception_line(same)}", markup=False)
             err.print(f"[red]{exp.name}: {len(failed)} check(s) failed:[/] ", escape(", ".join(failed)), sep="")
-            for inference in explain_failures(exp.name, rec, cfg, writer):
+            for inference in inferences:
                 err.print(inference.line(), markup=False)
         missed = finish_expectations(expectations, rec, writer)
         if missed:

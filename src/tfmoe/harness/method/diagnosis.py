@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tfmoe.faults import is_raised
+
 Checks = Mapping[str, Mapping[str, Any]]  # check -> {passed, observed, threshold, detail}
 
 
@@ -262,13 +264,30 @@ CATALOGUE: tuple[Signature, ...] = (
 )
 
 
+def raised(row: Mapping[str, Any]) -> bool:
+    return is_raised(row.get("observed"), row.get("detail"))
+
+
+def common_exception(checks: Checks) -> str | None:
+    """The detail ("raised <Type>: <message>") when every failed check raised the one same exception (so no check
+    measured anything wrong), else None."""
+    failed = [row for row in checks.values() if not bool(row["passed"])]
+    details = {str(row.get("detail")) for row in failed}
+    if failed and all(raised(row) for row in failed) and len(details) == 1:
+        return details.pop()
+    return None
+
+
 def diagnose(experiment: str, checks: Checks, metrics: list[dict[str, Any]], cfg: Mapping[str, Any]) -> list[Inference]:
-    """Every catalogue signature the failed run matches (none when every check passed)."""
+    """Every catalogue signature the failed run matches (none when every check passed). Only measured checks are
+    evidence: a signature that reads a check which raised is never matched."""
     if all(bool(v["passed"]) for v in checks.values()):
         return []
     out = []
     for sig in CATALOGUE:
         if sig.experiment != experiment:
+            continue
+        if any(name in checks and raised(checks[name]) for name in sig.checks):
             continue
         evidence = sig.match(checks, metrics, cfg)
         if evidence:
@@ -287,9 +306,14 @@ def checks_mapping(rows: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def markdown(inferences: list[Inference]) -> list[str]:
+def same_exception_line(detail: str) -> str:
+    return f"every failed check {detail} (one exception in each; no check measured a wrong value: fix it first)"
+
+
+def markdown(inferences: list[Inference], same: str | None = None) -> list[str]:
+    first = [f"**{same_exception_line(same)}**", ""] if same else []
     if not inferences:
-        return []
-    return ["### Likely causes (inferred from the failure pattern — the checks above are the proof)", "",
+        return first
+    return [*first, "### Likely causes (inferred from the failure pattern — the checks above are the proof)", "",
             *[f"- {i.cause}. Evidence: {i.evidence}." + (f" Planted-bug catalogue: {', '.join(i.planted)}."
                                                           if i.planted else "") for i in inferences], ""]

@@ -1,0 +1,240 @@
+"""The Hugging Face attention zoo (issue 22, items 2-4): the supported transformers range, both RoPE pairings in
+the reference, every vetted model type checked against the reference (that IS the check of its table row against
+the model's source), every other type refused by name, planted bugs inside the vetted path caught."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_attn_check import FAST, failed
+
+from tfmoe.components.references import Rope, rotate, sdpa_attention, visibility
+from tfmoe.errors import BadInput
+from tfmoe.testing import run_cli, run_recorded
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+SMALL = ["d_model=16", "n_heads=4", "T=6", *FAST]
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+transformers = pytest.importorskip("transformers", reason="the `hf` extra (transformers 5.x) is not installed")
+
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+
+from tfmoe.adapters.huggingface import VETTED, HuggingFace  # noqa: E402
+from tfmoe.adapters.transformers_support import SUPPORTED, in_range, installed_version  # noqa: E402
+
+
+def installed(model_type: str) -> None:
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+
+
+# ------------------------------------------------------------------------------------ the RoPE pairings
+def test_interleaved_rope_is_rotate_half_on_the_pairs_regrouped():
+    """From first principles: interleaved pairs (2i, 2i+1) regrouped as (i, i + d/2) rotate exactly like
+    rotate-half, at the same angles; both preserve each pair's norm."""
+    t = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    pos = torch.arange(5)
+    to_half = torch.cat([torch.arange(0, 8, 2), torch.arange(1, 8, 2)])  # dims 0 2 4 6 | 1 3 5 7
+    inter = rotate(t, Rope(10000.0, 8, "interleaved"), pos)
+    half = rotate(t[..., to_half], Rope(10000.0, 8, "half"), pos)
+    torch.testing.assert_close(inter[..., to_half], half, rtol=0, atol=1e-12)
+    assert (inter - rotate(t, Rope(10000.0, 8, "half"), pos)).abs().max() > 0.1  # the two are different maps
+    pairs = inter.reshape(2, 3, 5, 4, 2).norm(dim=-1)
+    torch.testing.assert_close(pairs, t.reshape(2, 3, 5, 4, 2).norm(dim=-1), rtol=0, atol=1e-12)
+    plain = rotate(t.float(), Rope(10000.0, 8, "interleaved"), pos, exact=False)  # the same-dtype yardstick
+    torch.testing.assert_close(plain.double(), inter, rtol=0, atol=1e-5)
+
+
+def test_rope_pairing_must_be_known():
+    with pytest.raises(ValueError, match="pairing"):
+        Rope(10000.0, 8, "gptj")
+
+
+# ---------------------------------------------------------------- every table row against the reference
+def _max_err(model_type: str, attn: str, pairing: str | None = None) -> float:
+    """The tiny model's layer (GQA for the Llama layout, a padded row) vs the fp64 reference."""
+    vetted = VETTED[model_type]
+    adapter = HuggingFace(model_type, attn)
+    if pairing is not None:
+        adapter.vetted = type(vetted)(vetted.layout, pairing, vetted.source)
+    causal, hkv = vetted.layout != "bert", 2 if vetted.layout == "llama" else 4
+    m = adapter.build(16, 4, n_kv_heads=hkv, causal=causal, dropout=0.0, seed=0, dtype=torch.float32,
+                      device=torch.device("cpu"))
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))  # (B,T,D)
+    pm = torch.ones(2, 6, dtype=torch.bool)
+    pm[1, 4:] = False
+    with torch.no_grad():
+        out, _ = adapter.forward(m, x, pm, causal=causal)
+    p = adapter.projections(dict(m.named_parameters()), 4, hkv)
+    ref = sdpa_attention(x.double(), p.to(torch.float64), visibility(6, 6, causal, pm))
+    return float((out.double() - ref)[pm].abs().max())
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", sorted(VETTED))
+def test_every_vetted_row_matches_the_reference(model_type, attn):
+    installed(model_type)
+    assert _max_err(model_type, attn) < 2e-6
+    if VETTED[model_type].rope is not None and attn == "eager":  # the recorded pairing is the one that matches
+        other = "half" if VETTED[model_type].rope == "interleaved" else "interleaved"
+        assert _max_err(model_type, attn, other) > 1e-2
+
+
+# ----------------------------------------------------------------------------- the battery on the zoo
+ZOO = [("hf:llama", ["n_kv_heads=2"]), ("hf:cohere", []), ("hf:helium", ["n_kv_heads=2"]), ("hf:ernie4_5", []),
+       ("hf:gpt2", []), ("hf:bert", ["causal=false"])]
+
+
+@pytest.mark.parametrize(("spec", "extra"), ZOO, ids=[s for s, _ in ZOO])
+def test_each_rope_convention_and_gqa_passes_the_battery(spec, extra):
+    """Before: cohere, helium and ernie4_5 were read as rotate-half and failed sdpa_match (0.055 vs 1.4e-7), with
+    a √d_model scale named as the likely cause."""
+    installed(spec.removeprefix("hf:"))
+    rec = run_recorded("attn-check", [*SMALL, f"impl={spec}", "checks=[masks,sdpa,gradients,invariances]", *extra])
+    checks = {c.check: c for c in rec.checks_rows}
+    assert failed(checks) == set() and "sdpa_match" in checks, {n: checks[n].detail for n in failed(checks)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", sorted(VETTED))
+def test_every_vetted_type_passes_the_whole_battery(model_type, attn):
+    """Zero false alarms on the full list (the zoo's sweeps run the same; experiments/zoo.md names the runs)."""
+    installed(model_type)
+    layout = VETTED[model_type].layout
+    extra = {"llama": ["n_kv_heads=2"], "bert": ["causal=false"]}.get(layout, [])
+    rec = run_recorded("attn-check", [*SMALL, f"impl=hf:{model_type}", f"hf.attn_implementation={attn}", *extra])
+    checks = {c.check: c for c in rec.checks_rows}
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+
+
+REFUSED = [("qwen3", "q/k norm"), ("nanochat", "q/k norm"), ("gemma2", "softcapping"), ("phi", "partial RoPE"),
+           ("phi3", "fused qkv"), ("granite", "non-standard scale"), ("gpt_oss", "scaled RoPE"),
+           ("cohere2", "NoPE"), ("jamba", "no rotary position_embeddings"), ("eurobert", "an encoder")]
+
+
+@pytest.mark.parametrize(("model_type", "fragment"), REFUSED, ids=[m for m, _ in REFUSED])
+def test_unmodelled_semantics_are_refused_by_name(model_type, fragment):
+    installed(model_type)
+    with pytest.raises(BadInput, match=fragment) as err:
+        run_recorded("attn-check", [*SMALL, f"impl=hf:{model_type}", "checks=[sdpa]"])
+    assert "\n" not in str(err.value)
+
+
+def test_a_model_type_not_in_the_table_is_refused_as_not_vetted(monkeypatch):
+    """No more "any model with the Llama layout": a layer that passes every static screen is still refused
+    until its row is in the table."""
+    monkeypatch.delitem(VETTED, "mistral")
+    with pytest.raises(BadInput, match="not vetted yet.*Llama|not vetted yet.*llama layout"):
+        run_recorded("attn-check", [*SMALL, "impl=hf:mistral", "checks=[sdpa]"])
+
+
+# ------------------------------------------------------------------ planted bugs inside the vetted path
+def test_rotate_half_planted_in_an_interleaved_model_is_caught(monkeypatch):
+    from transformers.models.cohere import modeling_cohere
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_cohere, "rotate_half", modeling_llama.rotate_half)  # Llama's pairs in Cohere
+    rec = run_recorded("attn-check", [*SMALL, "impl=hf:cohere", "checks=[sdpa]"])
+    assert failed({c.check: c for c in rec.checks_rows}) == {"sdpa_match"}
+
+
+def test_a_wrong_scale_planted_in_the_layer_is_caught(monkeypatch):
+    """1/sqrt(d_model) instead of 1/sqrt(head_dim), planted where HeliumAttention's forward passes its scaling."""
+    from transformers.models.helium import modeling_helium
+
+    real = modeling_helium.eager_attention_forward
+
+    def scaled_by_d_model(module, query, key, value, attention_mask, scaling, **kwargs):
+        return real(module, query, key, value, attention_mask, scaling=module.config.hidden_size ** -0.5, **kwargs)
+
+    monkeypatch.setattr(modeling_helium, "eager_attention_forward", scaled_by_d_model)
+    rec = run_recorded("attn-check", [*SMALL, "impl=hf:helium", "checks=[masks,sdpa]"])
+    assert "sdpa_match" in failed({c.check: c for c in rec.checks_rows})
+
+
+# ------------------------------------------------------------------------- the supported version range
+def test_installed_transformers_is_in_the_declared_range():
+    assert in_range(installed_version()), (installed_version(), SUPPORTED)
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'hf = ["transformers{SUPPORTED}"]' in pyproject  # one range, declared in both places
+
+
+@pytest.mark.parametrize("version", ["4.57.6", "6.0.0", "5.0.0rc1"])
+def test_version_outside_the_range_exits_2_before_any_check(version, monkeypatch, tmp_path):
+    """Only the version *reader* is replaced (the real out-of-range install is tested by scripts/test-hf-floor.sh
+    through test_out_of_range_install_exits_2)."""
+    from tfmoe.adapters import transformers_support
+
+    monkeypatch.setattr(transformers_support, "installed_version", lambda: version)
+    for args in (["attn-check", "impl=hf:llama", *SMALL], ["route-sim", "impl=hf:mixtral"]):
+        res = run_cli(args, tmp_path)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and SUPPORTED in lines[0] and version in lines[0], res.stderr
+
+
+@pytest.mark.skipif(in_range(installed_version()), reason="needs a transformers outside the supported range "
+                    "(scripts/test-hf-floor.sh installs one)")
+def test_out_of_range_install_exits_2(tmp_path):
+    res = run_cli(["attn-check", "impl=hf:llama", *SMALL], tmp_path)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and SUPPORTED in lines[0], res.stderr
+
+
+# --------------------------------------------------------------------------------------------- the zoo
+def zoo_module():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import zoo_hf_attention
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return zoo_hf_attention
+
+
+KINDS = [("llama", "vetted", ""), ("cohere", "vetted", ""), ("gpt2", "vetted", ""), ("bert", "vetted", ""),
+         ("qwen3", "refused", "q/k norm"), ("gemma2", "refused", "logit softcapping"),
+         ("phi", "refused", "partial rotary"), ("phi3", "refused", "fused qkv"),
+         ("granite", "refused", "non-standard scale"), ("cohere2", "refused", "NoPE / sliding-window-only RoPE")]
+
+
+@pytest.mark.parametrize(("model_type", "verdict", "kind"), KINDS, ids=[k[0] for k in KINDS])
+def test_zoo_classifies_a_representative_set(model_type, verdict, kind):
+    installed(model_type)
+    z = zoo_module()
+    entry = z.classify(model_type)
+    assert entry.verdict == verdict, entry
+    if verdict == "refused":
+        assert z.refusal_kind(entry.reason) == kind, entry.reason
+
+
+@pytest.mark.slow
+def test_zoo_enumerates_every_self_attention_type_each_vetted_or_refused_by_name():
+    z = zoo_module()
+    types = z.attention_types()
+    assert set(VETTED) & set(CONFIG_MAPPING) <= set(types)
+    entries = [z.classify(t, a) for t, a in types.items()]
+    assert {e.model_type for e in entries if e.verdict == "vetted"} == set(VETTED) & set(types)
+    unnamed = [e for e in entries if e.verdict == "refused" and z.refusal_kind(e.reason) == "other"]
+    assert not unnamed, unnamed
+
+
+def test_zoo_script_collects_the_sections_that_exist_in_order(tmp_path, monkeypatch):
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import zoo
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    for name, title in (("zoo_moe", "MoE"), ("zoo_hf_attention", "HF")):
+        (tmp_path / f"{name}.py").write_text(f"TITLE = {title!r}\n\ndef section():\n"
+                                             f"    return '{title} table', {{'passes': 2}}\n")
+    monkeypatch.setattr(zoo, "SCRIPTS", tmp_path)
+    for name in ("zoo_moe", "zoo_hf_attention"):
+        sys.modules.pop(name, None)
+    text = zoo.build()
+    assert text.index("## HF") < text.index("## MoE") and "HF table" in text
+    assert "| HF | passes 2 |" in text and "not present in this checkout: zoo_libraries" in text
+    for name in ("zoo_moe", "zoo_hf_attention"):
+        sys.modules.pop(name, None)
