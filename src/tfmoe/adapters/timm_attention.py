@@ -44,6 +44,8 @@ def require_timm() -> Any:
 
 
 class TimmAttention(AttentionAdapter):
+    library = "timm"  # an exception inside it is the adapter's error, not the layer's (tfmoe.faults)
+    supported = "==1.0.31"
     returns_weights = False
     takes_dropout = True
     supports_gqa = False

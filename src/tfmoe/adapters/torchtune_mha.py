@@ -44,6 +44,8 @@ def require_torchtune() -> Any:
 
 
 class TorchtuneMHA(AttentionAdapter):
+    library = "torchtune"  # an exception inside it is the adapter's error, not the layer's (tfmoe.faults)
+    supported = "==0.6.1"
     returns_weights = False
     takes_dropout = True
 

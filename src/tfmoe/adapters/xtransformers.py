@@ -58,6 +58,8 @@ def query_order(n_heads: int, n_kv_heads: int, device: torch.device | None = Non
 
 
 class XTransformersAttention(AttentionAdapter):
+    library = "x_transformers"  # an exception inside it is the adapter's error, not the layer's (tfmoe.faults)
+    supported = "==2.31.10"
     takes_dropout = True
 
     def __init__(self, variant: str):
