@@ -351,6 +351,7 @@ def make_notebook(cwd: Path) -> Notebook:
 def notebook(tmp_path_factory: pytest.TempPathFactory) -> Notebook:
     cwd = tmp_path_factory.mktemp("docs-notebook")
     write_files(all_docs(), cwd)
+    (cwd / "tests").symlink_to(REPO / "tests")  # `failures add --test` names a real test of the checkout
     return make_notebook(cwd)
 
 
@@ -532,8 +533,8 @@ def test_every_documented_slurm_command_runs(cmd: Command, real_notebook: Notebo
 
 
 def test_validate_only_checks_a_single_run_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """TFMOE_VALIDATE_ONLY=1: a good command says it is valid and runs nothing; a bad setting that a plain single
-    run would only meet inside the run (status error, exit 2) is refused up front, still with nothing written."""
+    """TFMOE_VALIDATE_ONLY=1: a good command says it is valid and runs nothing; a bad setting is refused up front
+    with nothing written, as a plain single run refuses it before its directory exists (issue 24)."""
     from tfmoe.testing import run_cli
 
     monkeypatch.setenv("TFMOE_VALIDATE_ONLY", "1")
@@ -543,6 +544,6 @@ def test_validate_only_checks_a_single_run_and_writes_nothing(tmp_path: Path, mo
     bad = run_cli(["complexity", "T=256"], tmp_path)
     assert bad.exit_code == 2 and "T=256 and D=None: give both T and D" in bad.stderr
     assert not list((tmp_path / "runs").rglob("run.parquet")) if (tmp_path / "runs").exists() else True
-    monkeypatch.setenv("TFMOE_VALIDATE_ONLY", "0")  # off again: the single run starts and records the refusal
+    monkeypatch.setenv("TFMOE_VALIDATE_ONLY", "0")  # off again: the single run refuses it the same way
     ran = run_cli(["complexity", "T=256"], tmp_path)
-    assert ran.exit_code == 2 and ran.run_dir is not None
+    assert ran.exit_code == 2 and ran.run_dir is None and "T=256 and D=None" in ran.stderr

@@ -185,3 +185,12 @@ def test_disk_problem_names_only_file_system_refusals() -> None:
     assert disk_problem(OSError(errno.ENOENT, "No such file")) is None
     assert disk_problem(ValueError("bad")) is None
     assert os.strerror(errno.ENOSPC) in disk_problem(full)
+
+
+def test_disk_problem_ends_on_an_exception_chain_that_loops() -> None:
+    """An exception re-raised while handling itself chains back to itself: the walk must end (it hung a run, F-130)."""
+    from tfmoe.errors import AdapterError, disk_problem
+
+    first, second = AdapterError("the mask builder wants block_table"), RuntimeError("while handling it")
+    first.__context__, second.__context__ = second, first
+    assert disk_problem(first, "/runs/z") is None

@@ -58,7 +58,9 @@ def disk_problem(exc: BaseException, path: object = None) -> str | None:
     import os
 
     seen: BaseException | None = exc
-    while seen is not None:
+    visited: set[int] = set()  # a chain can loop back (an exception re-raised while handling itself)
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
         code = getattr(seen, "errno", None)
         if code is None and "No space left on device" in str(seen):
             code = errno.ENOSPC

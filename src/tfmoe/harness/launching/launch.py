@@ -349,7 +349,7 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str], strict: bool 
                     cfg = configs(job)
                     with read_write(cfg), open_dict(cfg):  # the job's config, as run_job hands it over
                         del cfg["hydra"]
-                    validate_tag_values(exp, expectations.parse(cfg.get("expect")), job_settings(module, cfg))
+                    validate_tag_values(exp, expectations.parse(cfg.get("expect")), module.settings(cfg))
                 except BadInput as exc:
                     refused.append((i, job, str(exc)))
                 except Exception as exc:  # not bad input: the job itself records what happens
