@@ -46,13 +46,9 @@ CASES: dict[str, Case] = {
                         "n_layers=2", "vocab=100"), "T=16,32", "params_moe_total_built"),
 }
 
-# Cases that hit a bug another helper is fixing (issue 24): exactly those cases are expected to fail, strictly, so
-# the coordinator sees them pass (and removes these markers) once the fixes are merged.
-KNOWN: dict[tuple[str, str], str] = {
-    ("diff_jobs", "complexity"): "fixed by edgesA: diff of two complexity jobs with different T hits None values",
-    ("replay", "complexity"): "fixed by edgesA: replay counts machine measurements (load, peak FLOP/s) as differences",
-    ("export", "tokenize"): "fixed by edgesB: MLflow metric names built from tokenize's tag values are invalid",
-}
+# Cases known to fail, each with why: a strict xfail, so a fix shows up as a pass to remove from here. The three that
+# stood here (diff and replay of complexity jobs, tokenize's MLflow names) pass since issue 24's fixes landed.
+KNOWN: dict[tuple[str, str], str] = {}  # (command, experiment) -> why a case is a strict xfail; none today
 
 NAMES = list(EXPERIMENTS)
 
