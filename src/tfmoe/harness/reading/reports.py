@@ -19,11 +19,10 @@ from tfmoe.harness.store.notebook import (
     read_run_state,
     resolve_run,
     where_running,
-    with_effective_status,
 )
 from tfmoe.harness.store.rundir import EXPECTATIONS_FILE, read_parquet
 from tfmoe.status import Status, exit_code_for, worst_exit_code
-from tfmoe.tables import Rows, cell, from_frame
+from tfmoe.tables import Rows, cell, from_frame, print_rows
 
 console = Console(highlight=False)
 STATUS_STYLES = {Status.OK: "green", Status.FAILED: "red", Status.ERROR: "yellow"}  # any other: magenta
@@ -138,56 +137,8 @@ def print_frame(df: pd.DataFrame, fmt: str, title: str = "") -> None:
     """``df`` on stdout as json (row objects), md (a titled markdown table) or a terminal table."""
     if fmt == "json":
         print(df.to_json(orient="records", date_format="iso", default_handler=str))
-    elif fmt == "md":
-        if title:
-            print(f"\n### {title}\n")
-        print(from_frame(df).markdown() if not df.empty else "(none)")
     else:
-        from_frame(df, title).print_to(console)
-
-
-# --------------------------------------------------------------------------------------------- runs
-def runs(runs_root: Path, experiment: str | None, status: str | None, last: int | None, fmt: str) -> None:
-    from tfmoe.harness.store import catalog
-
-    if not Path(runs_root).is_dir():
-        print(f"no runs under {runs_root}")
-        return
-    conn = catalog.open_catalog(Path(runs_root))
-    try:
-        if catalog.count(conn) == 0:
-            print(f"no runs under {runs_root}")
-            return
-        where, params = [], []
-        if experiment:
-            where.append("experiment = ?")
-            params.append(experiment)
-        derived = status in (Status.RUNNING, Status.LOST)  # the catalog holds the recorded status: derive, filter
-        if status:
-            where.append("status = ?")
-            params.append(Status.RUNNING.value if derived else status)
-        clause = ("WHERE " + " AND ".join(where)) if where else ""
-        if last and not derived:  # the newest N by start time (runs not started yet sort first, as before)
-            clause += (" AND" if where else "WHERE") + (
-                " path IN (SELECT path FROM runs " + clause + " ORDER BY started_at IS NULL, started_at DESC, "
-                "path DESC LIMIT ?)")
-            params = [*params, *params, last]
-        index = with_effective_status(catalog.frame(conn, Path(runs_root), catalog.LIST_COLUMNS, clause,
-                                                    tuple(params)))
-    finally:
-        conn.close()
-    if derived:
-        index = index[index["status"] == status]
-        index = index.tail(last) if last else index
-    cols = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
-    out = index.reindex(columns=cols).copy()
-    if (out["status"] == Status.RUNNING).any():  # where each running run runs (another host: shown running there)
-        out.insert(3, "where", [where_running(read_run_row(Path(p))) if st == Status.RUNNING else ""
-                                for st, p in zip(index["status"], index["path"], strict=True)])
-    out["overrides"] = out["overrides"].map(lambda o: " ".join(o) if o is not None and len(o) else "")
-    out["wall_s"] = out["wall_s"].map(lambda w: "" if pd.isna(w) else f"{w:.2f}")
-    out["started_at"] = out["started_at"].map(lambda t: "" if pd.isna(t) else pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S"))
-    print_frame(out, fmt, f"runs under {runs_root}")
+        print_rows(from_frame(df, title), fmt, console)
 
 
 # --------------------------------------------------------------------------------------------- show
