@@ -300,8 +300,9 @@ def _is_measured(name: str, flag: Any, measured_names: frozenset[str]) -> bool:
 
 
 def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]:
-    """Every section of a diff as a DataFrame with a boolean ``differs`` column."""
-    import torch
+    """Every section of a diff as a DataFrame with a boolean ``differs`` column. Saved tensors are compared as the
+    float64 values tensors.parquet holds (exact for every saved dtype): numpy, no torch to import."""
+    import numpy as np
 
     sections: dict[str, pd.DataFrame] = {}
     ca, cb = _config_dict(a), _config_dict(b)
@@ -356,7 +357,6 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
     ta, tb = a.tensor_table, b.tensor_table
     rows = []
     names = sorted(set(ta.get("name", [])) | set(tb.get("name", [])))
-    tens_a, tens_b = a.tensors, b.tensors
     for n in names:
         ra = ta[ta["name"] == n].iloc[0] if n in set(ta.get("name", [])) else None
         rb = tb[tb["name"] == n].iloc[0] if n in set(tb.get("name", [])) else None
@@ -365,16 +365,16 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
             row.update(note="only in " + ("B" if ra is None else "A"), differs=True)
         elif not _same(_shape(ra), _shape(rb)) or not _same(ra["dtype"], rb["dtype"]):
             row.update(note=f"shape/dtype {_shape(ra)} {ra['dtype']} vs {_shape(rb)} {rb['dtype']}", differs=True)
-        elif n not in tens_a or n not in tens_b:
+        elif bool(ra["summarised"]) or bool(rb["summarised"]):
             same = all(_same(ra[k], rb[k]) for k in ("min", "max", "mean", "std"))
             row.update(note="summarised: compared min/max/mean/std", differs=not same)
         else:
-            x, y = tens_a[n].double(), tens_b[n].double()
-            both_nan = torch.isnan(x) & torch.isnan(y)
-            d = torch.where(both_nan, torch.zeros_like(x), (x - y).abs())
-            d = torch.nan_to_num(d, nan=math.inf)
-            max_abs = d.max().item() if d.numel() else 0.0
-            scale = x.abs().max().item() if x.numel() else 0.0
+            x, y = (np.asarray(r["values"], dtype=np.float64) for r in (ra, rb))
+            both_nan = np.isnan(x) & np.isnan(y)
+            d = np.where(both_nan, 0.0, np.abs(x - y))
+            d = np.nan_to_num(d, nan=math.inf)  # one side NaN: infinitely far (an inf difference: the largest float)
+            max_abs = float(d.max()) if d.size else 0.0
+            scale = float(np.abs(x).max()) if x.size else 0.0
             max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
             tol = dtype_tolerance(ra["dtype"], rb["dtype"])
             row.update(max_abs=max_abs, max_rel=max_rel, tolerance=tol, note="", differs=bool(max_rel > tol))
