@@ -13,7 +13,6 @@ from typing import Any
 from rich.console import Console
 
 from tfmoe.harness.store import catalog
-from tfmoe.harness.store.notebook import read_run_state, status_now, where_running
 from tfmoe.status import Status
 from tfmoe.tables import Rows, print_rows
 
@@ -47,8 +46,11 @@ def runs(runs_root: Path, experiment: str | None, status: str | None, last: int 
         rows = catalog.listing(conn, Path(runs_root), clause, tuple(params))
     finally:
         conn.close()
-    for row in rows:
-        row["status"] = status_now(row["status"], Path(row["path"]))
+    if any(r["status"] == Status.RUNNING for r in rows):  # notebook (pyarrow, psutil) only for a run still running
+        from tfmoe.harness.store.notebook import read_run_state, status_now, where_running
+
+        for row in rows:
+            row["status"] = status_now(row["status"], Path(row["path"]))
     if derived:
         rows = [r for r in rows if r["status"] == status]
         rows = rows[-last:] if last else rows
