@@ -40,16 +40,17 @@ def tfmoe(args: list[str], cwd: Path, check: bool = True) -> float:
 
 
 def seed_runs(work: Path) -> dict[str, Path]:
-    """Real runs to copy from: a single ok run, a 3-job sweep, and a bad-input (error) run."""
+    """Real runs to copy from: a single ok run, a 3-job sweep, and a run whose expectation missed (`unexpected`;
+    bad input is refused before a run directory exists, so it leaves no run to copy)."""
     tfmoe(["shift-labels"], work)
     tfmoe(["shift-labels", "-m", "seed=1,2,3"], work)
-    tfmoe(["shift-labels", "sequences=[[BOS,EOS]]", "ignore_index=1"], work, check=False)
+    tfmoe(["shift-labels", "--expect", "loss < 0"], work, check=False)
     runs = work / "runs" / "shift-labels"
     singles = sorted(p for p in runs.iterdir() if p.is_dir() and not p.name.startswith("multirun-"))
     status = {p: pd.read_parquet(p / "run.parquet").iloc[0]["status"] for p in singles}
     sweep = next(runs.glob("multirun-*"))
     return {"ok": next(p for p in singles if status[p] == "ok"),
-            "error": next(p for p in singles if status[p] == "error"),
+            "error": next(p for p in singles if status[p] != "ok"),
             "job0": sweep / "0", "job1": sweep / "1"}
 
 

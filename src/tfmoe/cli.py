@@ -143,7 +143,7 @@ def runs_cmd(
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """List runs: id, experiment, status, started, wall, device, dtype, overrides."""
-    from tfmoe.harness.reading import reports
+    from tfmoe.harness.reading import listing
 
     if experiment is not None and experiment not in EXPERIMENTS:
         raise fail(f"unknown experiment {experiment!r}: choose one of {', '.join(EXPERIMENTS)}")
@@ -155,7 +155,7 @@ def runs_cmd(
         except ValueError as exc:
             raise fail(f"--status {exc}") from None
     with bad_input_exits_2():
-        reports.runs(runs_root, experiment, status, last, fmt.value)
+        listing.runs(runs_root, experiment, status, last, fmt.value)
 
 
 @app.command("show")

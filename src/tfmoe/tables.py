@@ -109,6 +109,17 @@ class Rows:
         return Group(*blocks)
 
 
+def print_rows(table: Rows, fmt: str, console: Console) -> None:
+    """``table`` on stdout as md (a ``### title`` heading, then the markdown table, or ``(none)``) or on
+    ``console`` as a terminal table (json is its caller's: it knows its values' types)."""
+    if fmt == "md":
+        if table.title:
+            print(f"\n### {table.title}\n")
+        print(table.markdown() if table.rows and table.columns else "(none)")
+    else:
+        table.print_to(console)
+
+
 def from_frame(df: Any, title: str = "") -> Rows:
     """A pandas DataFrame as :class:`Rows` (its columns, its rows)."""
     return Rows(title, [str(c) for c in df.columns], [tuple(r) for r in df.itertuples(index=False)])

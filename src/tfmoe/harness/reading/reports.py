@@ -19,11 +19,10 @@ from tfmoe.harness.store.notebook import (
     read_run_state,
     resolve_run,
     where_running,
-    with_effective_status,
 )
 from tfmoe.harness.store.rundir import EXPECTATIONS_FILE, read_parquet
 from tfmoe.status import Status, exit_code_for, worst_exit_code
-from tfmoe.tables import Rows, cell, from_frame
+from tfmoe.tables import Rows, cell, from_frame, print_rows
 
 console = Console(highlight=False)
 STATUS_STYLES = {Status.OK: "green", Status.FAILED: "red", Status.ERROR: "yellow"}  # any other: magenta
@@ -138,56 +137,8 @@ def print_frame(df: pd.DataFrame, fmt: str, title: str = "") -> None:
     """``df`` on stdout as json (row objects), md (a titled markdown table) or a terminal table."""
     if fmt == "json":
         print(df.to_json(orient="records", date_format="iso", default_handler=str))
-    elif fmt == "md":
-        if title:
-            print(f"\n### {title}\n")
-        print(from_frame(df).markdown() if not df.empty else "(none)")
     else:
-        from_frame(df, title).print_to(console)
-
-
-# --------------------------------------------------------------------------------------------- runs
-def runs(runs_root: Path, experiment: str | None, status: str | None, last: int | None, fmt: str) -> None:
-    from tfmoe.harness.store import catalog
-
-    if not Path(runs_root).is_dir():
-        print(f"no runs under {runs_root}")
-        return
-    conn = catalog.open_catalog(Path(runs_root))
-    try:
-        if catalog.count(conn) == 0:
-            print(f"no runs under {runs_root}")
-            return
-        where, params = [], []
-        if experiment:
-            where.append("experiment = ?")
-            params.append(experiment)
-        derived = status in (Status.RUNNING, Status.LOST)  # the catalog holds the recorded status: derive, filter
-        if status:
-            where.append("status = ?")
-            params.append(Status.RUNNING.value if derived else status)
-        clause = ("WHERE " + " AND ".join(where)) if where else ""
-        if last and not derived:  # the newest N by start time (runs not started yet sort first, as before)
-            clause += (" AND" if where else "WHERE") + (
-                " path IN (SELECT path FROM runs " + clause + " ORDER BY started_at IS NULL, started_at DESC, "
-                "path DESC LIMIT ?)")
-            params = [*params, *params, last]
-        index = with_effective_status(catalog.frame(conn, Path(runs_root), catalog.LIST_COLUMNS, clause,
-                                                    tuple(params)))
-    finally:
-        conn.close()
-    if derived:
-        index = index[index["status"] == status]
-        index = index.tail(last) if last else index
-    cols = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
-    out = index.reindex(columns=cols).copy()
-    if (out["status"] == Status.RUNNING).any():  # where each running run runs (another host: shown running there)
-        out.insert(3, "where", [where_running(read_run_row(Path(p))) if st == Status.RUNNING else ""
-                                for st, p in zip(index["status"], index["path"], strict=True)])
-    out["overrides"] = out["overrides"].map(lambda o: " ".join(o) if o is not None and len(o) else "")
-    out["wall_s"] = out["wall_s"].map(lambda w: "" if pd.isna(w) else f"{w:.2f}")
-    out["started_at"] = out["started_at"].map(lambda t: "" if pd.isna(t) else pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S"))
-    print_frame(out, fmt, f"runs under {runs_root}")
+        print_rows(from_frame(df, title), fmt, console)
 
 
 # --------------------------------------------------------------------------------------------- show
@@ -349,8 +300,9 @@ def _is_measured(name: str, flag: Any, measured_names: frozenset[str]) -> bool:
 
 
 def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]:
-    """Every section of a diff as a DataFrame with a boolean ``differs`` column."""
-    import torch
+    """Every section of a diff as a DataFrame with a boolean ``differs`` column. Saved tensors are compared as the
+    float64 values tensors.parquet holds (exact for every saved dtype): numpy, no torch to import."""
+    import numpy as np
 
     sections: dict[str, pd.DataFrame] = {}
     ca, cb = _config_dict(a), _config_dict(b)
@@ -405,7 +357,6 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
     ta, tb = a.tensor_table, b.tensor_table
     rows = []
     names = sorted(set(ta.get("name", [])) | set(tb.get("name", [])))
-    tens_a, tens_b = a.tensors, b.tensors
     for n in names:
         ra = ta[ta["name"] == n].iloc[0] if n in set(ta.get("name", [])) else None
         rb = tb[tb["name"] == n].iloc[0] if n in set(tb.get("name", [])) else None
@@ -414,16 +365,16 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
             row.update(note="only in " + ("B" if ra is None else "A"), differs=True)
         elif not _same(_shape(ra), _shape(rb)) or not _same(ra["dtype"], rb["dtype"]):
             row.update(note=f"shape/dtype {_shape(ra)} {ra['dtype']} vs {_shape(rb)} {rb['dtype']}", differs=True)
-        elif n not in tens_a or n not in tens_b:
+        elif bool(ra["summarised"]) or bool(rb["summarised"]):
             same = all(_same(ra[k], rb[k]) for k in ("min", "max", "mean", "std"))
             row.update(note="summarised: compared min/max/mean/std", differs=not same)
         else:
-            x, y = tens_a[n].double(), tens_b[n].double()
-            both_nan = torch.isnan(x) & torch.isnan(y)
-            d = torch.where(both_nan, torch.zeros_like(x), (x - y).abs())
-            d = torch.nan_to_num(d, nan=math.inf)
-            max_abs = d.max().item() if d.numel() else 0.0
-            scale = x.abs().max().item() if x.numel() else 0.0
+            x, y = (np.asarray(r["values"], dtype=np.float64) for r in (ra, rb))
+            both_nan = np.isnan(x) & np.isnan(y)
+            d = np.where(both_nan, 0.0, np.abs(x - y))
+            d = np.nan_to_num(d, nan=math.inf)  # one side NaN: infinitely far (an inf difference: the largest float)
+            max_abs = float(d.max()) if d.size else 0.0
+            scale = float(np.abs(x).max()) if x.size else 0.0
             max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
             tol = dtype_tolerance(ra["dtype"], rb["dtype"])
             row.update(max_abs=max_abs, max_rel=max_rel, tolerance=tol, note="", differs=bool(max_rel > tol))

@@ -23,14 +23,16 @@ import json
 import math
 import os
 import sqlite3
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+from tfmoe.harness.store.rundir import RUN_FILE, TABLE_FILES, read_parquet
 
-from tfmoe.harness.store.rundir import RUN_FILE, RUN_SCHEMA, TABLE_FILES, read_parquet
+if TYPE_CHECKING:
+    import pandas as pd
 from tfmoe.status import Status
 
 CATALOG_FILE = ".tfmoe-catalog.sqlite3"
@@ -183,13 +185,14 @@ def _dir_sig(st: os.stat_result) -> str | None:
 
 
 def _jsonable(v: Any) -> Any:
-    if isinstance(v, (pd.Timestamp, dt.datetime)):
+    pd = sys.modules.get("pandas")  # a pandas value can only be here once pandas is loaded
+    if pd is not None and (v is pd.NA or v is pd.NaT):
+        return None
+    if isinstance(v, dt.datetime):  # pandas' Timestamp too
         return v.isoformat(timespec="microseconds")
     if hasattr(v, "tolist"):
         v = v.tolist()
     if isinstance(v, float) and math.isnan(v):
-        return None
-    if v is pd.NA or v is pd.NaT:
         return None
     return v
 
@@ -370,27 +373,50 @@ def sync(conn: sqlite3.Connection, runs_root: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------- reading
-def frame(conn: sqlite3.Connection, runs_root: Path, columns: list[str] | None = None,
-          where: str = "", params: tuple[Any, ...] = ()) -> pd.DataFrame:
-    """The catalog as one row per run: run.parquet's columns (or ``columns``), ``path``, checks passed/total."""
+def frame(conn: sqlite3.Connection, runs_root: Path) -> pd.DataFrame:
+    """The catalog as one row per run: run.parquet's columns, ``path``, checks passed/total."""
+    import pandas as pd
+
+    from tfmoe.harness.store.rundir import RUN_SCHEMA
+
     root = Path(runs_root)
-    if columns is None:
-        got = conn.execute(f"SELECT path, checks_passed, checks_total, row FROM runs {where} "
-                           "ORDER BY started_at, path", params).fetchall()
-        df = pd.DataFrame([json.loads(row) for *_, row in got], columns=RUN_SCHEMA.names)
-        df["path"] = [str(root / p) for p, *_ in got]
-        df["checks_passed"] = pd.array([r[1] for r in got], dtype="Int64")
-        df["checks_total"] = pd.array([r[2] for r in got], dtype="Int64")
-    else:
-        df = pd.read_sql_query(f"SELECT {', '.join(columns)}, path FROM runs {where} ORDER BY started_at, path",
-                               conn, params=params)
-        df["path"] = [str(root / p) for p in df["path"]]
-        if "overrides" in df:
-            df["overrides"] = [json.loads(o) if o else [] for o in df["overrides"]]
+    got = conn.execute("SELECT path, checks_passed, checks_total, row FROM runs ORDER BY started_at, path").fetchall()
+    df = pd.DataFrame([json.loads(row) for *_, row in got], columns=RUN_SCHEMA.names)
+    df["path"] = [str(root / p) for p, *_ in got]
+    df["checks_passed"] = pd.array([r[1] for r in got], dtype="Int64")
+    df["checks_total"] = pd.array([r[2] for r in got], dtype="Int64")
     for col in ("started_at", "finished_at"):
-        if col in df:
-            df[col] = pd.to_datetime(df[col], utc=True, format="ISO8601")
+        df[col] = pd.to_datetime(df[col], utc=True, format="ISO8601")
     return df
+
+
+def listing(conn: sqlite3.Connection, runs_root: Path, where: str = "",
+            params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+    """The :data:`LIST_COLUMNS` of the runs matching ``where`` (SQL over the catalog's columns), oldest first, as
+    plain rows (``path`` absolute, ``overrides`` a list, ``started_at`` an aware datetime or None): sqlite3 only."""
+    root = Path(runs_root)
+    conn.row_factory = sqlite3.Row
+    try:
+        got = conn.execute(f"SELECT {', '.join(LIST_COLUMNS)}, path FROM runs {where} ORDER BY started_at, path",
+                           params).fetchall()
+    finally:
+        conn.row_factory = None
+    rows = []
+    for r in got:
+        row = dict(r)
+        row["path"] = str(root / row["path"])
+        row["overrides"] = json.loads(row["overrides"]) if row["overrides"] else []
+        row["started_at"] = _utc(row["started_at"])
+        rows.append(row)
+    return rows
+
+
+def _utc(text: str | None) -> dt.datetime | None:
+    """An ISO 8601 time as an aware UTC datetime (a naive one is taken as UTC, as pandas' ``utc=True`` does)."""
+    if not text:
+        return None
+    t = dt.datetime.fromisoformat(text)
+    return t.replace(tzinfo=dt.timezone.utc) if t.tzinfo is None else t.astimezone(dt.timezone.utc)
 
 
 def paths(conn: sqlite3.Connection, runs_root: Path) -> Iterator[tuple[str, Path]]:

@@ -4,6 +4,8 @@ A run directory (see README, "Run directory contract") holds run.parquet, metric
 tensors.parquet, timings.parquet, PNG plots, summary.md, Hydra's .hydra/ and the run's log. Every file is
 written atomically (temp file + rename), so a crash or Ctrl-C leaves readable parquet. Reading a run never
 unpickles anything and never instantiates classes named in it.
+
+pandas and pyarrow are imported by the functions that use them: listing the catalog (`tfmoe runs`) needs neither.
 """
 
 from __future__ import annotations
@@ -14,23 +16,17 @@ import os
 import platform
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from tfmoe.errors import BadInput, disk_problem
+from tfmoe.harness.store import rundir
 from tfmoe.harness.store.rundir import (
-    CHECKS_SCHEMA,
     EXPECTATIONS_FILE,
-    EXPECTATIONS_SCHEMA,
     RUN_FILE,
-    RUN_SCHEMA,
     TABLE_FILES,
-    TENSORS_SCHEMA,
     UnreadableFile,
     atomic_replace,
     metrics_frame,
@@ -44,6 +40,9 @@ from tfmoe.harness.store.rundir import (
 from tfmoe.paths import CODE_PATHSPECS, PACKAGE_ROOT
 from tfmoe.status import Status
 from tfmoe.tables import Rows
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def tensor_row(name: str, t: Any, max_numel: int) -> dict[str, Any]:
@@ -97,6 +96,8 @@ def environment(device: Any = None) -> dict[str, Any]:
     """Versions and machine facts recorded in run.parquet."""
     import hydra
     import numpy
+    import pandas as pd
+    import pyarrow as pa
     import torch
 
     commit, dirty = git_state(PACKAGE_ROOT)
@@ -132,7 +133,7 @@ class RunWriter:
     _checkpointed: tuple[int, int, int] = (0, 0, 0)  # metrics/checks/timings rows at the last checkpoint
 
     def _row(self, status: Status, **extra: Any) -> dict[str, Any]:
-        row = {name: None for name in RUN_SCHEMA.names}
+        row = {name: None for name in rundir.RUN_SCHEMA.names}
         row.update(self.env)
         row.update(self.process)
         row.update(run_id=self.run_id, experiment=self.experiment, status=Status(status).value, started_at=self.started_at,
@@ -148,8 +149,8 @@ class RunWriter:
     def write_expectations(self, df: pd.DataFrame) -> None:
         """expectations.parquet: written before the experiment runs (observed/held empty), completed at the end."""
         self.expectations = df
-        write_parquet(df.reindex(columns=EXPECTATIONS_SCHEMA.names), self.run_dir / EXPECTATIONS_FILE,
-                      schema=EXPECTATIONS_SCHEMA)
+        write_parquet(df.reindex(columns=rundir.EXPECTATIONS_SCHEMA.names), self.run_dir / EXPECTATIONS_FILE,
+                      schema=rundir.EXPECTATIONS_SCHEMA)
 
     def write_code(self, df: pd.DataFrame) -> None:
         """code.parquet: the user-supplied files this run imported or read (copies under code/, see code_capture)."""
@@ -177,7 +178,10 @@ class RunWriter:
 
     def write_run(self, row: dict[str, Any]) -> None:
         # straight to arrow (one row, a fixed schema): no pandas frame per write, which a sweep pays per job
-        table = pa.Table.from_pylist([row], schema=RUN_SCHEMA)
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.Table.from_pylist([row], schema=rundir.RUN_SCHEMA)
         atomic_replace(self.run_dir / RUN_FILE, lambda tmp: pq.write_table(table, tmp))
 
     def finish(self, rec: Any, status: Status, exit_code: int, error: str | None,
@@ -229,13 +233,17 @@ class RunWriter:
 
     def _write_checks(self, rec: Any) -> None:
         rows = [vars(c) for c in list(rec.checks_rows)]
-        df = pd.DataFrame(rows, columns=CHECKS_SCHEMA.names)
-        write_parquet(df, self.run_dir / TABLE_FILES["checks"], schema=CHECKS_SCHEMA)
+        import pandas as pd
+
+        df = pd.DataFrame(rows, columns=rundir.CHECKS_SCHEMA.names)
+        write_parquet(df, self.run_dir / TABLE_FILES["checks"], schema=rundir.CHECKS_SCHEMA)
 
     def _write_tensors(self, rec: Any, max_numel: int) -> list[str]:
         rows = [tensor_row(name, t, max_numel) for name, t in rec.tensors_saved.items()]
-        df = pd.DataFrame(rows, columns=TENSORS_SCHEMA.names)
-        write_parquet(df, self.run_dir / TABLE_FILES["tensors"], schema=TENSORS_SCHEMA)
+        import pandas as pd
+
+        df = pd.DataFrame(rows, columns=rundir.TENSORS_SCHEMA.names)
+        write_parquet(df, self.run_dir / TABLE_FILES["tensors"], schema=rundir.TENSORS_SCHEMA)
         return [f"tensor {r['name']} ({r['numel']} elements > tensor_max_numel={max_numel}) saved as a summary only"
                 for r in rows if r["summarised"]]
 
@@ -274,6 +282,8 @@ def checks_table(checks: Any) -> Rows:
 
 def expectations_table(df: pd.DataFrame) -> Rows:
     """The expectations table of summary.md (beside the checks): prediction, observation, held, when written."""
+    import pandas as pd
+
     table = Rows("expectations", ["expectation", "expected", "observed", "held", "written at"])
     for r in df.to_dict("records"):
         held = r.get("held")
@@ -296,7 +306,10 @@ def process_identity() -> dict[str, Any]:
 
 
 def present(v: Any) -> bool:
-    return v is not None and not (isinstance(v, float) and v != v) and v is not pd.NaT and v is not pd.NA
+    """Not None, NaN, pandas' NaT or NA."""
+    pd = sys.modules.get("pandas")  # a pandas value can only be here once pandas is loaded
+    return v is not None and not (isinstance(v, float) and v != v) and not (
+        pd is not None and (v is pd.NaT or v is pd.NA))
 
 
 def process_alive(pid: int, started_at: Any) -> bool:
@@ -312,7 +325,14 @@ def process_alive(pid: int, started_at: Any) -> bool:
         return False
     if not present(started_at):
         return True
-    return abs(created - pd.Timestamp(started_at).timestamp()) < 1.0
+    return abs(created - _epoch(started_at)) < 1.0
+
+
+def _epoch(t: Any) -> float:
+    """A recorded time (a datetime, pandas' Timestamp, or ISO text) in seconds since the epoch; naive means UTC."""
+    if not isinstance(t, dt.datetime):
+        t = dt.datetime.fromisoformat(str(t))
+    return (t.replace(tzinfo=dt.timezone.utc) if t.tzinfo is None else t).timestamp()
 
 
 def effective_status(run: Any) -> str:
@@ -349,7 +369,7 @@ def read_run_row(run_dir: Path) -> dict[str, Any]:
     is kept as ``recorded_status``). Every reader of run.parquet goes through here."""
     path = Path(run_dir) / RUN_FILE
     try:
-        df = read_parquet(path)
+        df = read_parquet(path)  # pandas' values (Timestamp, NaN): what every caller of the whole row expects
     except UnreadableFile as exc:
         raise UnreadableFile(path, f"{exc}; {rerun_advice(run_dir)}") from None
     if df.empty:
@@ -415,11 +435,19 @@ def with_effective_status(df: pd.DataFrame) -> pd.DataFrame:
         return df
     df = df.copy()
     for i in df.index[df["status"] == Status.RUNNING]:
-        try:
-            df.at[i, "status"] = read_run_row(Path(df.at[i, "path"]))["status"]
-        except BadInput:
-            continue
+        df.at[i, "status"] = status_now(Status.RUNNING.value, Path(df.at[i, "path"]))
     return df
+
+
+def status_now(status: str, run_dir: Path) -> str:
+    """A cached ``status`` of ``run_dir`` made :func:`effective_status`, read from its run.parquet now when it is
+    ``running`` (state columns only: pyarrow, no pandas); kept as it is when the file is unreadable."""
+    if status != Status.RUNNING:
+        return status
+    try:
+        return str(read_run_state(run_dir)["status"])
+    except BadInput:
+        return status
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -436,7 +464,7 @@ class RunData:
     timings: pd.DataFrame
     tensor_table: pd.DataFrame
     config: str  # .hydra/config.yaml text
-    expectations: pd.DataFrame = field(default_factory=pd.DataFrame)  # expectations.parquet (empty if none)
+    expectations: pd.DataFrame = field(default_factory=lambda: _pd().DataFrame())  # expectations.parquet (empty if none)
 
     @property
     def tensors(self) -> dict[str, Any]:
@@ -447,8 +475,16 @@ class RunData:
         return sorted(self.path.glob("*.png"))
 
 
+def _pd() -> Any:
+    import pandas as pd
+
+    return pd
+
+
 def load_run(path: str | Path) -> RunData:
     """Read a run directory (pass a path; use :func:`resolve_run` for ids and prefixes)."""
+    import pandas as pd
+
     path = Path(path)
     if not (path / RUN_FILE).exists():
         raise BadInput(f"{path} is not a run directory (no {RUN_FILE}): pass a path under runs/, a run id or `latest`")
@@ -510,6 +546,8 @@ def find_runs(runs_root: Path) -> list[Path]:
 def run_index(runs_root: Path) -> pd.DataFrame:
     """One row per run (run.parquet's columns, ``path``, ``checks_passed``/``checks_total``) from the catalog,
     synced with the directories first (see catalog.py); unreadable runs are listed as such."""
+    import pandas as pd
+
     from tfmoe.harness.store import catalog
 
     if not Path(runs_root).is_dir():

@@ -3,6 +3,9 @@
 The lowest layer of the notebook: it knows how a run directory's parquet files are named, typed, written (temp
 file + rename, so a crash leaves readable parquet) and read (one file, no unpickling), and nothing about runs,
 sweeps or the catalog, so every reader and writer above it (notebook, catalog, code_capture, sweeps) can import it.
+
+pandas and pyarrow are imported by the functions that use them, and the schemas are built on first use (module
+``__getattr__``), so a command that only lists the catalog (``tfmoe runs``) never pays for importing them.
 """
 
 from __future__ import annotations
@@ -11,13 +14,13 @@ import datetime as dt
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import TYPE_CHECKING, Any
 
 from tfmoe.errors import BadInput
+
+if TYPE_CHECKING:
+    import pandas as pd
+    import pyarrow as pa
 
 RUN_FILE = "run.parquet"
 TABLE_FILES = {
@@ -27,13 +30,6 @@ TABLE_FILES = {
     "tensors": "tensors.parquet",
 }
 EXPECTATIONS_FILE = "expectations.parquet"
-EXPECTATIONS_SCHEMA = pa.schema([
-    ("label", pa.string()), ("metric", pa.string()), ("selector", pa.string()), ("aggregate", pa.string()),
-    ("expected", pa.string()), ("observed", pa.float64()), ("held", pa.bool_()), ("miss", pa.float64()),
-    ("rows", pa.int64()), ("detail", pa.string()), ("written_at", pa.timestamp("us", tz="UTC")),
-    ("judged_at", pa.timestamp("us", tz="UTC")),
-])
-
 
 
 def utcnow() -> dt.datetime:
@@ -59,6 +55,9 @@ def atomic_replace(path: Path, write: Any) -> None:
 
 
 def write_parquet(df: pd.DataFrame, path: Path, schema: pa.Schema | None = None) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     table = pa.Table.from_pandas(_parquet_safe(df), schema=schema, preserve_index=False)
     atomic_replace(path, lambda tmp: pq.write_table(table, tmp))
 
@@ -69,6 +68,8 @@ def write_text(path: Path, text: str) -> None:
 
 def _parquet_safe(df: pd.DataFrame) -> pd.DataFrame:
     """Object columns that mix types (e.g. a tag that is an int in some rows, a str in others) become str."""
+    import pandas as pd
+
     df = df.copy()
     for col in df.columns:
         if df[col].dtype == object:
@@ -79,17 +80,12 @@ def _parquet_safe(df: pd.DataFrame) -> pd.DataFrame:
 
 
 METRICS_BASE = ["name", "value", "step"]
-CHECKS_SCHEMA = pa.schema([("check", pa.string()), ("passed", pa.bool_()), ("observed", pa.float64()),
-                           ("threshold", pa.float64()), ("detail", pa.string())])
 TIMINGS_BASE = ["stage", "wall_ms", "device_ms", "repeats", "peak_device_mem_bytes"]
-TENSORS_SCHEMA = pa.schema([
-    ("name", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
-    ("values", pa.list_(pa.float64())), ("numel", pa.int64()), ("summarised", pa.bool_()),
-    ("min", pa.float64()), ("max", pa.float64()), ("mean", pa.float64()), ("std", pa.float64()),
-])
 
 
 def metrics_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    import pandas as pd
+
     df = pd.DataFrame(rows)
     if df.empty:
         df = pd.DataFrame({"name": pd.Series(dtype="string"), "value": pd.Series(dtype="float64")})
@@ -104,6 +100,8 @@ def metrics_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
 
 
 def timings_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    import pandas as pd
+
     df = pd.DataFrame(rows, columns=None if rows else TIMINGS_BASE)
     for col in ("wall_ms", "device_ms"):
         df[col] = df[col].astype("float64")
@@ -112,20 +110,49 @@ def timings_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return df
 
 
-RUN_SCHEMA = pa.schema([
-    ("run_id", pa.string()), ("experiment", pa.string()), ("status", pa.string()),
-    ("started_at", pa.timestamp("us", tz="UTC")), ("finished_at", pa.timestamp("us", tz="UTC")),
-    ("wall_s", pa.float64()), ("seed", pa.int64()), ("argv", pa.list_(pa.string())),
-    ("overrides", pa.list_(pa.string())), ("git_commit", pa.string()), ("git_dirty", pa.bool_()),
-    ("hostname", pa.string()), ("platform", pa.string()), ("python", pa.string()), ("torch", pa.string()),
-    ("cuda", pa.string()), ("cudnn", pa.string()), ("numpy", pa.string()), ("pandas", pa.string()),
-    ("pyarrow", pa.string()), ("hydra", pa.string()), ("device", pa.string()), ("device_name", pa.string()),
-    ("dtype", pa.string()), ("peak_device_mem_bytes", pa.int64()), ("peak_rss_bytes", pa.int64()),
-    ("error", pa.string()), ("exit_code", pa.int64()), ("sweep_dir", pa.string()), ("notes", pa.list_(pa.string())),
-    # the process that ran (runs) the job, so a reader can tell a live run from a lost one (effective_status)
-    ("pid", pa.int64()), ("process_started_at", pa.timestamp("us", tz="UTC")),
-    ("heartbeat_at", pa.timestamp("us", tz="UTC")),
-])
+SCHEMA_NAMES = ("EXPECTATIONS_SCHEMA", "CHECKS_SCHEMA", "TENSORS_SCHEMA", "RUN_SCHEMA")
+
+
+def _schemas() -> dict[str, pa.Schema]:
+    """The run directory's fixed parquet schemas (built once, on first use: pyarrow costs a tenth of a second)."""
+    import pyarrow as pa
+
+    EXPECTATIONS_SCHEMA = pa.schema([
+        ("label", pa.string()), ("metric", pa.string()), ("selector", pa.string()), ("aggregate", pa.string()),
+        ("expected", pa.string()), ("observed", pa.float64()), ("held", pa.bool_()), ("miss", pa.float64()),
+        ("rows", pa.int64()), ("detail", pa.string()), ("written_at", pa.timestamp("us", tz="UTC")),
+        ("judged_at", pa.timestamp("us", tz="UTC")),
+    ])
+    CHECKS_SCHEMA = pa.schema([("check", pa.string()), ("passed", pa.bool_()), ("observed", pa.float64()),
+                               ("threshold", pa.float64()), ("detail", pa.string())])
+    TENSORS_SCHEMA = pa.schema([
+        ("name", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
+        ("values", pa.list_(pa.float64())), ("numel", pa.int64()), ("summarised", pa.bool_()),
+        ("min", pa.float64()), ("max", pa.float64()), ("mean", pa.float64()), ("std", pa.float64()),
+    ])
+    RUN_SCHEMA = pa.schema([
+        ("run_id", pa.string()), ("experiment", pa.string()), ("status", pa.string()),
+        ("started_at", pa.timestamp("us", tz="UTC")), ("finished_at", pa.timestamp("us", tz="UTC")),
+        ("wall_s", pa.float64()), ("seed", pa.int64()), ("argv", pa.list_(pa.string())),
+        ("overrides", pa.list_(pa.string())), ("git_commit", pa.string()), ("git_dirty", pa.bool_()),
+        ("hostname", pa.string()), ("platform", pa.string()), ("python", pa.string()), ("torch", pa.string()),
+        ("cuda", pa.string()), ("cudnn", pa.string()), ("numpy", pa.string()), ("pandas", pa.string()),
+        ("pyarrow", pa.string()), ("hydra", pa.string()), ("device", pa.string()), ("device_name", pa.string()),
+        ("dtype", pa.string()), ("peak_device_mem_bytes", pa.int64()), ("peak_rss_bytes", pa.int64()),
+        ("error", pa.string()), ("exit_code", pa.int64()), ("sweep_dir", pa.string()), ("notes", pa.list_(pa.string())),
+        # the process that ran (runs) the job, so a reader can tell a live run from a lost one (effective_status)
+        ("pid", pa.int64()), ("process_started_at", pa.timestamp("us", tz="UTC")),
+        ("heartbeat_at", pa.timestamp("us", tz="UTC")),
+    ])
+    return {"EXPECTATIONS_SCHEMA": EXPECTATIONS_SCHEMA, "CHECKS_SCHEMA": CHECKS_SCHEMA,
+            "TENSORS_SCHEMA": TENSORS_SCHEMA, "RUN_SCHEMA": RUN_SCHEMA}
+
+
+def __getattr__(name: str) -> Any:
+    if name in SCHEMA_NAMES:
+        globals().update(_schemas())
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class UnreadableFile(BadInput):
@@ -144,6 +171,9 @@ def read_parquet(path: Path) -> pd.DataFrame:
 def read_table(path: Path, columns: tuple[str, ...] | None = None) -> pa.Table:
     """One parquet file as an arrow table (only ``columns``, those the file has, when given); BadInput, one line,
     when it is missing or unreadable."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         parquet = pq.ParquetFile(path)  # one file: no dataset discovery (about 2x faster)
         names = set(parquet.schema_arrow.names)
