@@ -39,6 +39,7 @@ from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
 from tfmoe.experiments.route_sim.checks import check_cv_maxvio, check_loads_sum
 from tfmoe.experiments.route_sim.settings import LayerSettings
+from tfmoe.faults import RAISED
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
 
@@ -253,7 +254,7 @@ def check_low_precision(rec: Recorder, lut: LayerUnderTest, module: nn.Module, w
                          f"raised {exc})")
             else:
                 rec.check(f"{PREFIX}finite.{name}", False, None, None,
-                          f"the {name} copy of the layer raised {exc} (on tokens scaled x{scale:.3g})")
+                          f"{RAISED}{exc} (the {name} copy of the layer, on tokens scaled x{scale:.3g})")
             continue
         bad = int((~torch.isfinite(out)).sum())
         ref_out, _ = ref.forward(_flat(xs).double(), lut.semantics, weights)
@@ -335,7 +336,7 @@ def guarded(rec: Recorder, names: tuple[str, ...], run: Callable[[], object]) ->
         done = {c.check for c in rec.checks_rows} - before
         for name in names:
             if f"{PREFIX}{name}" not in done:
-                rec.check(f"{PREFIX}{name}", False, None, None, f"the layer raised {exc}")
+                rec.check(f"{PREFIX}{name}", False, None, None, f"{RAISED}{exc}")
         rec.note(f"{', '.join(n for n in names if PREFIX + n not in done)}: the layer raised {exc}")
         return str(exc)
 
@@ -408,8 +409,8 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
         needs += ["aux_loss_vs_switch"] if lut.aux_loss_name else []
         needs += ["bias_exercised"] if lut.draws_correction_bias else []
         for name in needs:
-            rec.check(f"{PREFIX}{name}", False, None, None, f"not judged: the layer raised {raised} on the run's "
-                      "tokens")
+            rec.check(f"{PREFIX}{name}", False, None, None, f"{RAISED}{raised} (the layer, on the run's tokens: "
+                      "not judged)")
         na += [n for n in ("aux_loss_vs_switch", "bias_exercised") if n not in needs]
     check_low_precision(rec, lut, module, weights, x)
     for note in lut.notes():
