@@ -5,7 +5,8 @@ Every correct configuration listed passes (zero false alarms), and a bug planted
 (tests/buggy_libraries.py) makes the named check fail. The extras `torchtune` and `xtransformers` are installed by
 `make setup`, so CI runs these tests; a missing one fails under CI=true and is skipped (with the reason) locally.
 timm needs a torchvision built for the installed torch, which PyPI does not have for a CPU torch: its tests skip
-with that reason where `import timm` fails (see pyproject.toml's `timm` extra)."""
+with that reason where `import timm` fails, and run in scripts/test-timm.sh (a venv of torch 2.14.1 + torchvision
+0.29.1, CI)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def library(scheme: str) -> None:
     """Skip (locally) or fail (under CI) when the library of impl=<scheme>:... does not import. timm always skips
-    then: make setup does not install it (PyPI's torchvision, which it imports, is a CUDA build)."""
+    then: make setup does not install it (PyPI's torchvision, which it imports, is a CUDA build); scripts/test-timm.sh
+    runs these tests in a venv where it imports."""
     problem = import_problem(scheme)
     if not problem:
         return
     extra = EXTRAS[scheme][1]
     if scheme == "timm":
         pytest.skip(f"{problem}: timm needs a torchvision built for torch {torch.__version__}; PyPI has only CUDA "
-                    "builds, so make setup does not install the `timm` extra (see pyproject.toml)")
+                    "builds, so make setup does not install the `timm` extra: these cases run in "
+                    "scripts/test-timm.sh (torch 2.14.1 + torchvision 0.29.1, CI)")
     reason = f"{problem}: pip install -e '.[{extra}]' (make setup does)"
     if os.environ.get("CI"):
         pytest.fail(reason)
