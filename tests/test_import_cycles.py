@@ -9,7 +9,6 @@ components/ and inside each experiment's package.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
@@ -19,25 +18,19 @@ import tfmoe
 SRC = Path(tfmoe.__file__).resolve().parent.parent
 
 
-def module_names(src: Path = SRC) -> dict[str, Path]:
-    names = {}
-    for path in (src / "tfmoe").rglob("*.py"):
-        parts = path.relative_to(src).with_suffix("").parts
-        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return names
+def _layout_graph():
+    """scripts/layout_graph.py, which holds the one ast reader of tfmoe's imports (its drawing uses it too)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layout_graph", SRC.parent / "scripts" / "layout_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def imported(source: str, modules: set[str]) -> set[str]:
-    """The tfmoe modules a source imports anywhere (``if TYPE_CHECKING:`` blocks included)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name in modules}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            for a in node.names:  # from pkg import submodule, or from module import name
-                full = f"{node.module}.{a.name}"
-                found.add(full if full in modules else node.module)
-    return found & modules
+_reader = _layout_graph()
+module_names = _reader.modules  # tfmoe module name -> its file
+imported = _reader.imports  # the tfmoe modules a source imports anywhere (TYPE_CHECKING blocks included)
 
 
 def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
