@@ -45,16 +45,21 @@ def _slurm_job_ids(sweep: Path) -> list[str]:
     return sorted({p.name.split("_")[0] for p in (sweep / ".submitit").iterdir() if p.name[0].isdigit()})
 
 
-def _sacct_states(job_id: str) -> dict[str, str]:
-    """SLURM's own record of each task of a job array ('<id>_<task>' -> state), read back from its accounting."""
-    deadline = time.monotonic() + 60
+def _sacct_states(job_id: str, tasks: int) -> dict[str, str]:
+    """SLURM's own record of each task of a job array ('<id>_<task>' -> state), read back from its accounting.
+
+    slurmdbd fills its records asynchronously: for a moment after the array ends it can hold one record keyed by
+    the bare array id ('21': COMPLETED) before each task's '<id>_<task>' row lands (F-134). So wait until every
+    task has its own row in a final state, not merely until some row is final."""
+    expected = {f"{job_id}_{task}" for task in range(tasks)}
+    deadline = time.monotonic() + 120
     while True:
         out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", job_id],
                              capture_output=True, text=True, timeout=30).stdout
         states = dict(line.split("|", 1) for line in out.split())
-        if states and all(s.split()[0] not in ("PENDING", "RUNNING", "COMPLETING") for s in states.values()):
-            return states
-        if time.monotonic() > deadline:
+        settled = expected <= states.keys() and all(
+            states[key].split()[0] not in ("PENDING", "RUNNING", "COMPLETING") for key in expected)
+        if settled or time.monotonic() > deadline:
             return states
         time.sleep(1)
 
@@ -70,7 +75,7 @@ def test_slurm_sweep_runs_both_jobs_through_sbatch(tmp_path: Path) -> None:
         assert run["status"] == "ok" and "submitit" in " ".join(run["argv"])  # ran by submitit's worker
     ids = _slurm_job_ids(sweep)
     assert len(ids) == 1  # one sbatch job array of two tasks
-    assert _sacct_states(ids[0]) == {f"{ids[0]}_0": "COMPLETED", f"{ids[0]}_1": "COMPLETED"}
+    assert _sacct_states(ids[0], tasks=2) == {f"{ids[0]}_0": "COMPLETED", f"{ids[0]}_1": "COMPLETED"}
 
 
 def test_a_job_past_its_slurm_time_limit_keeps_its_records_as_interrupted(tmp_path: Path) -> None:
@@ -88,7 +93,7 @@ def test_a_job_past_its_slurm_time_limit_keeps_its_records_as_interrupted(tmp_pa
     assert late.run["exit_code"] == 143 and "SIGTERM" in late.run["error"]
     assert late.metrics["step"].max() > 20  # the steps done before the limit are on disk
     (job_id,) = _slurm_job_ids(sweep)
-    assert _sacct_states(job_id) == {f"{job_id}_0": "COMPLETED", f"{job_id}_1": "TIMEOUT"}  # SLURM's own verdict
+    assert _sacct_states(job_id, tasks=2) == {f"{job_id}_0": "COMPLETED", f"{job_id}_1": "TIMEOUT"}  # SLURM's own verdict
 
 
 def test_a_job_killed_by_sigkill_is_lost_and_the_sweep_still_completes(tmp_path: Path) -> None:
