@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -56,41 +58,54 @@ def _policies(overrides: list[str]) -> list[str]:
     return [o for o in overrides if o.startswith(POLICIES)]
 
 
-def section() -> tuple[str, dict[str, int]]:
+COUNTS = ("configurations", "passed", "false_alarms", "configurations_not_run", "bugs_planted", "bugs_caught",
+          "bugs_missed", "bugs_not_run")
+# A library that cannot import beside the main venv's torch runs in the venv its CI script builds: timm imports
+# torchvision, which needs the torch of scripts/test-timm.sh's .venv-timm.
+SIBLING_VENVS = {"timm": (Path(__file__).resolve().parents[1] / ".venv-timm", "bash scripts/test-timm.sh")}
+Row = tuple[str, str, str, str, str]
+
+
+def judge(libraries: set[str] | None = None) -> tuple[dict[int, Row], dict[str, int]]:
+    """Every correct configuration and planted bug of the libraries named (all: None), run here.
+
+    -> (row number in the table -> row, counts). A library that does not import here is 'not run' with the reason."""
     if str(TESTS) not in sys.path:
         sys.path.insert(0, str(TESTS))
     import library_cases as cases
     from pytest import MonkeyPatch
 
-    counts = {"configurations": 0, "passed": 0, "false_alarms": 0, "configurations_not_run": 0, "bugs_planted": 0,
-              "bugs_caught": 0, "bugs_missed": 0, "bugs_not_run": 0}
-    rows: list[tuple[str, str, str, str, str]] = []
+    counts = dict.fromkeys(COUNTS, 0)
+    rows: dict[int, Row] = {}
     problems = {s: cases.import_problem(s) for s in cases.EXTRAS}
-
-    for spec, overrides, _ in [*cases.CORRECT, *cases.PADDED_QUERIES]:
+    table = [(None, spec, overrides, None) for spec, overrides, _ in [*cases.CORRECT, *cases.PADDED_QUERIES]]
+    table += list(cases.PLANTED)
+    for number, (plant, spec, overrides, must_fail) in enumerate(table):
         lib = cases.library_of(spec)
-        counts["configurations"] += 1
-        if problems[lib]:
-            counts["configurations_not_run"] += 1
-            rows.append((lib, _version(lib), f"`{cases.describe(spec, overrides)}`", f"not run: {problems[lib]}", ""))
+        if libraries is not None and lib not in libraries:
             continue
-        code, run_id, failed, refused = _run(spec, overrides)
-        if code == 0:
-            counts["passed"] += 1
-            policy = _policies(overrides)
-            verdict = "passes" + (f" with a declared policy ({', '.join(policy)})" if policy else "")
-        else:
-            counts["false_alarms"] += 1
-            verdict = f"**FALSE ALARM** (exit {code}): " + (refused or "failed " + ", ".join(sorted(failed)))
-        rows.append((lib, _version(lib), f"`{cases.describe(spec, overrides)}`", verdict, run_id))
-
-    for plant, spec, overrides, must_fail in cases.PLANTED:
-        lib = cases.library_of(spec)
-        what = f"`{cases.describe(spec, overrides)}` + planted bug `{plant.__name__.removeprefix('plant_')}`"
+        conf = f"`{cases.describe(spec, overrides)}`"
+        if plant is None:
+            counts["configurations"] += 1
+            if problems[lib]:
+                counts["configurations_not_run"] += 1
+                rows[number] = (lib, _version(lib), conf, f"not run: {problems[lib]}", "")
+                continue
+            code, run_id, failed, refused = _run(spec, overrides)
+            if code == 0:
+                counts["passed"] += 1
+                policy = _policies(overrides)
+                verdict = "passes" + (f" with a declared policy ({', '.join(policy)})" if policy else "")
+            else:
+                counts["false_alarms"] += 1
+                verdict = f"**FALSE ALARM** (exit {code}): " + (refused or "failed " + ", ".join(sorted(failed)))
+            rows[number] = (lib, _version(lib), conf, verdict, run_id)
+            continue
+        what = f"{conf} + planted bug `{plant.__name__.removeprefix('plant_')}`"
         counts["bugs_planted"] += 1
         if problems[lib]:
             counts["bugs_not_run"] += 1
-            rows.append((lib, _version(lib), what, f"not run: {problems[lib]}", ""))
+            rows[number] = (lib, _version(lib), what, f"not run: {problems[lib]}", "")
             continue
         with MonkeyPatch.context() as mp:
             plant(mp)
@@ -101,19 +116,56 @@ def section() -> tuple[str, dict[str, int]]:
         else:
             counts["bugs_missed"] += 1
             verdict = f"**BUG MISSED** (exit {code}): " + (refused or "failed " + (", ".join(sorted(failed)) or "nothing"))
-        rows.append((lib, _version(lib), what, verdict, run_id))
+        rows[number] = (lib, _version(lib), what, verdict, run_id)
+    return rows, counts
+
+
+def _judge_in_sibling_venv(library: str) -> tuple[dict[int, Row], dict[str, int]] | None:
+    """The library's rows judged by this script in its sibling venv (None when that venv is not built)."""
+    venv, _ = SIBLING_VENVS[library]
+    if not (venv / "bin" / "python").exists():
+        return None
+    out = subprocess.run([str(venv / "bin" / "python"), __file__, "--json", library], capture_output=True, text=True,
+                         check=True, cwd=Path.cwd()).stdout
+    found = json.loads(out.splitlines()[-1])
+    return {int(k): tuple(v) for k, v in found["rows"].items()}, found["counts"]
+
+
+def section() -> tuple[str, dict[str, int]]:
+    if str(TESTS) not in sys.path:
+        sys.path.insert(0, str(TESTS))
+    import library_cases as cases
+
+    elsewhere = {lib for lib in SIBLING_VENVS if cases.import_problem(lib)}
+    rows, counts = judge(set(cases.EXTRAS) - elsewhere)
+    notes = []
+    for lib in sorted(elsewhere):
+        judged = _judge_in_sibling_venv(lib)
+        venv, build = SIBLING_VENVS[lib]
+        if judged is None:
+            judged = judge({lib})
+            notes.append(f"{lib}'s rows are not run: they run in {venv.name}, which `{build}` builds.")
+        else:
+            notes.append(f"{lib}'s rows ran in {venv.name} (built by `{build}`), as CI runs them.")
+        rows.update(judged[0])
+        counts = {k: counts[k] + judged[1][k] for k in COUNTS}
+    ordered = [rows[n] for n in sorted(rows)]
 
     lines = [f"Correct configurations: {counts['passed']} of {counts['configurations']} pass, "
              f"{counts['false_alarms']} false alarms, {counts['configurations_not_run']} not run. Planted bugs: "
              f"{counts['bugs_caught']} of {counts['bugs_planted']} caught, {counts['bugs_missed']} missed, "
-             f"{counts['bugs_not_run']} not run.", "",
+             f"{counts['bugs_not_run']} not run. " + " ".join(notes), "",
              "| library | version | configuration | verdict | run id |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {lib} | {ver} | {conf} | {verdict.replace('|', '/')} | {run_id} |"
-              for lib, ver, conf, verdict, run_id in rows]
+              for lib, ver, conf, verdict, run_id in ordered]
     return "\n".join(lines) + "\n", counts
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--json"]:  # a sibling venv's part: its rows and counts as one JSON line
+        found, totals = judge(set(sys.argv[2:]))
+        print(json.dumps({"rows": found, "counts": totals}))
+        sys.exit(0)
     text, totals = section()
     print(f"## {TITLE}\n\n{text}")
     print(totals)
