@@ -153,22 +153,46 @@ def test_bad_library_spec_is_one_line(spec, overrides, fragment):
         run_recorded("attn-check", [*SMALL, f"impl={spec}", *overrides])
 
 
+def plant_release(monkeypatch, distribution: str, release: str) -> None:
+    """The installed metadata says ``distribution`` is at ``release`` (what the adapters read)."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: release if name == distribution else real(name))
+
+
+def test_require_tested_release_names_the_release_and_the_extra(monkeypatch):
+    """The one rule every library adapter imports its library by: the tested release (a local tag such as +cpu
+    ignored) imports; another release, or one that does not import, is BadInput naming what is supported."""
+    import pytest as module
+
+    from tfmoe.adapters.base import require_tested_release
+
+    tested = module.__version__
+    plant_release(monkeypatch, "pytest", f"{tested}+cpu")
+    assert require_tested_release("demo", "pytest", "pytest", tested, "pytest X", "demo") is module
+    plant_release(monkeypatch, "pytest", "0.0.1")
+    with pytest.raises(BadInput, match=r"^impl=demo:...: found pytest 0.0.1, the adapter is tested on pytest X: "
+                                       r"pip install -e '.\[demo\]'$"):
+        require_tested_release("demo", "pytest", "pytest", tested, "pytest X", "demo")
+    with pytest.raises(BadInput, match=r"needs no-such X: pip install -e '.\[demo\]' \(PackageNotFoundError"):
+        require_tested_release("demo", "no-such-distribution-tfmoe", "no_such", "1", "no-such X", "demo")
+    with pytest.raises(BadInput, match=r"^a better line$"):
+        require_tested_release("demo", "no-such-distribution-tfmoe", "no_such", "1", "no-such X", "demo",
+                               lambda exc: "a better line")
+
+
 def test_torchtune_release_outside_the_tested_one_exits_2(monkeypatch):
     library("torchtune")
-    import torchtune
-
-    monkeypatch.setattr(torchtune, "__version__", "0.7.0")
+    plant_release(monkeypatch, "torchtune", "0.7.0")
     with pytest.raises(BadInput, match=r"found torchtune 0.7.0, the adapter is tested on torchtune 0.6.1"):
         run_recorded("attn-check", [*SMALL, "impl=torchtune:mha"])
 
 
 def test_x_transformers_release_outside_the_tested_one_exits_2(monkeypatch):
     library("x-transformers")
-    import importlib.metadata
-
-    real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.32.0" if name == "x-transformers" else real(name))
-    with pytest.raises(BadInput, match=r"found x-transformers 2.32.0, the adapter is tested on ==2.31.10"):
+    plant_release(monkeypatch, "x-transformers", "2.32.0")
+    with pytest.raises(BadInput, match=r"found x-transformers 2.32.0, the adapter is tested on x-transformers 2.31.10"):
         run_recorded("attn-check", [*SMALL, "impl=x-transformers:attention"])
 
 

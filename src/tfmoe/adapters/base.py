@@ -26,8 +26,10 @@ a tfmoe ``KVCache``), ``takes_dropout``, ``returns_weights`` (False: the weight-
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.metadata
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -108,3 +110,22 @@ def checked_output(result: Any, who: str) -> tuple[torch.Tensor, torch.Tensor | 
 
 def refuse(spec: str, what: str, fix: str) -> BadInput:
     return BadInput(f"impl={spec}: {what}: {fix}")
+
+
+def require_tested_release(scheme: str, distribution: str, module: str, tested: str, supported: str, extra: str,
+                           import_hint: Callable[[Exception], str | None] = lambda exc: None) -> Any:
+    """Import ``module`` of the third-party ``distribution`` a shipped adapter drives, at the one release it is
+    tested on (``tested``, read from the installed metadata; a local tag like ``+cpu`` is ignored).
+
+    Not importable, or another release: BadInput (exit 2) naming ``supported`` and the extra to install, before any
+    check runs. ``import_hint(exc)`` may give a better line for a known import failure."""
+    try:
+        found = importlib.metadata.version(distribution)
+        imported = importlib.import_module(module)
+    except Exception as exc:  # not installed, or failing at import (torchtune refusing its torchao, ...)
+        raise BadInput(import_hint(exc) or f"impl={scheme}:...: needs {supported}: pip install -e '.[{extra}]' "
+                       f"({type(exc).__name__}: {exc})") from None
+    if found.split("+")[0] != tested:
+        raise BadInput(f"impl={scheme}:...: found {distribution} {found}, the adapter is tested on {supported}: "
+                       f"pip install -e '.[{extra}]'")
+    return imported

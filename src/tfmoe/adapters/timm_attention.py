@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, seeded
+from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, require_tested_release, seeded
 from tfmoe.components.references import Projections
 from tfmoe.errors import BadInput
 
@@ -27,20 +27,16 @@ SUPPORTED = "timm 1.0.31 (the `timm` extra) and a torchvision built for the inst
 VARIANTS = {"attention": True, "attention-unfused": False}  # spec -> fused_attn
 
 
+def _torchvision_hint(exc: Exception) -> str | None:
+    if not isinstance(exc, RuntimeError):  # torchvision whose C ops do not load beside this torch
+        return None
+    return (f"impl=timm:...: `import timm` failed in torchvision ({exc}): timm needs a torchvision built for torch "
+            f"{torch.__version__} (PyPI's torchvision is a CUDA build; on a CPU torch install the matching CPU "
+            "torchvision from PyTorch's CPU wheel index)")
+
+
 def require_timm() -> Any:
-    try:
-        import timm
-        from timm import layers
-    except ImportError as exc:
-        raise BadInput(f"impl=timm:...: needs {SUPPORTED}: pip install -e '.[timm]' ({exc})") from None
-    except RuntimeError as exc:  # torchvision whose C ops do not load beside this torch
-        raise BadInput(f"impl=timm:...: `import timm` failed in torchvision ({exc}): timm needs a torchvision built "
-                       f"for torch {torch.__version__} (PyPI's torchvision is a CUDA build; on a CPU torch install "
-                       "the matching CPU torchvision from PyTorch's CPU wheel index)") from None
-    if timm.__version__ != "1.0.31":
-        raise BadInput(f"impl=timm:...: found timm {timm.__version__}, the adapter is tested on {SUPPORTED}: "
-                       "pip install -e '.[timm]'")
-    return layers
+    return require_tested_release("timm", "timm", "timm.layers", "1.0.31", SUPPORTED, "timm", _torchvision_hint)
 
 
 class TimmAttention(AttentionAdapter):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, seeded
+from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, require_tested_release, seeded
 from tfmoe.components.references import Projections, Rope
 from tfmoe.errors import BadInput
 
@@ -31,16 +31,7 @@ ROPE_BASE = 10_000.0
 
 
 def require_torchtune() -> Any:
-    try:
-        import torchtune
-        from torchtune import modules
-    except Exception as exc:  # not installed, or torchtune refusing its torchao (it needs torchao < 0.12)
-        raise BadInput(f"impl=torchtune:...: needs {SUPPORTED}: pip install -e '.[torchtune]' "
-                       f"({type(exc).__name__}: {exc})") from None
-    if torchtune.__version__.split("+")[0] != "0.6.1":  # the wheel says 0.6.1+cpu
-        raise BadInput(f"impl=torchtune:...: found torchtune {torchtune.__version__}, the adapter is tested on "
-                       f"{SUPPORTED}: pip install -e '.[torchtune]'")
-    return modules
+    return require_tested_release("torchtune", "torchtune", "torchtune.modules", "0.6.1", SUPPORTED, "torchtune")
 
 
 class TorchtuneMHA(AttentionAdapter):

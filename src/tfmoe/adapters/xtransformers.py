@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, seeded
+from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, require_tested_release, seeded
 from tfmoe.components.references import Projections, Rope
 from tfmoe.errors import BadInput
 
@@ -36,18 +36,8 @@ ROPE_BASE = 10_000.0
 
 
 def require_x_transformers() -> Any:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        found = version("x-transformers")
-        import x_transformers.x_transformers as xt
-    except (ImportError, PackageNotFoundError) as exc:
-        raise BadInput(f"impl=x-transformers:...: needs x-transformers {SUPPORTED} (the `xtransformers` extra): "
-                       f"pip install -e '.[xtransformers]' ({exc})") from None
-    if found != TESTED:
-        raise BadInput(f"impl=x-transformers:...: found x-transformers {found}, the adapter is tested on "
-                       f"{SUPPORTED}: pip install -e '.[xtransformers]'")
-    return xt
+    return require_tested_release("x-transformers", "x-transformers", "x_transformers.x_transformers", TESTED,
+                                  f"x-transformers {TESTED} (the `xtransformers` extra)", "xtransformers")
 
 
 def query_order(n_heads: int, n_kv_heads: int, device: torch.device | None = None) -> torch.Tensor:
