@@ -120,7 +120,6 @@ def refusal_kind(reason: str) -> str:
                       ("is an encoder's", "encoder run as a decoder"),
                       ("approximate attention", "approximate attention"),
                       ("block-sparse attention", "block-sparse attention"),
-                      ("RoPE inside a bert-layout layer", "RoPE inside a bert-layout layer"),
                       ("position biases added", "position biases"), ("position scores inside", "position biases"),
                       ("no attention mask", "no attention mask"),
                       ("separate query/key/value inputs", "not a plain self-attention call"),

@@ -190,7 +190,7 @@ REFUSED = [("qwen3", "q/k norm"), ("nanochat", "q/k norm"), ("gemma2", "softcapp
            ("phi3", "fused qkv"), ("granite", "non-standard scale"), ("gpt_oss", "scaled RoPE"),
            ("cohere2", "NoPE"), ("jamba", "no rotary position_embeddings"),
            ("yoso", "approximate attention"), ("mra", "approximate attention"), ("big_bird", "block-sparse"),
-           ("roformer", "RoPE inside a bert-layout layer"), ("layoutlmv3", "position biases"),
+           ("layoutlmv3", "position biases"),
            ("dpt", "no attention mask"), ("mobilebert", "separate query/key/value"), ("lxmert", "cross-attention"),
            ("glm4v_text", "multimodal RoPE"), ("neucodec", "RoPE over attention heads"),
            ("ultrabert", "per-layer-type RoPE"), ("mimo_v2_flash", "attention sinks"),
@@ -209,11 +209,13 @@ def test_unmodelled_semantics_are_refused_by_name(model_type, fragment):
                                                   ("mobilebert", "query_tensor")])
 def test_a_layer_taking_inputs_the_adapter_does_not_supply_is_refused(model_type, inputs, monkeypatch):
     """Without its source note, layoutlmv3 would run without its position_bias and pass (1.8e-7 from the
-    reference): a verdict on a layer its model never runs. The screen reads the forward's parameters."""
+    reference), and roformer without its sinusoidal_pos (its RoPE) too: verdicts on layers their models never run.
+    The screen reads the forward's parameters; only roformer's own row, whose RoPE the adapter supplies, lifts it."""
     from tfmoe.adapters import huggingface
 
     installed(model_type)
-    monkeypatch.delitem(huggingface.UNMODELLED_SOURCE, model_type)
+    monkeypatch.delitem(huggingface.UNMODELLED_SOURCE, model_type, raising=False)
+    monkeypatch.delitem(VETTED, model_type, raising=False)
     with pytest.raises(BadInput, match=f"inputs beyond the mask.*{inputs}|{inputs}.*inputs beyond the mask"):
         run_recorded("attn-check", [*SMALL, f"impl=hf:{model_type}", "causal=false", "checks=[sdpa]"])
     monkeypatch.setitem(VETTED, model_type, Vetted("bert", None, "a wrong row", causal=(False,)))
@@ -236,6 +238,27 @@ def test_rotate_half_planted_in_an_interleaved_model_is_caught(monkeypatch):
 
     monkeypatch.setattr(modeling_cohere, "rotate_half", modeling_llama.rotate_half)  # Llama's pairs in Cohere
     rec = run_recorded("attn-check", [*SMALL, "impl=hf:cohere", "checks=[sdpa]"])
+    assert failed({c.check: c for c in rec.checks_rows}) == {"sdpa_match"}
+
+
+def test_rotate_half_planted_in_roformer_is_caught(monkeypatch):
+    """RoPE inside a bert-layout layer: RoFormer's interleaved pairs replaced by rotate-half ones, at the same
+    angles, in the layer's own apply_rotary_position_embeddings."""
+    from transformers.models.roformer import modeling_roformer
+
+    def half_pairs(sinusoidal_pos, query_layer, key_layer, value_layer=None):
+        sin, cos = sinusoidal_pos.chunk(2, dim=-1)
+        sin, cos = torch.cat([sin, sin], dim=-1), torch.cat([cos, cos], dim=-1)
+
+        def rotated(t):
+            return torch.cat([-t[..., t.shape[-1] // 2:], t[..., :t.shape[-1] // 2]], dim=-1)
+
+        return query_layer * cos + rotated(query_layer) * sin, key_layer * cos + rotated(key_layer) * sin
+
+    installed("roformer")
+    monkeypatch.setattr(modeling_roformer.RoFormerSelfAttention, "apply_rotary_position_embeddings",
+                        staticmethod(half_pairs))
+    rec = run_recorded("attn-check", [*SMALL, "impl=hf:roformer", "causal=false", "checks=[sdpa]"])
     assert failed({c.check: c for c in rec.checks_rows}) == {"sdpa_match"}
 
 
@@ -297,7 +320,7 @@ KINDS = [("llama", "vetted", ""), ("cohere", "vetted", ""), ("gpt2", "vetted", "
          ("granite", "refused", "non-standard scale"), ("cohere2", "refused", "NoPE / sliding-window-only RoPE"),
          ("gte", "vetted", ""), ("layoutlm", "vetted", ""), ("align_text_model", "vetted", ""),
          ("yoso", "refused", "approximate attention"), ("big_bird", "refused", "block-sparse attention"),
-         ("roformer", "refused", "RoPE inside a bert-layout layer"), ("bros", "refused", "position biases"),
+         ("roformer", "vetted", ""), ("bros", "refused", "position biases"),
          ("yolos", "refused", "no attention mask"), ("canine", "refused", "not a plain self-attention call"),
          ("eomt_dinov3", "refused", "2-D / multimodal RoPE"), ("xcodec2", "refused", "RoPE over heads"),
          ("ultrabert", "refused", "per-layer-type RoPE"), ("mimo_v2_flash", "refused", "attention sinks"),

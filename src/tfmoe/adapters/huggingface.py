@@ -57,6 +57,7 @@ UNMODELLED_CONFIG = {  # config key -> what it means (refused when set to a valu
     "alibi": "ALiBi position biases",
     "use_alibi": "ALiBi position biases",
     "position_embedding_type": "relative position embeddings inside attention",
+    "rotary_value": "RoPE applied to v as well",
 }
 
 
@@ -149,6 +150,10 @@ VETTED: dict[str, Vetted] = {
     "megatron-bert": Vetted("bert", None, "none inside MegatronBertSelfAttention, which follows the mask",
                             causal=(True, False)),
     "rembert": Vetted("bert", None, "none inside RemBertSelfAttention, which follows the mask", causal=(True, False)),
+    "roformer": Vetted("bert", "interleaved", "RoFormerSelfAttention.apply_rotary_position_embeddings: "
+                       "stack(-x[..., 1::2], x[..., ::2]); sin/cos repeated pairwise from the sinusoidal_pos "
+                       "RoFormerEncoder hands every layer (RoFormerSinusoidalPositionalEmbedding, 10000^(2i/d))",
+                       causal=(True, False)),
 }
 # Model types whose layer passes the static screens (Llama layout, plain RoPE) but whose source shows a semantic the
 # reference does not model: refused by name, not as "not vetted".
@@ -160,8 +165,6 @@ UNMODELLED_SOURCE: dict[str, str] = {
     "big_bird": "block-sparse attention by default (attention_type='block_sparse': BigBirdBlockSparseAttention; "
                 "BigBirdSelfAttention is only its original_full fallback)",
     # positions or biases handed to the layer beyond the mask
-    "roformer": "RoPE inside a bert-layout layer (RoFormerSelfAttention: sinusoidal_pos, interleaved pairs, "
-                "optionally on v too), which the bert layout does not supply",
     "bros": "bounding-box position scores inside attention (BrosSelfAttention: bbox_pos_emb)",
     "layoutlmv3": "relative 1-D and 2-D (spatial) position biases added to the scores (LayoutLMv3SelfAttention: "
                   "position_bias; has_relative_attention_bias / has_spatial_attention_bias default True)",
@@ -191,8 +194,9 @@ UNMODELLED_SOURCE: dict[str, str] = {
                "(1, num_attention_heads), apply_rotary_pos_emb(..., unsqueeze_dim=2))",
     "ultrabert": "per-layer-type RoPE (UltrabertRotaryEmbedding.forward(x, position_ids, layer_type): its own "
                  "rope_theta for sliding and full layers) with a sliding window on sliding layers",
-    "mimo_v2_flash": "attention sinks and more kv heads on its sliding-window layers, per-layer-type RoPE "
-                     "(MiMoV2FlashAttention: s_aux=self.sinks, MiMoV2FlashRotaryEmbedding(layer_type))",
+    "mimo_v2_flash": "attention sinks and more kv heads on its sliding-window layers, a v head dim of its own "
+                     "(v_head_dim) and per-layer-type RoPE on a third of each head (MiMoV2FlashAttention: s_aux=self.sinks; "
+                     "MiMoV2FlashRotaryEmbedding(layer_type), partial_rotary_factor 0.334)",
     "unlimited_ocr_text": "an eager path that does not repeat kv heads (unlimited_ocr.eager_attention_forward has no "
                           "repeat_kv: GQA under eager raises; sdpa passes)",
     "cohere2": "RoPE only on its sliding-window layers and none (NoPE) on full-attention layers "
@@ -305,8 +309,9 @@ class HuggingFace(AttentionAdapter):
         layout, problem = classify_layer(module, rotary, self.model_type)
         if not problem and self.model_type in UNMODELLED_SOURCE and self.vetted is None:
             problem = f"its modeling file shows {UNMODELLED_SOURCE[self.model_type]}"
+        sinusoid = self.vetted is not None and layout == "bert" and self.vetted.rope is not None
         if not problem:
-            problem = unsupplied_inputs(module, layout)
+            problem = unsupplied_inputs(module, layout, {"sinusoidal_pos"} if sinusoid else set())
         if problem:
             raise refuse(self.spec, problem, self._fix())
         if self.vetted is None:
@@ -329,7 +334,23 @@ class HuggingFace(AttentionAdapter):
                 raise refuse(self.spec, f"its model declares _supports_sdpa=False ({declared}: transformers "
                              "itself refuses attn_implementation='sdpa' for it)", "pass hf.attn_implementation=eager")
         object.__setattr__(module, "_tfmoe_rotary", rotary.to(device) if rotary is not None else None)
+        object.__setattr__(module, "_tfmoe_sinusoid", self._sinusoid(cls, cfg, d_model // n_heads, device)
+                           if sinusoid else None)
         return module.to(device=device, dtype=dtype).eval()
+
+    def _sinusoid(self, cls: type, cfg: Any, d_head: int, device: torch.device) -> nn.Module:
+        """RoFormer's way: the model builds ``<Prefix>SinusoidalPositionalEmbedding(max_positions, head_dim)``
+        once, fills it with its own ``create_weight()`` (its _init_weights) and hands every layer
+        ``sinusoidal_pos`` = its rows for positions 0..T-1, shape (1, 1, T, head_dim)."""
+        name = cls.__name__.removesuffix("SelfAttention") + "SinusoidalPositionalEmbedding"
+        positions_cls = getattr(self.modeling, name, None)
+        if positions_cls is None:
+            raise adapter_error(f"hf:{self.model_type} is vetted with RoPE in the bert layout but its modeling file "
+                                f"has no {name}")
+        positions = positions_cls(cfg.max_position_embeddings, d_head)
+        with torch.no_grad():
+            positions.weight.copy_(positions.create_weight())
+        return positions.to(device)
 
     # ----------------------------------------------------------------------------------------- forward
     def forward(self, module: nn.Module, x: torch.Tensor, padding_mask: torch.Tensor | None, *, causal: bool,
@@ -353,11 +374,14 @@ class HuggingFace(AttentionAdapter):
         if self.layout == "llama":
             cos, sin = module._tfmoe_rotary(x, position_ids)
             result = module(x, position_embeddings=(cos, sin), attention_mask=mask)
-        elif "output_attentions" in inspect.signature(module.forward).parameters:  # the legacy tuple API
-            result = module(x, attention_mask=mask, output_attentions=self.returns_weights)
-            result = (result[0], result[1] if self.returns_weights else None)
         else:
-            result = module(x, attention_mask=mask)
+            extra = {} if module._tfmoe_sinusoid is None else {
+                "sinusoidal_pos": module._tfmoe_sinusoid((B, T)).to(x.dtype)[None, None]}  # (1,1,T,Dh)
+            if "output_attentions" in inspect.signature(module.forward).parameters:  # the legacy tuple API
+                result = module(x, attention_mask=mask, output_attentions=self.returns_weights, **extra)
+                result = (result[0], result[1] if self.returns_weights else None)
+            else:
+                result = module(x, attention_mask=mask, **extra)
         return checked_output(tuple(result[:2]), type(module).__name__)
 
     # ------------------------------------------------------------------------------------- projections
@@ -381,8 +405,11 @@ class HuggingFace(AttentionAdapter):
             scale = None if self.cfg.scale_attn_weights else 1.0
             return Projections(w_q, w_k, w_v, params["c_proj.weight"].transpose(0, 1), n_heads, n_heads,
                                b_q, b_k, b_v, params["c_proj.bias"], scale=scale)
+        d_head = params["query.weight"].shape[0] // n_heads
+        rope = None if self.vetted.rope is None else Rope(10000.0, d_head, self.vetted.rope)  # RoFormer's sinusoid:
+        # pos / 10000^(2i/d_head), a constant in its create_weight, not a config key
         return Projections(params["query.weight"], params["key.weight"], params["value.weight"], None,
-                           n_heads, n_heads, params["query.bias"], params["key.bias"], params["value.bias"])
+                           n_heads, n_heads, params["query.bias"], params["key.bias"], params["value.bias"], rope=rope)
 
     def set_projections(self, module: nn.Module, p: Projections) -> None:
         if self.layout == "llama":
@@ -441,13 +468,14 @@ ABSENT_MEANS_SELF_ATTENTION = {"cache", "past_key_values", "cache_position", "en
                                "encoder_attention_mask", "head_mask", "position_ids"}
 
 
-def unsupplied_inputs(module: nn.Module, layout: str) -> str:
+def unsupplied_inputs(module: nn.Module, layout: str, supplied: set[str] = frozenset()) -> str:
     """'' or the semantic behind the forward's inputs that this adapter does not supply: a layer that takes
     positions or biases beside the mask (layoutlmv3's position_bias, roformer's sinusoidal_pos) would run without
     them and could pass while judging a layer its model never runs."""
     params = {n for n, p in inspect.signature(module.forward).parameters.items()
               if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    extra = params - SUPPLIED - ABSENT_MEANS_SELF_ATTENTION - ({"position_embeddings"} if layout == "llama" else set())
+    extra = params - SUPPLIED - supplied - ABSENT_MEANS_SELF_ATTENTION - (
+        {"position_embeddings"} if layout == "llama" else set())
     if getattr(module, "position_embedding_type", None) == "absolute":  # ESM reads them only when 'rotary'
         extra.discard("position_embeddings")
     if not extra:
