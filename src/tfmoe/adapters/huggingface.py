@@ -10,7 +10,9 @@ reference (that comparison is the check of the row against the source). Layouts:
 - ``llama`` — ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (biases if the model has them, e.g. qwen2's q/k/v) and
   rotary positions passed in as ``position_embeddings``, rotate-half (``half``) or interleaved pairs.
 - ``gpt2`` — fused ``c_attn`` (a Conv1D: weight (in, out)) and ``c_proj``; learned positions live outside.
-- ``bert`` — ``query``/``key``/``value`` (with biases), no output projection inside ``BertSelfAttention``.
+- ``bert`` — ``query``/``key``/``value`` (with biases), no output projection inside ``BertSelfAttention``; RoPE
+  where the row records it (roformer: interleaved pairs, handed in as ``sinusoidal_pos`` from the model's own
+  ``RoFormerSinusoidalPositionalEmbedding``).
 
 The reference reads only the config and the weights (see ``tfmoe.components.references``: its own RoPE with the
 config's rope_theta in the row's pairing, its own kv-head mapping, its own mask). Any other model type exits 2
@@ -493,7 +495,9 @@ def takes_kv_heads(model_type: str) -> bool:
 
 def sdpa_declared_false(modeling: Any, config_cls: type) -> str:
     """'' or the name of the model class (of ``config_cls``, in the modeling module) whose ``_supports_sdpa`` is
-    False: transformers refuses ``attn_implementation='sdpa'`` for it, and its attention never dispatches there."""
+    False: transformers refuses ``attn_implementation='sdpa'`` for it, so sdpa is not a path its model runs (some of
+    these classes write the softmax out, others dispatch but have no ``is_causal``, causal under sdpa without a
+    mask)."""
     from transformers import PreTrainedModel
 
     for name, cls in sorted(vars(modeling).items()):
