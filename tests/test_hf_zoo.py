@@ -159,13 +159,16 @@ def test_a_legacy_extended_mask_row_driven_with_masking_utils_is_caught(monkeypa
 
 # ----------------------------------------------------------------------------- the battery on the zoo
 ZOO = [("hf:llama", ["n_kv_heads=2"]), ("hf:cohere", []), ("hf:helium", ["n_kv_heads=2"]), ("hf:ernie4_5", []),
-       ("hf:gpt2", []), ("hf:bert", ["causal=false"])]
+       ("hf:gpt2", []), ("hf:bert", ["causal=false"]), ("hf:bert", ["causal=true"]),
+       ("hf:eurobert", ["causal=false", "n_kv_heads=2"]), ("hf:roformer", ["causal=false"]),
+       ("hf:layoutlm", ["causal=false"]), ("hf:align_text_model", ["causal=false"])]
 
 
-@pytest.mark.parametrize(("spec", "extra"), ZOO, ids=[s for s, _ in ZOO])
+@pytest.mark.parametrize(("spec", "extra"), ZOO, ids=[" ".join([s, *e]) for s, e in ZOO])
 def test_each_rope_convention_and_gqa_passes_the_battery(spec, extra):
     """Before: cohere, helium and ernie4_5 were read as rotate-half and failed sdpa_match (0.055 vs 1.4e-7), with
-    a √d_model scale named as the likely cause."""
+    a √d_model scale named as the likely cause. One row per new kind too: a Llama-layout encoder with GQA, RoPE in
+    the bert layout, a legacy extended mask, an eager-only model (the default implementation, eager)."""
     installed(spec.removeprefix("hf:"))
     rec = run_recorded("attn-check", [*SMALL, f"impl={spec}", "checks=[masks,sdpa,gradients,invariances]", *extra])
     checks = {c.check: c for c in rec.checks_rows}
