@@ -76,7 +76,7 @@ def classify(model_type: str, attention: str = "") -> Entry:
         adapter = HuggingFace(model_type)
         vetted = VETTED.get(model_type)
         kv = 2 if vetted is None or vetted.layout == "llama" else 4
-        causal = vetted is None or vetted.layout != "bert"
+        causal = vetted is None or False not in vetted.causal  # an encoder's row (or bert's) is judged causal=false
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
@@ -98,6 +98,14 @@ def classify(model_type: str, attention: str = "") -> Entry:
     return Entry(model_type, attention, "vetted", layout=vetted.layout, rope=vetted.rope or "")
 
 
+def eager_only(model_type: str) -> bool:
+    """Whether the model declares _supports_sdpa=False (impl=hf: then refuses hf.attn_implementation=sdpa)."""
+    from tfmoe.adapters.huggingface import HuggingFace, sdpa_declared_false
+
+    adapter = HuggingFace(model_type)
+    return bool(sdpa_declared_false(adapter.modeling, adapter.config_cls))
+
+
 def refusal_kind(reason: str) -> str:
     """A short name for a refusal reason (the zoo's counts)."""
     for key, kind in (("q/k norm", "q/k norm"), ("softcapping", "logit softcapping"), ("fused qkv", "fused qkv"),
@@ -109,19 +117,32 @@ def refusal_kind(reason: str) -> str:
                       ("extra parameters", "extra parameters"), ("layout this adapter does not know", "other layout"),
                       ("required positional argument", "other layout (constructor)"),
                       ("tiny config cannot be built", "tiny config not buildable"),
-                      ("an encoder in the Llama layout", "encoder in the Llama layout"),
+                      ("is an encoder's", "encoder run as a decoder"),
+                      ("approximate attention", "approximate attention"),
+                      ("block-sparse attention", "block-sparse attention"),
+                      ("position biases added", "position biases"), ("position scores inside", "position biases"),
+                      ("no attention mask", "no attention mask"),
+                      ("separate query/key/value inputs", "not a plain self-attention call"),
+                      ("separate from/to inputs", "not a plain self-attention call"),
+                      ("a cross-attention signature", "not a plain self-attention call"),
+                      ("2-D RoPE", "2-D / multimodal RoPE"), ("multimodal RoPE", "2-D / multimodal RoPE"),
+                      ("RoPE over attention heads", "RoPE over heads"), ("attention sinks", "attention sinks"),
+                      ("per-layer-type RoPE", "per-layer-type RoPE"),
+                      ("does not repeat kv heads", "eager path without repeat_kv"),
+                      ("inputs beyond the mask", "inputs the adapter does not supply"),
                       ("no num_key_value_heads", "other layout")):
         if key in reason:
             return kind
     return "other"
 
 
-def sweep(impls: list[str], extra: list[str], runs: Path) -> dict[str, tuple[str, str, list[str]]]:
+def sweep(impls: list[str], extra: list[str], runs: Path,
+          attns: tuple[str, ...] = ("eager", "sdpa")) -> dict[str, tuple[str, str, list[str]]]:
     """One ``tfmoe attn-check -m impl=...`` sweep (eager and sdpa): (impl, attn) -> (run id, status, failed)."""
     import pandas as pd
 
     args = [str(Path(sys.executable).parent / "tfmoe"), "attn-check", "-m", f"impl={','.join(impls)}",
-            "hf.attn_implementation=eager,sdpa", *SIZES, *extra]
+            f"hf.attn_implementation={','.join(attns)}", *SIZES, *extra]
     subprocess.run(args, cwd=runs, env={**os.environ, "PYTHONWARNINGS": "ignore"}, capture_output=True, text=True,
                    check=False)
     out = {}
@@ -138,17 +159,23 @@ def sweep(impls: list[str], extra: list[str], runs: Path) -> dict[str, tuple[str
 def section() -> tuple[str, dict[str, int]]:
     import transformers
 
-    from tfmoe.adapters.huggingface import VETTED
+    from tfmoe.adapters.huggingface import VETTED, takes_kv_heads
 
     entries = [classify(t, a) for t, a in attention_types().items()]
     vetted = [e for e in entries if e.verdict == "vetted"]
     results: dict[tuple[str, str], tuple[str, str, list[str]]] = {}
     where = RUNS / f"zoo-hf-{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}"  # kept: the run ids below are its runs
-    for layout, extra in (("llama", ["n_kv_heads=2"]), ("gpt2", []), ("bert", ["causal=false"])):
-        impls = [f"hf:{e.model_type}" for e in vetted if e.layout == layout]
-        if impls:
-            (where / layout).mkdir(parents=True, exist_ok=True)
-            results.update(sweep(impls, extra, where / layout))
+    groups: dict[tuple[str, ...], list[str]] = {}  # one sweep per shape family, causal setting and implementations
+    for e in vetted:
+        row = VETTED[e.model_type]
+        extra = (["n_kv_heads=2"] if row.layout == "llama" and takes_kv_heads(e.model_type) else []) + (
+            ["causal=false"] if False in row.causal else [])
+        attns = ("eager",) if eager_only(e.model_type) else ("eager", "sdpa")
+        groups.setdefault((row.layout, ",".join(attns), *extra), []).append(f"hf:{e.model_type}")
+    for (layout, attns, *extra), impls in sorted(groups.items()):
+        name = "-".join([layout, attns.replace(",", "+"), *(x.replace("=", "") for x in extra)])
+        (where / name).mkdir(parents=True, exist_ok=True)
+        results.update(sweep(impls, extra, where / name, tuple(attns.split(","))))
     rows, counts = [], Counter()
     for e in entries:
         if e.verdict == "refused":
@@ -156,13 +183,18 @@ def section() -> tuple[str, dict[str, int]]:
             counts[f"refused: {kind}"] += 1
             rows.append(f"| `{e.model_type}` | {e.attention} | refused ({kind}) | {e.reason} | |")
             continue
-        judged = [results.get((f"hf:{e.model_type}", a)) for a in ("eager", "sdpa")]
+        attns = ("eager",) if eager_only(e.model_type) else ("eager", "sdpa")
+        judged = [results.get((f"hf:{e.model_type}", a)) for a in attns]
         ok = all(j is not None and j[1] == "ok" for j in judged)
         counts["passes" if ok else "FALSE ALARM"] += 1
         ids = ", ".join(j[0] for j in judged if j is not None)
-        failed = "; ".join(f"{a}: {j[1]} {', '.join(j[2])}" for a, j in zip(("eager", "sdpa"), judged, strict=True)
+        failed = "; ".join(f"{a}: {j[1]} {', '.join(j[2])}" for a, j in zip(attns, judged, strict=True)
                            if j is not None and j[1] != "ok")
-        what = f"{e.layout}, RoPE {e.rope}" if e.rope else e.layout
+        row = VETTED[e.model_type]
+        what = ", ".join([f"{e.layout}, RoPE {e.rope}" if e.rope else e.layout,
+                          *(["encoder (causal=false only)"] if row.causal == (False,) else []),
+                          *(["eager only (_supports_sdpa=False)"] if len(attns) == 1 else []),
+                          *(["extended mask"] if row.mask == "extended" else [])])
         rows.append(f"| `{e.model_type}` | {e.attention} | {'passes' if ok else '**fails**'} | {what}"
                     f"{'; ' + failed if failed else ''} | {ids} |")
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -172,7 +204,8 @@ def section() -> tuple[str, dict[str, int]]:
             "types have a self-attention class in their modeling module; "
             f"{len(VETTED)} vetted rows in `tfmoe.adapters.huggingface.VETTED`. Vetted types are judged by "
             f"`tfmoe attn-check -m impl=hf:<type>,... hf.attn_implementation=eager,sdpa {' '.join(SIZES)}` "
-            f"(n_kv_heads=2 for the Llama layout, causal=false for bert), every check group; the run ids are those "
+            f"(n_kv_heads=2 for the Llama layout, causal=false for bert and the encoders, eager only where the model "
+            f"declares _supports_sdpa=False), every check group; the run ids are those "
             f"sweeps' jobs, kept under `{where.relative_to(ROOT) if ROOT in where.parents else where}/<layout>/runs/`.")
     table = ["| model type | attention class | verdict | layout / reason | run ids (eager, sdpa) |",
              "|---|---|---|---|---|", *rows]

@@ -5,6 +5,7 @@ the model's source), every other type refused by name, planted bugs inside the v
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,13 @@ transformers = pytest.importorskip("transformers", reason="the `hf` extra (trans
 
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
-from tfmoe.adapters.huggingface import VETTED, HuggingFace  # noqa: E402
+from tfmoe.adapters.huggingface import (  # noqa: E402
+    VETTED,
+    HuggingFace,
+    Vetted,
+    sdpa_declared_false,
+    takes_kv_heads,
+)
 from tfmoe.adapters.transformers_support import SUPPORTED, in_range, installed_version  # noqa: E402
 
 
@@ -54,44 +61,114 @@ def test_rope_pairing_must_be_known():
 
 
 # ---------------------------------------------------------------- every table row against the reference
-def _max_err(model_type: str, attn: str, pairing: str | None = None) -> float:
-    """The tiny model's layer (GQA for the Llama layout, a padded row) vs the fp64 reference."""
-    vetted = VETTED[model_type]
-    adapter = HuggingFace(model_type, attn)
+def _max_err(model_type: str, attn: str, pairing: str | None = None, causal: bool | None = None,
+             vetted: Vetted | None = None) -> float:
+    """The tiny model's layer (GQA for the Llama layout) vs the fp64 reference: the worst of a padded batch and an
+    unpadded one (where the model's mask builder returns None and sdpa falls back on the class's is_causal)."""
+    row = VETTED[model_type] if vetted is None else vetted
     if pairing is not None:
-        adapter.vetted = type(vetted)(vetted.layout, pairing, vetted.source)
-    causal, hkv = vetted.layout != "bert", 2 if vetted.layout == "llama" else 4
+        row = replace(row, rope=pairing)
+    adapter = HuggingFace(model_type, attn, vetting=row)
+    causal = row.causal[0] if causal is None else causal
+    hkv = 2 if row.layout == "llama" and takes_kv_heads(model_type) else 4
     m = adapter.build(16, 4, n_kv_heads=hkv, causal=causal, dropout=0.0, seed=0, dtype=torch.float32,
                       device=torch.device("cpu"))
+    p = adapter.projections(dict(m.named_parameters()), 4, hkv)
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(0))  # (B,T,D)
     pm = torch.ones(2, 6, dtype=torch.bool)
     pm[1, 4:] = False
-    with torch.no_grad():
-        out, _ = adapter.forward(m, x, pm, causal=causal)
-    p = adapter.projections(dict(m.named_parameters()), 4, hkv)
-    ref = sdpa_attention(x.double(), p.to(torch.float64), visibility(6, 6, causal, pm))
-    return float((out.double() - ref)[pm].abs().max())
+    worst = 0.0
+    for padding in (pm, None):
+        with torch.no_grad():
+            out, _ = adapter.forward(m, x, padding, causal=causal)
+        ref = sdpa_attention(x.double(), p.to(torch.float64), visibility(6, 6, causal, padding))
+        worst = max(worst, float((out.double() - ref)[pm if padding is not None else slice(None)].abs().max()))
+    return worst
+
+
+def _sdpa_refused(model_type: str) -> bool:
+    return bool(sdpa_declared_false(HuggingFace(model_type).modeling, CONFIG_MAPPING[model_type]))
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("model_type", sorted(VETTED))
 def test_every_vetted_row_matches_the_reference(model_type, attn):
+    """Each causal setting the row declares matches the reference, padded and unpadded; the other exits 2, and so
+    does sdpa where the model itself declares _supports_sdpa=False."""
     installed(model_type)
-    assert _max_err(model_type, attn) < 2e-6
-    if VETTED[model_type].rope is not None and attn == "eager":  # the recorded pairing is the one that matches
-        other = "half" if VETTED[model_type].rope == "interleaved" else "interleaved"
+    row = VETTED[model_type]
+    if attn == "sdpa" and _sdpa_refused(model_type):
+        with pytest.raises(BadInput, match="_supports_sdpa=False.*hf.attn_implementation=eager"):
+            _max_err(model_type, attn)
+        return
+    for causal in row.causal:
+        assert _max_err(model_type, attn, causal=causal) < 2e-6, causal
+    for causal in {True, False} - set(row.causal):
+        with pytest.raises(BadInput, match="an encoder's.*causal=false" if causal else "a decoder's.*causal=true"):
+            _max_err(model_type, attn, causal=causal)
+    if row.rope is not None and attn == "eager":  # the recorded pairing is the one that matches
+        other = "half" if row.rope == "interleaved" else "interleaved"
         assert _max_err(model_type, attn, other) > 1e-2
+
+
+@pytest.mark.parametrize("model_type", ["gte", "nomic_bert"])
+def test_an_encoder_row_declared_a_decoder_is_caught(model_type, monkeypatch):
+    """A planted wrong row: a Llama-layout encoder (is_causal=False) recorded as a decoder and run causal=true.
+    Its model's causal mask is None when nothing is padded, so sdpa runs the class's is_causal=False: the layer
+    attends both ways and sdpa_match fails, as it must (before the row recorded causal, eurobert was refused for
+    this; now the right row refuses causal=true instead)."""
+    installed(model_type)
+    monkeypatch.setitem(VETTED, model_type, replace(VETTED[model_type], causal=(True,)))
+    rec = run_recorded("attn-check", [*SMALL, f"impl=hf:{model_type}", "hf.attn_implementation=sdpa", "lengths=[6,6]",
+                                      "checks=[sdpa]"])
+    assert "sdpa_match" in failed({c.check: c for c in rec.checks_rows})
+
+
+def test_an_encoder_run_as_a_decoder_exits_2_by_name():
+    installed("gte")
+    with pytest.raises(BadInput, match=r"GteAttention is an encoder's \(is_causal=False.*pass causal=false") as err:
+        run_recorded("attn-check", [*SMALL, "impl=hf:gte", "causal=true", "checks=[sdpa]"])
+    assert "\n" not in str(err.value)
+    rec = run_recorded("attn-check", [*SMALL, "impl=hf:gte", "causal=false", "checks=[masks,sdpa,gradients,invariances]"])
+    checks = {c.check: c for c in rec.checks_rows}
+    assert failed(checks) == set() and "sdpa_match" in checks, {n: checks[n].detail for n in failed(checks)}
+
+
+def test_sdpa_where_the_model_declares_no_sdpa_exits_2_by_name():
+    """AlignTextModel._supports_sdpa is False (transformers refuses sdpa for it) and AlignTextSelfAttention has no
+    is_causal, so under sdpa an unpadded batch would attend causally: the adapter refuses sdpa, eager passes."""
+    installed("align_text_model")
+    with pytest.raises(BadInput, match=r"_supports_sdpa=False \(AlignTextModel") as err:
+        run_recorded("attn-check", [*SMALL, "impl=hf:align_text_model", "causal=false",
+                                    "hf.attn_implementation=sdpa", "checks=[sdpa]"])
+    assert "\n" not in str(err.value)
+
+
+def test_a_legacy_extended_mask_row_driven_with_masking_utils_is_caught(monkeypatch):
+    """A planted wrong row: layoutlm (its model always passes the additive extended mask; its attention has no
+    is_causal) recorded as taking masking_utils' mask, which is None when nothing is padded: sdpa then defaults to
+    is_causal=True and the encoder attends causally, which sdpa_match catches."""
+    installed("layoutlm")
+    if _sdpa_refused("layoutlm"):  # transformers 5.13's LayoutLM declares _supports_sdpa=False: eager only
+        pytest.skip(f"transformers {transformers.__version__}'s LayoutLM has no sdpa path")
+    monkeypatch.setitem(VETTED, "layoutlm", replace(VETTED["layoutlm"], mask="masking_utils"))
+    rec = run_recorded("attn-check", [*SMALL, "impl=hf:layoutlm", "causal=false", "hf.attn_implementation=sdpa",
+                                      "lengths=[6,6]", "checks=[sdpa]"])
+    assert "sdpa_match" in failed({c.check: c for c in rec.checks_rows})
 
 
 # ----------------------------------------------------------------------------- the battery on the zoo
 ZOO = [("hf:llama", ["n_kv_heads=2"]), ("hf:cohere", []), ("hf:helium", ["n_kv_heads=2"]), ("hf:ernie4_5", []),
-       ("hf:gpt2", []), ("hf:bert", ["causal=false"])]
+       ("hf:gpt2", []), ("hf:bert", ["causal=false"]), ("hf:bert", ["causal=true"]),
+       ("hf:eurobert", ["causal=false", "n_kv_heads=2"]), ("hf:roformer", ["causal=false"]),
+       ("hf:layoutlm", ["causal=false"]), ("hf:align_text_model", ["causal=false"])]
 
 
-@pytest.mark.parametrize(("spec", "extra"), ZOO, ids=[s for s, _ in ZOO])
+@pytest.mark.parametrize(("spec", "extra"), ZOO, ids=[" ".join([s, *e]) for s, e in ZOO])
 def test_each_rope_convention_and_gqa_passes_the_battery(spec, extra):
     """Before: cohere, helium and ernie4_5 were read as rotate-half and failed sdpa_match (0.055 vs 1.4e-7), with
-    a √d_model scale named as the likely cause."""
+    a √d_model scale named as the likely cause. One row per new kind too: a Llama-layout encoder with GQA, RoPE in
+    the bert layout, a legacy extended mask, an eager-only model (the default implementation, eager)."""
     installed(spec.removeprefix("hf:"))
     rec = run_recorded("attn-check", [*SMALL, f"impl={spec}", "checks=[masks,sdpa,gradients,invariances]", *extra])
     checks = {c.check: c for c in rec.checks_rows}
@@ -104,8 +181,11 @@ def test_each_rope_convention_and_gqa_passes_the_battery(spec, extra):
 def test_every_vetted_type_passes_the_whole_battery(model_type, attn):
     """Zero false alarms on the full list (the zoo's sweeps run the same; experiments/zoo.md names the runs)."""
     installed(model_type)
-    layout = VETTED[model_type].layout
-    extra = {"llama": ["n_kv_heads=2"], "bert": ["causal=false"]}.get(layout, [])
+    if attn == "sdpa" and _sdpa_refused(model_type):
+        pytest.skip(f"{model_type}'s model declares _supports_sdpa=False: sdpa exits 2")
+    row = VETTED[model_type]
+    extra = (["n_kv_heads=2"] if row.layout == "llama" and takes_kv_heads(model_type) else []) + (
+        ["causal=false"] if False in row.causal else [])
     rec = run_recorded("attn-check", [*SMALL, f"impl=hf:{model_type}", f"hf.attn_implementation={attn}", *extra])
     checks = {c.check: c for c in rec.checks_rows}
     assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
@@ -113,7 +193,13 @@ def test_every_vetted_type_passes_the_whole_battery(model_type, attn):
 
 REFUSED = [("qwen3", "q/k norm"), ("nanochat", "q/k norm"), ("gemma2", "softcapping"), ("phi", "partial RoPE"),
            ("phi3", "fused qkv"), ("granite", "non-standard scale"), ("gpt_oss", "scaled RoPE"),
-           ("cohere2", "NoPE"), ("jamba", "no rotary position_embeddings"), ("eurobert", "an encoder")]
+           ("cohere2", "NoPE"), ("jamba", "no rotary position_embeddings"),
+           ("yoso", "approximate attention"), ("mra", "approximate attention"), ("big_bird", "block-sparse"),
+           ("layoutlmv3", "position biases"),
+           ("dpt", "no attention mask"), ("mobilebert", "separate query/key/value"), ("lxmert", "cross-attention"),
+           ("glm4v_text", "multimodal RoPE"), ("neucodec", "RoPE over attention heads"),
+           ("ultrabert", "per-layer-type RoPE"), ("mimo_v2_flash", "attention sinks"),
+           ("unlimited_ocr_text", "does not repeat kv heads")]
 
 
 @pytest.mark.parametrize(("model_type", "fragment"), REFUSED, ids=[m for m, _ in REFUSED])
@@ -122,6 +208,24 @@ def test_unmodelled_semantics_are_refused_by_name(model_type, fragment):
     with pytest.raises(BadInput, match=fragment) as err:
         run_recorded("attn-check", [*SMALL, f"impl=hf:{model_type}", "checks=[sdpa]"])
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("model_type", "inputs"), [("layoutlmv3", "position_bias|rel_pos"),  # 5.24 | 5.13
+                                                  ("roformer", "sinusoidal_pos"), ("mobilebert", "query_tensor")])
+def test_a_layer_taking_inputs_the_adapter_does_not_supply_is_refused(model_type, inputs, monkeypatch):
+    """Without its source note, layoutlmv3 would run without its position_bias and pass (1.8e-7 from the
+    reference), and roformer without its sinusoidal_pos (its RoPE) too: verdicts on layers their models never run.
+    The screen reads the forward's parameters; only roformer's own row, whose RoPE the adapter supplies, lifts it."""
+    from tfmoe.adapters import huggingface
+
+    installed(model_type)
+    monkeypatch.delitem(huggingface.UNMODELLED_SOURCE, model_type, raising=False)
+    monkeypatch.delitem(VETTED, model_type, raising=False)
+    with pytest.raises(BadInput, match=f"forward takes .*({inputs}).*inputs beyond the mask"):
+        run_recorded("attn-check", [*SMALL, f"impl=hf:{model_type}", "causal=false", "checks=[sdpa]"])
+    monkeypatch.setitem(VETTED, model_type, Vetted("bert", None, "a wrong row", causal=(False,)))
+    with pytest.raises(BadInput, match=inputs):  # a row does not lift the screen
+        run_recorded("attn-check", [*SMALL, f"impl=hf:{model_type}", "causal=false", "checks=[sdpa]"])
 
 
 def test_a_model_type_not_in_the_table_is_refused_as_not_vetted(monkeypatch):
@@ -139,6 +243,27 @@ def test_rotate_half_planted_in_an_interleaved_model_is_caught(monkeypatch):
 
     monkeypatch.setattr(modeling_cohere, "rotate_half", modeling_llama.rotate_half)  # Llama's pairs in Cohere
     rec = run_recorded("attn-check", [*SMALL, "impl=hf:cohere", "checks=[sdpa]"])
+    assert failed({c.check: c for c in rec.checks_rows}) == {"sdpa_match"}
+
+
+def test_rotate_half_planted_in_roformer_is_caught(monkeypatch):
+    """RoPE inside a bert-layout layer: RoFormer's interleaved pairs replaced by rotate-half ones, at the same
+    angles, in the layer's own apply_rotary_position_embeddings."""
+    from transformers.models.roformer import modeling_roformer
+
+    def half_pairs(sinusoidal_pos, query_layer, key_layer, value_layer=None):
+        sin, cos = sinusoidal_pos.chunk(2, dim=-1)
+        sin, cos = torch.cat([sin, sin], dim=-1), torch.cat([cos, cos], dim=-1)
+
+        def rotated(t):
+            return torch.cat([-t[..., t.shape[-1] // 2:], t[..., :t.shape[-1] // 2]], dim=-1)
+
+        return query_layer * cos + rotated(query_layer) * sin, key_layer * cos + rotated(key_layer) * sin
+
+    installed("roformer")
+    monkeypatch.setattr(modeling_roformer.RoFormerSelfAttention, "apply_rotary_position_embeddings",
+                        staticmethod(half_pairs))
+    rec = run_recorded("attn-check", [*SMALL, "impl=hf:roformer", "causal=false", "checks=[sdpa]"])
     assert failed({c.check: c for c in rec.checks_rows}) == {"sdpa_match"}
 
 
@@ -197,7 +322,14 @@ def zoo_module():
 KINDS = [("llama", "vetted", ""), ("cohere", "vetted", ""), ("gpt2", "vetted", ""), ("bert", "vetted", ""),
          ("qwen3", "refused", "q/k norm"), ("gemma2", "refused", "logit softcapping"),
          ("phi", "refused", "partial rotary"), ("phi3", "refused", "fused qkv"),
-         ("granite", "refused", "non-standard scale"), ("cohere2", "refused", "NoPE / sliding-window-only RoPE")]
+         ("granite", "refused", "non-standard scale"), ("cohere2", "refused", "NoPE / sliding-window-only RoPE"),
+         ("gte", "vetted", ""), ("layoutlm", "vetted", ""), ("align_text_model", "vetted", ""),
+         ("yoso", "refused", "approximate attention"), ("big_bird", "refused", "block-sparse attention"),
+         ("roformer", "vetted", ""), ("bros", "refused", "position biases"),
+         ("yolos", "refused", "no attention mask"), ("canine", "refused", "not a plain self-attention call"),
+         ("eomt_dinov3", "refused", "2-D / multimodal RoPE"), ("xcodec2", "refused", "RoPE over heads"),
+         ("ultrabert", "refused", "per-layer-type RoPE"), ("mimo_v2_flash", "refused", "attention sinks"),
+         ("unlimited_ocr_text", "refused", "eager path without repeat_kv")]
 
 
 @pytest.mark.parametrize(("model_type", "verdict", "kind"), KINDS, ids=[k[0] for k in KINDS])

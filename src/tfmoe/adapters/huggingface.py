@@ -10,13 +10,22 @@ reference (that comparison is the check of the row against the source). Layouts:
 - ``llama`` — ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (biases if the model has them, e.g. qwen2's q/k/v) and
   rotary positions passed in as ``position_embeddings``, rotate-half (``half``) or interleaved pairs.
 - ``gpt2`` — fused ``c_attn`` (a Conv1D: weight (in, out)) and ``c_proj``; learned positions live outside.
-- ``bert`` — ``query``/``key``/``value`` (with biases), no output projection inside ``BertSelfAttention``.
+- ``bert`` — ``query``/``key``/``value`` (with biases), no output projection inside ``BertSelfAttention``; RoPE
+  where the row records it (roformer: interleaved pairs, handed in as ``sinusoidal_pos`` from the model's own
+  ``RoFormerSinusoidalPositionalEmbedding``).
 
 The reference reads only the config and the weights (see ``tfmoe.components.references``: its own RoPE with the
 config's rope_theta in the row's pairing, its own kv-head mapping, its own mask). Any other model type exits 2
-naming the semantic the reference would need (:func:`needed_semantics`: q/k norm, logit softcapping, a
-non-standard scale, partial or scaled RoPE, fused qkv, …), or, when nothing is missing, that it is not vetted yet.
-Sliding windows are switched off in the tiny config (a note says so).
+naming the semantic the reference would need (:func:`classify_layer` / :func:`unmodelled_config`: q/k norm, logit
+softcapping, a non-standard scale, partial or scaled RoPE, fused qkv, …; :data:`UNMODELLED_SOURCE`, read from the
+modeling file: approximate or block-sparse attention, positions or biases handed to the layer beyond the mask,
+M-RoPE, sinks, …), or, when nothing is missing, that it is not vetted yet.
+
+Each row also records which ``causal`` settings its class is built for: an encoder (``is_causal = False``, e.g.
+gte, eurobert) run with causal=true exits 2, as does a decoder run with causal=false, since under sdpa a batch
+with nothing padded gets no mask and the class's own is_causal decides. A model whose ``_supports_sdpa`` is False
+(transformers refuses sdpa for it) exits 2 under ``hf.attn_implementation=sdpa``. Sliding windows are switched
+off in the tiny config (a note says so).
 """
 
 from __future__ import annotations
@@ -50,17 +59,25 @@ UNMODELLED_CONFIG = {  # config key -> what it means (refused when set to a valu
     "alibi": "ALiBi position biases",
     "use_alibi": "ALiBi position biases",
     "position_embedding_type": "relative position embeddings inside attention",
+    "rotary_value": "RoPE applied to v as well",
 }
 
 
 @dataclass(frozen=True)
 class Vetted:
-    """One vetted model type: its layout, its RoPE pairing (None: no rotary inside attention) and where its own
-    modeling file shows the pairing (``modeling_<type>.<function>``)."""
+    """One vetted model type, as its modeling file shows it: the layout, the RoPE pairing (None: no rotary inside
+    attention), where the source shows them, the ``causal`` settings its attention class is built for (a decoder:
+    ``(True,)``, its ``is_causal = True``; an encoder: ``(False,)``, ``is_causal = False``; a class taking an
+    ``is_causal`` argument, or one that only follows the mask it is given: both) and the mask its model hands the
+    layer (``masking_utils``: ``create_causal_mask`` / ``create_bidirectional_mask``, None when nothing is hidden;
+    ``extended``: the legacy additive (B,1,1,T) mask ``(1 - mask) * finfo.min``, built even when nothing is
+    padded). Any other causal setting exits 2 (an encoder run as a decoder, or the reverse, is never judged)."""
 
     layout: str  # llama | gpt2 | bert
     rope: str | None  # half | interleaved | None
     source: str
+    causal: tuple[bool, ...] = (True,)
+    mask: str = "masking_utils"  # masking_utils | extended
 
 
 _HALF = "rotate_half: cat(-x[..., d/2:], x[..., :d/2])"
@@ -92,14 +109,98 @@ VETTED: dict[str, Vetted] = {
     "ernie4_5": Vetted("llama", "interleaved", _INTERLEAVED),
     "ernie4_5_moe": Vetted("llama", "interleaved", _INTERLEAVED),
     "helium": Vetted("llama", "interleaved", _INTERLEAVED),
+    "EvollaModel": Vetted("llama", "half", _HALF + " (EvollaAttention, the text decoder's)"),
+    "aria_text": Vetted("llama", "half", _HALF),
+    "cosmos3_edge_text": Vetted("llama", "half", _HALF),
+    "deepseek_ocr2_text": Vetted("llama", "half", _HALF),
+    "evolla": Vetted("llama", "half", _HALF + " (EvollaAttention, the text decoder's)"),
+    "mimi": Vetted("llama", "half", _HALF + "; its sliding window is switched off (a note says so)"),
+    "pocket_tts_audio_tokenizer": Vetted("llama", "half", _HALF + "; Mimi's attention, sliding window switched off"),
+    # Llama-layout ENCODERS: is_causal = False in the attention class, bidirectional masks in the model
+    "eurobert": Vetted("llama", "half", _HALF + "; EuroBertAttention.is_causal = False", causal=(False,)),
+    "gte": Vetted("llama", "half", _HALF + "; GteAttention.is_causal = False", causal=(False,)),
+    "jina_embeddings_v3": Vetted("llama", "half", _HALF + "; JinaEmbeddingsV3Attention.is_causal = False",
+                                 causal=(False,)),
+    "lasr_encoder": Vetted("llama", "half", _HALF + "; LasrEncoderAttention.is_causal = False", causal=(False,)),
+    "nomic_bert": Vetted("llama", "half", _HALF + "; NomicBertAttention.is_causal = False", causal=(False,)),
     "gpt2": Vetted("gpt2", None, "learned positions in GPT2Model, none inside GPT2Attention"),
-    "bert": Vetted("bert", None, "absolute positions in BertEmbeddings, none inside BertSelfAttention"),
+    # the bert layout: absolute positions in the embeddings, none inside the self-attention class
+    **{t: Vetted("bert", None, f"none inside {cls}SelfAttention, which takes is_causal", causal=(True, False))
+       for t, cls in (("bert", "Bert"), ("bert-generation", "BertGeneration"), ("camembert", "Camembert"),
+                      ("electra", "Electra"), ("ernie", "Ernie"), ("roberta", "Roberta"),
+                      ("roberta-prelayernorm", "RobertaPreLayerNorm"), ("roc_bert", "RoCBert"),
+                      ("xlm-roberta", "XLMRoberta"), ("xlm-roberta-xl", "XLMRobertaXL"), ("xmod", "Xmod"))},
+    "chinese_clip_text_model": Vetted("bert", None, "none inside ChineseCLIPTextSelfAttention (is_causal = False)",
+                                      causal=(False,)),
+    "esm": Vetted("bert", None, "none with the default position_embedding_type='absolute' (EsmSelfAttention: q "
+                  "scaled before the product, is_causal = config.is_decoder, False)", causal=(False,)),
+    "layoutlm": Vetted("bert", None, "none inside LayoutLMSelfAttention; LayoutLMModel passes the additive extended "
+                       "mask, never None", causal=(False,), mask="extended"),
+    # _supports_sdpa = False in these models: judged under eager only (sdpa exits 2); the class follows the mask
+    "align_text_model": Vetted("bert", None, "none inside AlignTextSelfAttention (an encoder)", causal=(False,)),
+    "clap_text_model": Vetted("bert", None, "none inside ClapTextSelfAttention (an encoder)", causal=(False,)),
+    "splinter": Vetted("bert", None, "none inside SplinterSelfAttention (an encoder)", causal=(False,)),
+    "markuplm": Vetted("bert", None, "none inside MarkupLMSelfAttention; MarkupLMModel passes the additive "
+                       "extended mask ((1 - mask) * -10000), never None", causal=(False,), mask="extended"),
+    "superglue": Vetted("bert", None, "none inside SuperGlueSelfAttention (keypoint positions are encoded "
+                        "outside; self-attention over keypoints)", causal=(False,)),
+    "tapas": Vetted("bert", None, "none inside TapasSelfAttention (an encoder)", causal=(False,)),
+    "vilt": Vetted("bert", None, "none inside ViltSelfAttention (an encoder)", causal=(False,)),
+    "visual_bert": Vetted("bert", None, "none inside VisualBertSelfAttention (an encoder)", causal=(False,)),
+    "git": Vetted("bert", None, "none inside GitSelfAttention, which follows the mask GitModel builds",
+                  causal=(True, False)),
+    "megatron-bert": Vetted("bert", None, "none inside MegatronBertSelfAttention, which follows the mask",
+                            causal=(True, False)),
+    "rembert": Vetted("bert", None, "none inside RemBertSelfAttention, which follows the mask", causal=(True, False)),
+    "roformer": Vetted("bert", "interleaved", "RoFormerSelfAttention.apply_rotary_position_embeddings: "
+                       "stack(-x[..., 1::2], x[..., ::2]); sin/cos repeated pairwise from the sinusoidal_pos "
+                       "RoFormerEncoder hands every layer (RoFormerSinusoidalPositionalEmbedding, 10000^(2i/d))",
+                       causal=(True, False)),
 }
 # Model types whose layer passes the static screens (Llama layout, plain RoPE) but whose source shows a semantic the
 # reference does not model: refused by name, not as "not vetted".
 UNMODELLED_SOURCE: dict[str, str] = {
-    "eurobert": "an encoder in the Llama layout (EuroBertAttention: is_causal=False, bidirectional), which this "
-                "adapter drives as a decoder (under sdpa, B=1 without padding then attends both ways)",
+    # approximations of softmax attention
+    "yoso": "approximate attention (YOSO: LSH-based Bernoulli sampling, the collision probability "
+            "(1 - arccos(q.k)/pi)^tau in place of softmax)",
+    "mra": "approximate attention (MRA: a multi-resolution block approximation of softmax attention, mra2_attention)",
+    "big_bird": "block-sparse attention by default (attention_type='block_sparse': BigBirdBlockSparseAttention; "
+                "BigBirdSelfAttention is only its original_full fallback)",
+    # positions or biases handed to the layer beyond the mask
+    "bros": "bounding-box position scores inside attention (BrosSelfAttention: bbox_pos_emb)",
+    "layoutlmv3": "relative 1-D and 2-D (spatial) position biases added to the scores (LayoutLMv3SelfAttention: "
+                  "position_bias; has_relative_attention_bias / has_spatial_attention_bias default True)",
+    "dpt": "no attention mask (DPTSelfAttention.forward takes none: a vision encoder over patches), so neither "
+           "padding nor a causal mask can reach it",
+    "yolos": "no attention mask (YolosSelfAttention.forward takes none: a vision encoder over patches), so neither "
+             "padding nor a causal mask can reach it",
+    "vitpose_backbone": "no attention mask (VitPoseBackboneSelfAttention.forward takes none: a vision encoder), so "
+                        "neither padding nor a causal mask can reach it",
+    # the class is not a plain self-attention call
+    "mobilebert": "separate query/key/value inputs (MobileBertSelfAttention.forward(query_tensor, key_tensor, "
+                  "value_tensor): q/k from the bottleneck, v from the layer input)",
+    "canine": "separate from/to inputs (CanineSelfAttention.forward(from_tensor, to_tensor)), also run as local "
+              "attention over blocks",
+    "lxmert": "a cross-attention signature (LxmertAttention.forward(hidden_states, context); its self-attention "
+              "layer passes context=hidden_states)",
+    # RoPE the reference does not model
+    "eomt_dinov3": "2-D RoPE over image patches (EomtDinov3RotaryEmbedding.forward(pixel_values): patch "
+                   "coordinates, not token positions)",
+    "glm4v_text": "multimodal RoPE (M-RoPE: mrope_section splits the rotary frequencies over 3 position streams, "
+                  "temporal/height/width)",
+    "glm_image_text": "multimodal RoPE (M-RoPE: mrope_section splits the rotary frequencies over 3 position streams)",
+    "glm_ocr_text": "multimodal RoPE (M-RoPE: mrope_section splits the rotary frequencies over 3 position streams)",
+    "neucodec": "RoPE over attention heads instead of token positions (NeuCodecAttention: position_ids of shape "
+                "(1, num_attention_heads), apply_rotary_pos_emb(..., unsqueeze_dim=2))",
+    "xcodec2": "RoPE over attention heads instead of token positions (Xcodec2Attention: position_ids of shape "
+               "(1, num_attention_heads), apply_rotary_pos_emb(..., unsqueeze_dim=2))",
+    "ultrabert": "per-layer-type RoPE (UltrabertRotaryEmbedding.forward(x, position_ids, layer_type): its own "
+                 "rope_theta for sliding and full layers) with a sliding window on sliding layers",
+    "mimo_v2_flash": "attention sinks and more kv heads on its sliding-window layers, a v head dim of its own "
+                     "(v_head_dim) and per-layer-type RoPE on a third of each head (MiMoV2FlashAttention: s_aux=self.sinks; "
+                     "MiMoV2FlashRotaryEmbedding(layer_type), partial_rotary_factor 0.334)",
+    "unlimited_ocr_text": "an eager path that does not repeat kv heads (unlimited_ocr.eager_attention_forward has no "
+                          "repeat_kv: GQA under eager raises; sdpa passes)",
     "cohere2": "RoPE only on its sliding-window layers and none (NoPE) on full-attention layers "
                "(Cohere2Attention: apply_rotary_pos_emb only when sliding_window is set), with a sliding window",
     "cohere2_moe": "RoPE only on its sliding-window layers and none (NoPE) on full-attention layers, with a "
@@ -210,6 +311,9 @@ class HuggingFace(AttentionAdapter):
         layout, problem = classify_layer(module, rotary, self.model_type)
         if not problem and self.model_type in UNMODELLED_SOURCE and self.vetted is None:
             problem = f"its modeling file shows {UNMODELLED_SOURCE[self.model_type]}"
+        sinusoid = self.vetted is not None and layout == "bert" and self.vetted.rope is not None
+        if not problem:
+            problem = unsupplied_inputs(module, layout, {"sinusoidal_pos"} if sinusoid else set())
         if problem:
             raise refuse(self.spec, problem, self._fix())
         if self.vetted is None:
@@ -220,11 +324,35 @@ class HuggingFace(AttentionAdapter):
             raise adapter_error(f"hf:{self.model_type} is vetted as the {self.vetted.layout} layout but its "
                                 f"{type(module).__name__} has the {layout} layout")
         self.layout = layout
-        if self.layout != "bert" and not causal:
+        if causal not in self.vetted.causal:
+            if causal:
+                raise refuse(self.spec, f"its {type(module).__name__} is an encoder's (is_causal=False: "
+                             "bidirectional attention), so it is judged with causal=false only", "pass causal=false")
             raise refuse(self.spec, "its attention is a decoder's (the model always builds a causal mask)",
                          "pass causal=true")
+        if self.attn_implementation == "sdpa":
+            declared = sdpa_declared_false(self.modeling, self.config_cls)
+            if declared:
+                raise refuse(self.spec, f"its model declares _supports_sdpa=False ({declared}: transformers "
+                             "itself refuses attn_implementation='sdpa' for it)", "pass hf.attn_implementation=eager")
         object.__setattr__(module, "_tfmoe_rotary", rotary.to(device) if rotary is not None else None)
+        object.__setattr__(module, "_tfmoe_sinusoid", self._sinusoid(cls, cfg, d_model // n_heads, device)
+                           if sinusoid else None)
         return module.to(device=device, dtype=dtype).eval()
+
+    def _sinusoid(self, cls: type, cfg: Any, d_head: int, device: torch.device) -> nn.Module:
+        """RoFormer's way: the model builds ``<Prefix>SinusoidalPositionalEmbedding(max_positions, head_dim)``
+        once, fills it with its own ``create_weight()`` (its _init_weights) and hands every layer
+        ``sinusoidal_pos`` = its rows for positions 0..T-1, shape (1, 1, T, head_dim)."""
+        name = cls.__name__.removesuffix("SelfAttention") + "SinusoidalPositionalEmbedding"
+        positions_cls = getattr(self.modeling, name, None)
+        if positions_cls is None:
+            raise adapter_error(f"hf:{self.model_type} is vetted with RoPE in the bert layout but its modeling file "
+                                f"has no {name}")
+        positions = positions_cls(cfg.max_position_embeddings, d_head)
+        with torch.no_grad():
+            positions.weight.copy_(positions.create_weight())
+        return positions.to(device)
 
     # ----------------------------------------------------------------------------------------- forward
     def forward(self, module: nn.Module, x: torch.Tensor, padding_mask: torch.Tensor | None, *, causal: bool,
@@ -235,18 +363,27 @@ class HuggingFace(AttentionAdapter):
         attention_mask = None if padding_mask is None else padding_mask.to(device=x.device, dtype=torch.long)
         position_ids = torch.arange(T, device=x.device).expand(B, T)
         embeds = {"inputs_embeds|input_embeds": x}  # keyword names that changed within 5.x: whichever is taken
-        if causal:
-            mask = call_compatible(create_causal_mask, config=module.config, **embeds, attention_mask=attention_mask,
+        if self.vetted.mask == "extended":  # e.g. LayoutLMModel.forward: ones when no mask is given, never None
+            mask = extended_mask(torch.ones(B, T, device=x.device) if attention_mask is None else attention_mask,
+                                 causal, x.dtype)
+        elif causal:
+            mask = call_compatible(create_causal_mask, config=self.cfg, **embeds, attention_mask=attention_mask,
                                    **{"cache|past_key_values": None}, cache_position=torch.arange(T, device=x.device),
                                    position_ids=position_ids)
         else:
-            mask = call_compatible(create_bidirectional_mask, config=module.config, **embeds,
+            mask = call_compatible(create_bidirectional_mask, config=self.cfg, **embeds,
                                    attention_mask=attention_mask)
         if self.layout == "llama":
             cos, sin = module._tfmoe_rotary(x, position_ids)
             result = module(x, position_embeddings=(cos, sin), attention_mask=mask)
         else:
-            result = module(x, attention_mask=mask)
+            extra = {} if module._tfmoe_sinusoid is None else {
+                "sinusoidal_pos": module._tfmoe_sinusoid((B, T)).to(x.dtype)[None, None]}  # (1,1,T,Dh)
+            if "output_attentions" in inspect.signature(module.forward).parameters:  # the legacy tuple API
+                result = module(x, attention_mask=mask, output_attentions=self.returns_weights, **extra)
+                result = (result[0], result[1] if self.returns_weights else None)
+            else:
+                result = module(x, attention_mask=mask, **extra)
         return checked_output(tuple(result[:2]), type(module).__name__)
 
     # ------------------------------------------------------------------------------------- projections
@@ -270,8 +407,11 @@ class HuggingFace(AttentionAdapter):
             scale = None if self.cfg.scale_attn_weights else 1.0
             return Projections(w_q, w_k, w_v, params["c_proj.weight"].transpose(0, 1), n_heads, n_heads,
                                b_q, b_k, b_v, params["c_proj.bias"], scale=scale)
+        d_head = params["query.weight"].shape[0] // n_heads
+        rope = None if self.vetted.rope is None else Rope(10000.0, d_head, self.vetted.rope)  # RoFormer's sinusoid:
+        # pos / 10000^(2i/d_head), a constant in its create_weight, not a config key
         return Projections(params["query.weight"], params["key.weight"], params["value.weight"], None,
-                           n_heads, n_heads, params["query.bias"], params["key.bias"], params["value.bias"])
+                           n_heads, n_heads, params["query.bias"], params["key.bias"], params["value.bias"], rope=rope)
 
     def set_projections(self, module: nn.Module, p: Projections) -> None:
         if self.layout == "llama":
@@ -323,6 +463,58 @@ def init_parameters(cls: type) -> Any:
         fn = inner[0]
         params = inspect.signature(fn).parameters
     return params
+
+
+SUPPLIED = {"hidden_states", "attention_mask", "output_attentions"}
+ABSENT_MEANS_SELF_ATTENTION = {"cache", "past_key_values", "cache_position", "encoder_hidden_states",
+                               "encoder_attention_mask", "head_mask", "position_ids"}
+
+
+def unsupplied_inputs(module: nn.Module, layout: str, supplied: set[str] = frozenset()) -> str:
+    """'' or the semantic behind the forward's inputs that this adapter does not supply: a layer that takes
+    positions or biases beside the mask (layoutlmv3's position_bias, roformer's sinusoidal_pos) would run without
+    them and could pass while judging a layer its model never runs."""
+    params = {n for n, p in inspect.signature(module.forward).parameters.items()
+              if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    extra = params - SUPPLIED - supplied - ABSENT_MEANS_SELF_ATTENTION - (
+        {"position_embeddings"} if layout == "llama" else set())
+    if getattr(module, "position_embedding_type", None) == "absolute":  # ESM reads them only when 'rotary'
+        extra.discard("position_embeddings")
+    if not extra:
+        return ""
+    return (f"its {type(module).__name__}.forward takes {sorted(extra)}, inputs beyond the mask that this adapter "
+            "does not supply (positions, biases or separate q/k/v tensors)")
+
+
+def takes_kv_heads(model_type: str) -> bool:
+    """Whether the model type's config has ``num_key_value_heads`` (GQA can be judged; gte, nomic_bert: no)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return hasattr(CONFIG_MAPPING[model_type](), "num_key_value_heads")
+
+
+def sdpa_declared_false(modeling: Any, config_cls: type) -> str:
+    """'' or the name of the model class (of ``config_cls``, in the modeling module) whose ``_supports_sdpa`` is
+    False: transformers refuses ``attn_implementation='sdpa'`` for it, so sdpa is not a path its model runs (some of
+    these classes write the softmax out, others dispatch but have no ``is_causal``, causal under sdpa without a
+    mask)."""
+    from transformers import PreTrainedModel
+
+    for name, cls in sorted(vars(modeling).items()):
+        if (inspect.isclass(cls) and issubclass(cls, PreTrainedModel) and cls.__module__ == modeling.__name__
+                and getattr(cls, "config_class", None) is config_cls and cls._supports_sdpa is False):
+            return name
+    return ""
+
+
+def extended_mask(attention_mask: torch.Tensor, causal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The legacy additive mask older transformers models build in their own forward: (B,1,1,T) from the (B,T)
+    0/1 padding mask, (1 - mask) * finfo(dtype).min, and for a decoder also the lower triangle, (B,1,T,T)."""
+    keep = attention_mask[:, None, None, :].to(dtype)  # (B,1,1,T)
+    if causal:
+        T = attention_mask.shape[-1]
+        keep = keep * torch.ones(T, T, device=keep.device, dtype=dtype).tril()[None, None]  # (B,1,T,T)
+    return (1.0 - keep) * torch.finfo(dtype).min
 
 
 def rotary_class(modeling: Any, attention: type) -> type[nn.Module] | None:
