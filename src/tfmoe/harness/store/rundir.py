@@ -187,7 +187,7 @@ def records(table: pa.Table | None) -> list[dict[str, Any]]:
     nan = float("nan")
     for name, col in zip(table.column_names, table.columns, strict=True):
         t = col.type
-        values = _datetimes(col) if pa.types.is_timestamp(t) and t.tz else col.to_pylist()
+        values = python_values(col)
         if col.null_count and name not in nullable:
             if pa.types.is_floating(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
                 values = [nan if v is None else v for v in values]
@@ -198,11 +198,19 @@ def records(table: pa.Table | None) -> list[dict[str, Any]]:
         if columns else [{} for _ in range(table.num_rows)]
 
 
+def python_values(col: pa.ChunkedArray | pa.Array) -> list[Any]:
+    """``col.to_pylist()``, except that a timezone-aware timestamp column is converted here: pyarrow imports all of
+    pandas (0.4 s) to convert one, which `tfmoe runs` would pay on the first listing after every new run."""
+    import pyarrow as pa
+
+    return _datetimes(col) if pa.types.is_timestamp(col.type) and col.type.tz else col.to_pylist()
+
+
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
 _PER_SECOND = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
 
 
-def _datetimes(col: pa.ChunkedArray) -> list[dt.datetime | None]:
+def _datetimes(col: pa.ChunkedArray | pa.Array) -> list[dt.datetime | None]:
     """A timezone-aware timestamp column as datetimes in its zone (as ``to_pylist`` gives them, without its
     import of pandas for the zone): its int64 values read as that many units since the epoch (nanoseconds to
     microseconds, as datetime holds them)."""
@@ -215,7 +223,7 @@ def _datetimes(col: pa.ChunkedArray) -> list[dt.datetime | None]:
         zone = zoneinfo.ZoneInfo(col.type.tz)
     per_second = _PER_SECOND[col.type.unit]
     out: list[dt.datetime | None] = []
-    for chunk in col.chunks:
+    for chunk in col.chunks if isinstance(col, pa.ChunkedArray) else [col]:
         for v in chunk.view(pa.int64()).to_pylist():
             if v is None:
                 out.append(None)
