@@ -10,8 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
-
 from tfmoe.errors import BadInput
 from tfmoe.harness.store.notebook import resolve_run
 from tfmoe.harness.store.rundir import read_table, records, utcnow, write_parquet, write_text
@@ -37,6 +35,7 @@ def read(run_dir: Path) -> list[dict[str, Any]]:
 def append(run_ref: str, runs_root: Path, entries: list[tuple[str, str]]) -> tuple[Path, list[dict[str, Any]]]:
     """Append (kind, text) rows to RUN's conclusions.parquet; returns the run directory and every row."""
     import pandas as pd
+    from filelock import FileLock, Timeout
 
     if not entries:
         raise BadInput('nothing to conclude: pass --proven "…", --inferred "…" and/or --unverified "…"')
