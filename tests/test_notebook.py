@@ -294,3 +294,32 @@ def test_records_reference_comparison_sees_a_wrong_missing_value() -> None:
     theirs = table.to_pandas().to_dict("records")
     assert not _pandas_equal(table.column("f").to_pylist()[1], theirs[1]["f"])
     assert _pandas_equal(rundir.records(table)[1]["f"], theirs[1]["f"])
+
+
+def _tables_from_frames(run_dir: Path, fmt: str) -> dict[str, str]:
+    """The reference: each table of `tfmoe show` as it was printed from a pandas DataFrame before issue 23
+    (json: ``to_dict("records")`` dumped as show dumps it; md: one row per DataFrame row)."""
+    import json
+
+    from tfmoe.tables import from_frame
+
+    frames = {key: rundir.read_parquet(run_dir / name) for key, name in rundir.TABLE_FILES.items()}
+    frames["tensors"] = frames["tensors"].drop(columns=["values"])
+    if fmt == "json":
+        return {k: f'"{k}": ' + json.dumps(df.to_dict("records"), default=lambda v: v.tolist()
+                                          if hasattr(v, "tolist") else v.isoformat()) for k, df in frames.items()}
+    return {k: from_frame(df).markdown() for k, df in frames.items()}
+
+
+def test_show_prints_what_it_printed_from_pandas_frames(fake_experiment, capsys) -> None:
+    """show reads a run with pyarrow alone: its checks, metrics (NaN tags, Int64 steps), timings (missing device
+    times: NaN) and tensors print byte for byte as they did from pandas DataFrames, in md and in JSON."""
+    from tfmoe.harness.reading import reports
+
+    _, run_dir = _run_fake(fake_experiment, "mode=fail_check")
+    assert rundir.read_parquet(run_dir / "timings.parquet")["device_ms"].isna().all()  # a NaN to get right
+    for fmt in ("md", "json"):
+        reports.show(str(run_dir), Path("runs"), fmt)
+        out = capsys.readouterr().out
+        for table, expected in _tables_from_frames(run_dir, fmt).items():
+            assert expected in out, f"show --format {fmt}: the {table} table differs from pandas' rendering"
