@@ -39,6 +39,9 @@ CATALOG_FILE = ".tfmoe-catalog.sqlite3"
 SCHEMA_VERSION = "5"
 # Statuses a run never leaves; any other (running, unreadable) is re-checked at every sync.
 FINAL_STATUSES = tuple(s.value for s in Status if s.final)
+# The runs every sync re-stats: still changing, or indexed while their run.parquet was brand new. A partial index
+# with this very condition keeps that a lookup at 10,000 runs (a scan of the runs table took 6-16 ms per command).
+UNSETTLED = (f"status NOT IN ({', '.join(repr(s) for s in FINAL_STATUSES)}) OR sig IS NULL OR sig LIKE '%:racy'")
 RACY_S = 2.0
 SKIP_DIRS = {".hydra", "__pycache__"}
 SQL_TABLES = {"run": RUN_FILE, "metrics": TABLE_FILES["metrics"], "checks": TABLE_FILES["checks"],
@@ -60,6 +63,7 @@ CREATE TABLE IF NOT EXISTS views (name TEXT PRIMARY KEY, generation INTEGER, blo
 CREATE INDEX IF NOT EXISTS runs_run_id ON runs (run_id);
 CREATE INDEX IF NOT EXISTS runs_started ON runs (started_at);
 CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent);
+CREATE INDEX IF NOT EXISTS runs_unsettled ON runs (path) WHERE """ + UNSETTLED + """;
 CREATE INDEX IF NOT EXISTS containers_parent ON containers (parent);
 """ + "".join(
     f"CREATE TRIGGER IF NOT EXISTS {table}_{event.lower()} AFTER {event} ON {table} BEGIN UPDATE meta SET value = "
@@ -359,21 +363,23 @@ def sync(conn: sqlite3.Connection, runs_root: Path) -> None:
         known = conn.execute("SELECT path, parent, sig FROM containers ORDER BY length(path)").fetchall()
         if not known:
             _scan(conn, root, "", None)
+        alive: set[str] | None = {rel for rel, _, _ in known}  # the containers known now (None: read again)
         for rel, parent, sig in known:
-            still = conn.execute("SELECT 1 FROM containers WHERE path = ?", (rel,)).fetchone()
-            if still is None:  # forgotten while rescanning its parent
-                continue
+            if alive is None:  # after a rescan or a forget: one query, not one per container
+                alive = {p for (p,) in conn.execute("SELECT path FROM containers")}
+            if rel not in alive:
+                continue  # forgotten while rescanning its parent
             try:
-                now = _dir_sig((root / rel).stat())
+                now = _dir_sig(os.stat(f"{root}/{rel}" if rel else root))
             except OSError:
                 _forget(conn, rel)
+                alive = None
                 continue
             if sig is None or now != sig:
                 _scan(conn, root, rel, parent)
+                alive = None
         # runs whose status can still change, and runs indexed while their run.parquet was brand new
-        for rel, parent, sig in conn.execute(
-                f"SELECT path, parent, sig FROM runs WHERE status NOT IN ({','.join('?' * len(FINAL_STATUSES))}) "
-                "OR sig IS NULL OR sig LIKE '%:racy'", FINAL_STATUSES).fetchall():
+        for rel, parent, sig in conn.execute(f"SELECT path, parent, sig FROM runs WHERE {UNSETTLED}").fetchall():
             new_sig = _sig(root / rel / RUN_FILE)
             if new_sig is None:
                 continue  # gone: its container's rescan forgets it
