@@ -2,7 +2,9 @@
 same run, paired A/B (each sample of a command is taken right after a sample of `--help`, so machine load hits both
 alike), at 10 runs and at 10,000 runs. Runs roots are made the way bench_catalog.py makes them (a few real
 shift-labels runs, copied under their own ids). Prints the medians, the ratio beside its target, and the load
-average (os.getloadavg) before and after, since a loaded machine moves the figures. Usage:
+average (os.getloadavg) before and after, since a loaded machine moves the figures, and whether Python caches
+bytecode (with PYTHONDONTWRITEBYTECODE set, each command compiles every tfmoe module it imports at each start, as
+--help compiles fewer). Usage:
 python benchmarks/bench_notebook_startup.py [N] [REPEATS]
 """
 
@@ -57,7 +59,9 @@ def main(n: int = 10_000, repeats: int = 7) -> None:
         ids = {"ok": seeds["ok"].name, "err": seeds["error"].name}
         for key, job in (("a", "job0"), ("b", "job1")):
             ids[key] = f"{seeds[job].parent.name.removeprefix('multirun-')}-{seeds[job].name}"
-        print(f"before: {load()}")
+        print(f"before: {load()}; Python's bytecode cache "
+              + ("off (PYTHONDONTWRITEBYTECODE: every tfmoe module is compiled at each start)"
+                 if os.environ.get("PYTHONDONTWRITEBYTECODE") else "on"))
         print(f"{'command':32s} {'target':>7s} " + " ".join(
             f"{f'{size} runs: --help / command / ratio':>40s}" for size in roots))
         worst = 0.0

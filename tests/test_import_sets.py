@@ -77,10 +77,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cwd = tmp_path_factory.mktemp("lab")
     make_run(cwd / "runs", "20260101T000000Z-aaaaaaaa", tensor=[0.5, 1.5])
     make_run(cwd / "runs", "20260102T000000Z-bbbbbbbb", "failed", tensor=[0.5, 2.5])
-    old = time.time() - 3600  # not racy: the catalog trusts these directories' mtimes
-    for d in [cwd / "runs", *(cwd / "runs").rglob("*")]:
-        if d.is_dir():
-            os.utime(d, (old, old))
+    old = time.time() - 3600  # not racy: the catalog trusts these directories' and run.parquet files' mtimes
+    for d in [cwd / "runs", *(cwd / "runs").rglob("*")]:  # (else a later sync re-reads a run: with pyarrow)
+        os.utime(d, (old, old))
     from tfmoe.harness.store import catalog
 
     assert catalog.rebuild(cwd / "runs") == 2
@@ -109,15 +108,41 @@ def test_import_guard_names_a_forbidden_import_put_back(lab: Path) -> None:
         assert_imports_none_of(["runs", "--last", "5"], lab, HEAVY, plant=plant)
 
 
+READS_WITH_PYARROW_ALONE = (*NO_CONFIG_NO_TORCH, "duckdb", "pandas")  # show, failures add: pyarrow reads the run
+SHOWS_A_PASSING_RUN = (*READS_WITH_PYARROW_ALONE, "yaml")  # no failed check to explain: no config parsed
+
+
 @pytest.mark.parametrize(("args", "forbidden", "code"), [
-    (["show", "20260101T000000Z-aaaaaaaa"], (*NO_CONFIG_NO_TORCH, "duckdb"), 0),
+    (["show", "20260101T000000Z-aaaaaaaa"], SHOWS_A_PASSING_RUN, 0),
+    (["show", "20260101T000000Z-aaaaaaaa", "--format", "md"], SHOWS_A_PASSING_RUN, 0),
+    (["show", "20260101T000000Z-aaaaaaaa", "--format", "json"], SHOWS_A_PASSING_RUN, 0),
     (["diff", "20260101T000000Z-aaaaaaaa", "20260102T000000Z-bbbbbbbb"], (*NO_CONFIG_NO_TORCH, "duckdb"), 1),
     (["sql", "SELECT run_id FROM runs"], NO_CONFIG_NO_TORCH, 0),
     (["failures", "add", "20260102T000000Z-bbbbbbbb", "--again", "--file", "failures-guard.md"],
-     (*NO_CONFIG_NO_TORCH, "duckdb"), 0),
-], ids=["show", "diff", "sql", "failures-add"])
+     READS_WITH_PYARROW_ALONE, 0),
+], ids=["show", "show-md", "show-json", "diff", "sql", "failures-add"])
 def test_notebook_commands_import_neither_hydra_nor_torch(lab: Path, args: list[str], forbidden: tuple[str, ...],
                                                           code: int) -> None:
     out = assert_imports_none_of(args, lab, forbidden, code=code)
     if args[0] == "diff":  # the saved tensors were compared (numpy, not torch): 2.5 vs 1.5 differs
         assert "out" in out and "tensors" in out
+
+
+@pytest.mark.parametrize("args", [["show", "20260101T000000Z-aaaaaaaa"],
+                                  ["failures", "add", "20260102T000000Z-bbbbbbbb", "--again", "--file", "f-plant.md"]],
+                         ids=["show", "failures-add"])
+def test_import_guard_names_pandas_put_back_into_reading_a_run(lab: Path, args: list[str]) -> None:
+    # planted: a run's tables are read through pandas again (DataFrame.to_dict, as before issue 23)
+    plant = ("import tfmoe.harness.store.notebook as n\n"
+             "def rows(self, key):\n    return self.frame(key).to_dict('records')\nn.RunData.rows = rows")
+    with pytest.raises(AssertionError, match=r"imported .*pandas"):
+        assert_imports_none_of(args, lab, READS_WITH_PYARROW_ALONE, plant=plant)
+
+
+def test_show_json_of_a_run_without_an_end_time(lab: Path) -> None:
+    """A run still running (or lost) has no finished_at: show --format json writes null (it raised on pandas' NaT)."""
+    make_run(lab / "runs", "20260103T000000Z-cccccccc", "running")
+    out = assert_imports_none_of(["show", "20260103T000000Z-cccccccc", "--format", "json"], lab,
+                                 READS_WITH_PYARROW_ALONE)
+    run = json.loads(out)["run"]
+    assert run["finished_at"] is None and run["wall_s"] is None and run["started_at"].endswith("+00:00")

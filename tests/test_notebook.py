@@ -236,3 +236,90 @@ def test_runner_applies_threads_and_restores_them(fake_experiment) -> None:
     with pytest.raises(KeyboardInterrupt):
         launch.run_experiment(fake_experiment, ["mode=interrupt", "threads=1"], quiet=True)
     assert torch.get_num_threads() == before
+
+
+def _pandas_equal(mine: object, theirs: object) -> bool:
+    """``mine`` (rundir.records) is the value pandas gives: NaN for NaN, None for None/NaT/NA, the same type kind
+    (bool, int, float, str), a list for an array, a datetime equal to the Timestamp (same instant, both aware)."""
+    import datetime as dt
+
+    import numpy as np
+
+    if theirs is None or theirs is pd.NaT or theirs is pd.NA:
+        return mine is None
+    if isinstance(theirs, np.ndarray):
+        return isinstance(mine, list) and theirs.tolist() == mine
+    if isinstance(theirs, pd.Timestamp):
+        return isinstance(mine, dt.datetime) and mine.tzinfo is not None and theirs == pd.Timestamp(mine) \
+            and str(theirs) == str(mine)
+    if isinstance(theirs, float):
+        return isinstance(mine, float) and (mine == theirs or (mine != mine and theirs != theirs))
+    return type(mine) is type(theirs) and mine == theirs
+
+
+def test_records_are_the_values_pandas_reads(fake_experiment, tmp_path: Path) -> None:
+    """`tfmoe show` and `failures add` print rundir.records' rows: the values to_pandas().to_dict("records") gives
+    (pandas is the reference here), for every table of real runs and for planted edge cases: missing values of
+    each type, integer columns with gaps written by pyarrow (float in pandas) and by pandas as Int64 (None)."""
+    import pyarrow as pa
+
+    _run_fake(fake_experiment)
+    _run_fake(fake_experiment, "mode=fail_check")
+    files = sorted(Path("runs").rglob("*.parquet"))
+    assert len(files) >= 8
+    planted = pa.table({
+        "s": ["a", None], "f": [1.5, None], "i": pa.array([10**7, None], pa.int64()), "i2": [1, 2],
+        "b": [True, None], "ts": pa.array([1_700_000_000_123_456, None], pa.timestamp("us", tz="UTC")),
+        "ts_s": pa.array([1_700_000_000, None], pa.timestamp("s", tz="UTC")),
+        "l": pa.array([[1.5, 2.0], None], pa.list_(pa.float64())), "n": pa.array([None, None], pa.null()),
+        "ls": pa.array([["x"], []], pa.list_(pa.string()))})
+    written = tmp_path / "int64.parquet"
+    rundir.write_parquet(rundir.metrics_frame([{"name": "m", "value": 1.0, "step": 3}, {"name": "m", "value": 2.0}]),
+                         written)
+    tables = [rundir.read_table(f) for f in [*files, written]] + [planted]
+    for table in tables:
+        theirs = table.to_pandas().to_dict("records")
+        mine = rundir.records(table)
+        assert len(mine) == len(theirs) and [list(r) for r in mine] == [list(r) for r in theirs]
+        for a, b in zip(mine, theirs, strict=True):
+            bad = {k: (a[k], b[k]) for k in b if not _pandas_equal(a[k], b[k])}
+            assert not bad, f"{table.schema.names}: {bad}"
+
+
+def test_records_reference_comparison_sees_a_wrong_missing_value() -> None:
+    """Planted: a missing float given as None (pyarrow's own value, not pandas' NaN) is caught by the comparison."""
+    import pyarrow as pa
+
+    table = pa.table({"f": [1.0, None]})
+    theirs = table.to_pandas().to_dict("records")
+    assert not _pandas_equal(table.column("f").to_pylist()[1], theirs[1]["f"])
+    assert _pandas_equal(rundir.records(table)[1]["f"], theirs[1]["f"])
+
+
+def _tables_from_frames(run_dir: Path, fmt: str) -> dict[str, str]:
+    """The reference: each table of `tfmoe show` as it was printed from a pandas DataFrame before issue 23
+    (json: ``to_dict("records")`` dumped as show dumps it; md: one row per DataFrame row)."""
+    import json
+
+    from tfmoe.tables import from_frame
+
+    frames = {key: rundir.read_parquet(run_dir / name) for key, name in rundir.TABLE_FILES.items()}
+    frames["tensors"] = frames["tensors"].drop(columns=["values"])
+    if fmt == "json":
+        return {k: f'"{k}": ' + json.dumps(df.to_dict("records"), default=lambda v: v.tolist()
+                                          if hasattr(v, "tolist") else v.isoformat()) for k, df in frames.items()}
+    return {k: from_frame(df).markdown() for k, df in frames.items()}
+
+
+def test_show_prints_what_it_printed_from_pandas_frames(fake_experiment, capsys) -> None:
+    """show reads a run with pyarrow alone: its checks, metrics (NaN tags, Int64 steps), timings (missing device
+    times: NaN) and tensors print byte for byte as they did from pandas DataFrames, in md and in JSON."""
+    from tfmoe.harness.reading import reports
+
+    _, run_dir = _run_fake(fake_experiment, "mode=fail_check")
+    assert rundir.read_parquet(run_dir / "timings.parquet")["device_ms"].isna().all()  # a NaN to get right
+    for fmt in ("md", "json"):
+        reports.show(str(run_dir), Path("runs"), fmt)
+        out = capsys.readouterr().out
+        for table, expected in _tables_from_frames(run_dir, fmt).items():
+            assert expected in out, f"show --format {fmt}: the {table} table differs from pandas' rendering"

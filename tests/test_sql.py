@@ -5,12 +5,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from tfmoe.errors import BadInput
 from tfmoe.harness.reading import sql
+from tfmoe.status import Status
 from tfmoe.testing import launched, run_cli
 
 
@@ -214,3 +217,94 @@ def test_with_run_parquet_unreadable_the_advice_is_hydras_recorded_command_line(
     code, made = launched(EXPERIMENTS[experiment], overrides)
     assert code == 1 and len(made) == 1  # the run again, its failed check included
     assert load_run(made[0]).run["seed"] == 2 and load_run(made[0]).run["status"] == "failed"
+
+
+# ------------------------------------------------------------------------------------------ the kept runs view
+def _runs_now(root: Path) -> pd.DataFrame:
+    return sql.query(root, "SELECT * FROM runs ORDER BY path")
+
+
+def _same_as_rebuilt(root: Path) -> int:
+    """How many runs the view has, after checking it equals a rebuilt catalog's (pandas compares NaN as equal)."""
+    now = _runs_now(root)
+    pd.testing.assert_frame_equal(now, _runs_rebuilt(root))
+    return len(now)
+
+
+def _runs_rebuilt(root: Path) -> pd.DataFrame:
+    """The runs view from a catalog built afresh from the directories (the reference: no kept view)."""
+    from tfmoe.harness.store import catalog
+
+    catalog.rebuild(root)
+    return _runs_now(root)
+
+
+def _kept_views(root: Path) -> list[tuple[str, int, int]]:
+    """(view, generation it was built at, the catalog's generation now) of each view the catalog keeps."""
+    import sqlite3
+
+    from tfmoe.harness.store.catalog import CATALOG_FILE
+
+    conn = sqlite3.connect(root / CATALOG_FILE)
+    try:
+        now = int(conn.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()[0])
+        return [(name, gen, now) for name, gen in conn.execute("SELECT name, generation FROM views")]
+    finally:
+        conn.close()
+
+
+def test_the_runs_view_is_kept_until_a_run_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 10,000 runs `tfmoe sql` reads the runs view as one kept table: the same rows as a catalog rebuilt from the
+    directories, after a run is added, finishes or is deleted."""
+    from test_catalog import age, make_run
+
+    from tfmoe.harness.store import catalog
+
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)
+    root = tmp_path / "runs"
+    make_run(root, "fake/20260101T000000Z-aaaaaaaa", checks=(True, False))
+    running = make_run(root, "fake/20260102T000000Z-bbbbbbbb", "running")
+    age(root)
+    first = _runs_now(root)
+    assert [(v, gen == now) for v, gen, now in _kept_views(root)] == [(f"run {root}", True)]
+    pd.testing.assert_frame_equal(_runs_now(root), first)  # read back from the kept view
+    assert list(first["checks_passed"]) == [1, 0] and list(first["status"]) == ["ok", "running"]
+    make_run(root, "fake/20260103T000000Z-cccccccc")  # a new run
+    assert _same_as_rebuilt(root) == 3
+    notebook_writer(running).finish(None, Status.OK, 0, None, None, None, 100)  # the running run ends
+    assert list(_runs_now(root)["status"]) == ["ok", "ok", "ok"] and _same_as_rebuilt(root) == 3
+    shutil.rmtree(root / "fake/20260103T000000Z-cccccccc")
+    assert _same_as_rebuilt(root) == 2
+
+
+def test_a_kept_view_without_the_generation_triggers_goes_stale(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: with the triggers that count the catalog's changes dropped, the kept view is read back after a run
+    was added, and the test above's comparison would see the missing run."""
+    import sqlite3
+
+    from test_catalog import age, make_run
+
+    from tfmoe.harness.store import catalog
+
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)
+    monkeypatch.setattr(catalog, "_DDL", catalog._DDL.split("CREATE TRIGGER")[0])  # no triggers made
+    root = tmp_path / "runs"
+    make_run(root, "fake/20260101T000000Z-aaaaaaaa")
+    age(root)
+    assert len(_runs_now(root)) == 1
+    conn = sqlite3.connect(root / catalog.CATALOG_FILE)
+    assert conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'").fetchone()[0] == 0
+    conn.close()
+    make_run(root, "fake/20260102T000000Z-bbbbbbbb")
+    assert len(_runs_now(root)) == 1  # stale: the new run is missing
+    assert len(catalog.listing(catalog.open_catalog(root), root)) == 2  # while the catalog itself has it
+
+
+def notebook_writer(run_dir: Path):
+    """The RunWriter of a run test_catalog.make_run left running (same id, experiment and start)."""
+    from tfmoe.harness.store import notebook
+
+    row = notebook.read_run_row(run_dir)
+    return notebook.RunWriter(run_dir=run_dir, run_id=row["run_id"], experiment=row["experiment"], seed=0, argv=[],
+                              overrides=["x=1"], device="cpu", dtype="fp32", started_at=row["started_at"])

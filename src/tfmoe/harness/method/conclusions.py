@@ -8,31 +8,35 @@ longer read back, and writes old + new atomically under a file lock (concurrent 
 from __future__ import annotations
 
 from pathlib import Path
-
-import pandas as pd
-import pyarrow as pa
-from filelock import FileLock, Timeout
+from typing import Any
 
 from tfmoe.errors import BadInput
 from tfmoe.harness.store.notebook import resolve_run
-from tfmoe.harness.store.rundir import read_parquet, utcnow, write_parquet, write_text
+from tfmoe.harness.store.rundir import read_table, records, utcnow, write_parquet, write_text
 
 CONCLUSIONS_FILE = "conclusions.parquet"
 KINDS = {"proven": "Proven (a check or a number from this run)", "inferred": "Inferred (not shown by this run alone)",
          "unverified": "Not yet verified"}
-SCHEMA = pa.schema([("kind", pa.string()), ("text", pa.string()), ("written_at", pa.timestamp("us", tz="UTC"))])
+
+def schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema([("kind", pa.string()), ("text", pa.string()), ("written_at", pa.timestamp("us", tz="UTC"))])
+
 SUMMARY_MARK = "\n## Conclusions\n"
 
 
-def read(run_dir: Path) -> pd.DataFrame:
+def read(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's conclusions (kind, text, written_at), in the order written; none without the file."""
     path = Path(run_dir) / CONCLUSIONS_FILE
-    if not path.exists():
-        return pd.DataFrame(columns=SCHEMA.names)
-    return read_parquet(path)
+    return records(read_table(path)) if path.exists() else []
 
 
-def append(run_ref: str, runs_root: Path, entries: list[tuple[str, str]]) -> tuple[Path, pd.DataFrame]:
+def append(run_ref: str, runs_root: Path, entries: list[tuple[str, str]]) -> tuple[Path, list[dict[str, Any]]]:
     """Append (kind, text) rows to RUN's conclusions.parquet; returns the run directory and every row."""
+    import pandas as pd
+    from filelock import FileLock, Timeout
+
     if not entries:
         raise BadInput('nothing to conclude: pass --proven "…", --inferred "…" and/or --unverified "…"')
     for kind, text in entries:
@@ -46,9 +50,9 @@ def append(run_ref: str, runs_root: Path, entries: list[tuple[str, str]]) -> tup
         with FileLock(str(path) + ".lock", timeout=30):
             old = read(run_dir)
             now = utcnow()
-            new = pd.DataFrame([{"kind": k, "text": t.strip(), "written_at": now} for k, t in entries])
-            both = new if old.empty else pd.concat([old, new], ignore_index=True)
-            write_parquet(both, path, schema=SCHEMA)
+            both = [*({k: r[k] for k in ("kind", "text", "written_at")} for r in old),
+                    *({"kind": k, "text": t.strip(), "written_at": now} for k, t in entries)]
+            write_parquet(pd.DataFrame(both, columns=["kind", "text", "written_at"]), path, schema=schema())
             _rewrite_summary(run_dir, both)
     except Timeout:
         raise BadInput(f"{path} is locked by another process for 30 s: retry, or remove a stale {path}.lock") from None
@@ -58,21 +62,20 @@ def append(run_ref: str, runs_root: Path, entries: list[tuple[str, str]]) -> tup
     return run_dir, both
 
 
-def markdown(df: pd.DataFrame) -> list[str]:
-    """The three headings with their conclusions, in the order written."""
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The three headings with their conclusions (rows of :func:`read`), in the order written."""
     lines = []
     for kind, heading in KINDS.items():
-        rows = df[df["kind"] == kind] if not df.empty else df
         lines += [f"### {heading}", ""]
-        lines += [f"- {r['text']} *({pd.Timestamp(r['written_at']).strftime('%Y-%m-%d %H:%M')} UTC)*"
-                  for r in rows.to_dict("records")] or ["- (none yet)"]
+        lines += [f"- {r['text']} *({r['written_at'].strftime('%Y-%m-%d %H:%M')} UTC)*"
+                  for r in rows if r["kind"] == kind] or ["- (none yet)"]
         lines.append("")
     return lines
 
 
-def _rewrite_summary(run_dir: Path, df: pd.DataFrame) -> None:
+def _rewrite_summary(run_dir: Path, rows: list[dict[str, Any]]) -> None:
     """summary.md keeps everything the run wrote; its Conclusions section (at the end) is regenerated."""
     path = run_dir / "summary.md"
     text = path.read_text(encoding="utf-8") if path.exists() else ""
     head = text.split(SUMMARY_MARK, 1)[0].rstrip() + "\n"
-    write_text(path, head + SUMMARY_MARK + "\n" + "\n".join(markdown(df)).rstrip() + "\n")
+    write_text(path, head + SUMMARY_MARK + "\n" + "\n".join(markdown(rows)).rstrip() + "\n")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -236,10 +237,14 @@ class Judgement:
     where: str = ""  # the row the observed value is: its tag values and step ('' for a mean over rows)
 
 
-def _tag_matches(value: Any, wanted: str) -> bool:
-    import pandas as pd
+def _missing(v: Any) -> bool:
+    """None, NaN, or pandas' NA/NaT (a pandas value can only be here once pandas is loaded)."""
+    pd = sys.modules.get("pandas")
+    return v is None or (isinstance(v, float) and v != v) or (pd is not None and (v is pd.NA or v is pd.NaT))
 
-    if value is None or (pd.api.types.is_scalar(value) and pd.isna(value)):
+
+def _tag_matches(value: Any, wanted: str) -> bool:
+    if _missing(value):
         return False
     if str(value) == wanted:
         return True

@@ -5,11 +5,12 @@ from __future__ import annotations
 import datetime as dt
 import re
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock, Timeout
 
 from tfmoe.errors import BadInput
-from tfmoe.harness.store.notebook import load_run, read_run_row, resolve_run
+from tfmoe.harness.store.notebook import RunData, load_run, read_run_row, resolve_run
 from tfmoe.status import Status
 
 HEADER = ("# Failures log\n\nReal failures met while running experiments: phenomenon, hypothesis, evidence, fix and the "
@@ -25,30 +26,29 @@ def format_entry(number: int, run_ref: str, runs_root: Path, title: str | None, 
                  test: str) -> str:
     data = load_run(resolve_run(run_ref, runs_root))
     run = data.run
-    failed = data.checks[~data.checks["passed"]] if not data.checks.empty else data.checks
-    missed = data.expectations[data.expectations["held"] == False] if not data.expectations.empty \
-        else data.expectations  # noqa: E712 (a nullable column)
-    if failed.empty and missed.empty and run["status"] == Status.OK:
+    failed = [c for c in data.rows("checks") if not c["passed"]]
+    missed = [e for e in data.rows("expectations") if e["held"] is False]  # held is nullable: not yet judged
+    if not failed and not missed and run["status"] == Status.OK:
         raise BadInput(f"run {run['run_id']} passed all its checks and met its expectations: there is no failure "
                        "to log (pass a failed or surprising run, e.g. from `tfmoe runs --status failed`)")
     lines = []
-    for e in missed.to_dict("records"):
+    for e in missed:
         obs = "no rows" if e["observed"] is None or e["observed"] != e["observed"] else f"{e['observed']:.6g}"
         by = "" if e["miss"] is None or e["miss"] != e["miss"] else f" (misses by {e['miss']:.4g})"
         lines.append(f"  - expected `{e['selector']} {e['expected']}` (written {_when(e['written_at'])}), "
                      f"observed {obs}{by} — {e['detail']}")
-    for c in failed.itertuples(index=False):
-        obs = "" if c.observed is None or c.observed != c.observed else f" observed {c.observed:.6g}"
-        thr = "" if c.threshold is None or c.threshold != c.threshold else f" vs threshold {c.threshold:.6g}"
-        lines.append(f"  - `{c.check}`{obs}{thr}{' — ' + c.detail if c.detail else ''}")
+    for c in failed:
+        obs = "" if c["observed"] is None or c["observed"] != c["observed"] else f" observed {c['observed']:.6g}"
+        thr = "" if c["threshold"] is None or c["threshold"] != c["threshold"] else \
+            f" vs threshold {c['threshold']:.6g}"
+        lines.append(f"  - `{c['check']}`{obs}{thr}{' — ' + c['detail'] if c['detail'] else ''}")
     error = run.get("error")
     if isinstance(error, str) and error:
         lines.append(f"  - run status `{run['status']}`: {error}")
-    saved = [n for n in data.tensor_table.get("name", []) if str(n).startswith("failing.")]
-    if title is None and failed.empty and not missed.empty:
-        title = f"{run['experiment']}: expected " + ", ".join(f"{e['selector']} {e['expected']}"
-                                                             for e in missed.to_dict("records"))
-    title = title or (f"{run['experiment']}: " + ", ".join(failed["check"]) if not failed.empty
+    saved = [r["name"] for r in data.rows("tensors") if str(r["name"]).startswith("failing.")]
+    if title is None and not failed and missed:
+        title = f"{run['experiment']}: expected " + ", ".join(f"{e['selector']} {e['expected']}" for e in missed)
+    title = title or (f"{run['experiment']}: " + ", ".join(c["check"] for c in failed) if failed
                       else f"{run['experiment']}: {run['status']}")
     overrides = " ".join(run["overrides"]) or "(none)"
     day = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
@@ -71,19 +71,17 @@ def format_entry(number: int, run_ref: str, runs_root: Path, title: str | None, 
     ])
 
 
-def _when(t: object) -> str:
-    import pandas as pd
-
-    return "?" if t is None else pd.Timestamp(t).strftime("%Y-%m-%d %H:%M:%S UTC")
+def _when(t: dt.datetime | None) -> str:
+    return "?" if t is None else t.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _metric_evidence(data: object, missed: object, max_rows: int = 8) -> list[str]:
+def _metric_evidence(data: RunData, missed: list[dict[str, Any]], max_rows: int = 8) -> list[str]:
     """The metrics rows each missed expectation was judged on (the run's own numbers), as short lines."""
     from tfmoe.harness.method.expectations import parse_one, select_rows
 
     out = []
-    rows = data.metrics.to_dict("records") if not data.metrics.empty else []
-    for e in missed.to_dict("records"):
+    rows = data.rows("metrics")
+    for e in missed:
         picked = select_rows(parse_one(e["label"], f"{e['selector']} {e['expected']}"), rows)
         shown = []
         for r in picked[-max_rows:]:

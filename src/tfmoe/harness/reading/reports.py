@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 from rich.console import Console
 from rich.markup import escape
 
@@ -24,6 +24,9 @@ from tfmoe.harness.store.rundir import EXPECTATIONS_FILE, read_parquet
 from tfmoe.status import Status, exit_code_for, worst_exit_code
 from tfmoe.tables import Rows, cell, from_frame, print_rows
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 console = Console(highlight=False)
 STATUS_STYLES = {Status.OK: "green", Status.FAILED: "red", Status.ERROR: "yellow"}  # any other: magenta
 
@@ -33,6 +36,8 @@ ENV_KEYS = ["device", "device_name", "dtype", "python", "torch", "cuda", "cudnn"
 
 def exit_code_of(run_dirs: list[Path]) -> int:
     """The exit code of these runs together: the worst of each one's (its status's, while it records none)."""
+    import pandas as pd
+
     codes = []
     for d in run_dirs:
         run = read_run_state(d)
@@ -45,6 +50,8 @@ def exit_code_of(run_dirs: list[Path]) -> int:
 
 
 def _runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
+    import pandas as pd
+
     rows = []
     for d in run_dirs:  # only run.parquet and checks.parquet: the summary needs no tensors or metrics
         run = read_run_row(d)
@@ -87,6 +94,8 @@ def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | Non
 
 def _print_outcome_by_status(run_dirs: list[Path], sweep_dirs: list[Path], title: str | None) -> None:
     """A big sweep's outcome: jobs per status (and their wall time), then every job that did not end ok."""
+    import pandas as pd
+
     states = pd.DataFrame([read_run_state(d) for d in run_dirs])
     states["wall_s"] = pd.to_numeric(states.get("wall_s"), errors="coerce")
     table = Rows(title or f"tfmoe sweep: {len(run_dirs)} jobs", ["status", "jobs", "exit", "wall_s total"])
@@ -142,15 +151,24 @@ def print_frame(df: pd.DataFrame, fmt: str, title: str = "") -> None:
 
 
 # --------------------------------------------------------------------------------------------- show
+def print_records(rows: list[dict[str, Any]], fmt: str, title: str, drop: tuple[str, ...] = ()) -> None:
+    """A table's rows (notebook.RunData.rows: pandas' values, pandas not imported) as a md or terminal table, like
+    :func:`print_frame` prints the same table as a DataFrame; ``drop``: columns left out (those it has)."""
+    columns = [c for c in (rows[0] if rows else {}) if c not in drop]
+    print_rows(Rows(title, columns, [tuple(r[c] for c in columns) for r in rows]), fmt, console)
+
+
 def show(ref: str, runs_root: Path, fmt: str) -> None:
+    """`tfmoe show`: one run's record, read with pyarrow alone (no pandas: start-up is most of its time)."""
     data = load_run(resolve_run(ref, runs_root))
+    no_values = ("values",)
     if fmt == "json":
         print(json.dumps({
             "path": str(data.path), "run": {k: _jsonable(v) for k, v in data.run.items()},
-            "config": data.config, "checks": data.checks.to_dict("records"),
-            "expectations": data.expectations.to_dict("records"),
-            "metrics": data.metrics.to_dict("records"), "timings": data.timings.to_dict("records"),
-            "tensors": data.tensor_table.drop(columns=["values"], errors="ignore").to_dict("records"),
+            "config": data.config, "checks": data.rows("checks"),
+            "expectations": data.rows("expectations"),
+            "metrics": data.rows("metrics"), "timings": data.rows("timings"),
+            "tensors": [{k: v for k, v in r.items() if k not in no_values} for r in data.rows("tensors")],
             "plots": [str(p) for p in data.plots],
             "conclusions": _conclusions_records(data.path),
             "version_drift": [dict(zip(("package", "run", "locked"), d, strict=True)) for d in _drift(data.run)],
@@ -162,11 +180,11 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
     elif run["status"] == Status.LOST:
         run["status"] = (f"lost (recorded running, but its process {cell(run.get('pid'))} is gone from "
                          f"{cell(run.get('hostname'))}; last heartbeat {cell(run.get('heartbeat_at'))})")
-    head = pd.DataFrame([{"key": k, "value": cell(run.get(k))} for k in
-                         ["run_id", "experiment", "status", "started_at", "wall_s", "seed", "overrides",
-                          "error", "peak_rss_bytes", "peak_device_mem_bytes", "notes", *ENV_KEYS,
-                          "pid", "process_started_at", "heartbeat_at"]])
-    print_frame(head, fmt, f"run {run['run_id']} ({data.path})")
+    head = [{"key": k, "value": cell(run.get(k))} for k in
+            ["run_id", "experiment", "status", "started_at", "wall_s", "seed", "overrides",
+             "error", "peak_rss_bytes", "peak_device_mem_bytes", "notes", *ENV_KEYS,
+             "pid", "process_started_at", "heartbeat_at"]]
+    print_records(head, fmt, f"run {run['run_id']} ({data.path})")
     for package, recorded, locked in _drift(data.run):
         print(f"version drift: {package} {recorded} in this run, {locked} in requirements.lock "
               "(`make setup` installs the locked versions)")
@@ -174,21 +192,24 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
         print("\n### config\n\n```yaml\n" + data.config + "```")
     else:
         console.print("[bold]config[/]\n" + escape(data.config))  # the user's text, never markup
-    if not data.checks.empty:
-        print_frame(data.checks, fmt, "checks")
+    checks = data.rows("checks")
+    if checks:
+        print_records(checks, fmt, "checks")
         for inference in _inferences(data):
             print(inference.line())
-    if not data.expectations.empty:
-        print_frame(data.expectations.drop(columns=["label", "metric", "aggregate", "judged_at"], errors="ignore"), fmt,
-              "expectations (your predictions, written before the run)")
-    if not data.metrics.empty:
-        m = data.metrics
-        print_frame(m.head(60), fmt, f"metrics ({len(m)} rows{', first 60' if len(m) > 60 else ''})")
-    if not data.timings.empty:
-        print_frame(data.timings, fmt, "timings")
-    if not data.tensor_table.empty:
-        t = data.tensor_table.drop(columns=["values"])
-        print_frame(t, fmt, "tensors")
+    expectations = data.rows("expectations")
+    if expectations:
+        print_records(expectations, fmt, "expectations (your predictions, written before the run)",
+                      drop=("label", "metric", "aggregate", "judged_at"))
+    metrics = data.rows("metrics")
+    if metrics:
+        print_records(metrics[:60], fmt, f"metrics ({len(metrics)} rows{', first 60' if len(metrics) > 60 else ''})")
+    timings = data.rows("timings")
+    if timings:
+        print_records(timings, fmt, "timings")
+    tensors = data.rows("tensors")
+    if tensors:
+        print_records(tensors, fmt, "tensors", drop=no_values)
     plots = data.plots
     if plots:
         print("plots: " + ", ".join(str(p) for p in plots))
@@ -206,13 +227,16 @@ def _drift(run: Any) -> list[tuple[str, str, str]]:
 def _show_conclusions(run_dir: Path) -> None:
     from tfmoe.harness.method.conclusions import markdown, read
 
-    df = read(run_dir)
-    if not df.empty:
-        print("\nconclusions\n\n" + "\n".join(markdown(df)).rstrip())
+    rows = read(run_dir)
+    if rows:
+        print("\nconclusions\n\n" + "\n".join(markdown(rows)).rstrip())
 
 
 def _inferences(data: RunData) -> list[Any]:
     """Likely causes of the failed checks from the planted-bug catalogue (inferences, shown next to the checks)."""
+    checks = data.rows("checks")
+    if all(bool(c["passed"]) for c in checks):  # none to explain (diagnose's own rule): no YAML, no catalogue
+        return []
     import yaml
 
     from tfmoe.harness.method.diagnosis import checks_mapping, diagnose
@@ -221,20 +245,19 @@ def _inferences(data: RunData) -> list[Any]:
         cfg = yaml.safe_load(data.config) or {}
     except yaml.YAMLError:
         cfg = {}
-    metrics = data.metrics.to_dict("records") if not data.metrics.empty else []
-    return diagnose(str(data.run["experiment"]), checks_mapping(data.checks), metrics, cfg)
+    return diagnose(str(data.run["experiment"]), checks_mapping(checks), data.rows("metrics"), cfg)
 
 
 def _conclusions_records(run_dir: Path) -> list[dict[str, Any]]:
     from tfmoe.harness.method.conclusions import read
 
-    return read(run_dir).to_dict("records")
+    return read(run_dir)
 
 
 def _jsonable(v: Any) -> Any:
     if hasattr(v, "tolist"):
         return v.tolist()
-    if isinstance(v, pd.Timestamp):
+    if isinstance(v, dt.datetime):  # pandas' Timestamp too
         return v.isoformat()
     if isinstance(v, float) and math.isnan(v):
         return None
@@ -267,6 +290,8 @@ def _config_dict(data: RunData) -> dict[str, Any]:
 
 def _missing(v: Any) -> bool:
     """None, NaN, pd.NA or NaT: a value one side did not record (never raises, whatever ``v`` is)."""
+    import pandas as pd
+
     if v is None:
         return True
     try:
@@ -277,6 +302,8 @@ def _missing(v: Any) -> bool:
 
 def _same(a: Any, b: Any, rtol: float = 1e-9) -> bool:
     """Equal values: both missing, floats within ``rtol``, or equal otherwise (never raises)."""
+    import pandas as pd
+
     if _missing(a) or _missing(b):
         return _missing(a) and _missing(b)
     if isinstance(a, float) and isinstance(b, float):
@@ -303,6 +330,7 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
     """Every section of a diff as a DataFrame with a boolean ``differs`` column. Saved tensors are compared as the
     float64 values tensors.parquet holds (exact for every saved dtype): numpy, no torch to import."""
     import numpy as np
+    import pandas as pd
 
     sections: dict[str, pd.DataFrame] = {}
     ca, cb = _config_dict(a), _config_dict(b)
@@ -403,6 +431,8 @@ def _shape(row: pd.Series) -> list[int] | None:
 
 def _diff_expectations(a: RunData, b: RunData) -> pd.DataFrame:
     """Each expectation (by selector and expected) in A and B: held or not, observed; differs when it moved."""
+    import pandas as pd
+
     def keyed(data: RunData) -> dict[tuple[str, str], dict[str, Any]]:
         df = data.expectations
         return {} if df.empty else {(r["selector"], r["expected"]): r for r in df.to_dict("records")}
@@ -420,11 +450,15 @@ def _diff_expectations(a: RunData, b: RunData) -> pd.DataFrame:
 
 
 def _pct(x: Any) -> str:
+    import pandas as pd
+
     return "" if x is None or pd.isna(x) else f"{x:+.3g}" if abs(x) >= 10 else f"{100 * x:+.3g} %"
 
 
 def diff_summary(sections: dict[str, pd.DataFrame], top: int = 3) -> dict[str, Any]:
     """What a person reads first: which config keys differ, how many metrics/tensors/checks differ, the largest."""
+    import pandas as pd
+
     def differing(k: str) -> pd.DataFrame:
         df = sections.get(k, pd.DataFrame())
         return df[df["differs"].astype(bool)] if "differs" in df and len(df) else df.iloc[0:0]
@@ -476,6 +510,8 @@ def _focus(sections: dict[str, pd.DataFrame], metric: str | None, top: int | Non
     place); returns how many rows each section left out (``keep``: the narrowed sections instead)."""
     import fnmatch
 
+    import pandas as pd
+
     hidden: dict[str, int] = {}
     m = sections.get("metrics")
     if metric is not None and m is not None and "name" in m:
@@ -497,6 +533,8 @@ def _focus(sections: dict[str, pd.DataFrame], metric: str | None, top: int | Non
 
 def _measured_changes(metrics: pd.DataFrame) -> pd.DataFrame:
     """The machine-measured metric rows whose value moved, largest relative change first (context of a diff)."""
+    import pandas as pd
+
     if metrics.empty or "measured" not in metrics:
         return pd.DataFrame(columns=["name", "step", "tags", "A", "B", "rel_delta"])
     rows = metrics[metrics["measured"].astype(bool)]
@@ -511,6 +549,8 @@ def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, f
     """Print what differs between two runs: a summary first, then each section (``--metric``, ``--top`` narrow it;
     tables show the 20 largest rows per section unless ``--top``/``--all`` say otherwise). Exit 1 when anything
     but environment and timings differs."""
+    import pandas as pd
+
     a = load_run(resolve_run(ref_a, runs_root))
     b = load_run(resolve_run(ref_b, runs_root))
     if a.run["experiment"] != b.run["experiment"] and not force:

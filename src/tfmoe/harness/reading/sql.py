@@ -94,20 +94,27 @@ def _with_run_id(run_id: str, table: Any) -> Any:
     return table.add_column(0, "run_id", pa.array([run_id] * table.num_rows, pa.string()))
 
 
-def _runs_table(conn: Any, runs_root: Path) -> Any:
-    from tfmoe.harness.store.catalog import arrow_tables
-    from tfmoe.harness.store.catalog import unreadable as catalog_unreadable
-    from tfmoe.harness.store.notebook import read_run_row
-
-    cached = arrow_tables(conn, runs_root, "run")
+def _every_run(cached: list[Any]) -> Any:
+    """The runs view as the catalog holds it: every run's run.parquet row, its path and checks passed / total."""
     if not cached:
         return RUNS_SCHEMA.empty_table()
     table = _concat([t if t is not None else pa.table({"run_id": [rid], "status": [status]})
                      for rid, _, status, t, _, _ in cached]).combine_chunks()
-    paths = [c[1] for c in cached]
-    table = table.append_column("path", pa.array(paths, pa.string()))
+    table = table.append_column("path", pa.array([c[1] for c in cached], pa.string()))
     table = table.append_column("checks_passed", pa.array([c[4] for c in cached], pa.int64()))
-    table = table.append_column("checks_total", pa.array([c[5] for c in cached], pa.int64()))
+    return table.append_column("checks_total", pa.array([c[5] for c in cached], pa.int64()))
+
+
+def _runs_table(conn: Any, runs_root: Path) -> Any:
+    """The runs view with THE status readers show: unreadable runs as the catalog says, running ones read now."""
+    from tfmoe.harness.store.catalog import unreadable as catalog_unreadable
+    from tfmoe.harness.store.catalog import view
+    from tfmoe.harness.store.notebook import read_run_row
+
+    table = view(conn, runs_root, "run", _every_run)
+    if not table.num_rows:
+        return table
+    paths = table.column("path").to_pylist()
     statuses = table.column("status").to_pylist()
     bad = {str(path): why for _, path, why in catalog_unreadable(conn, runs_root)}
     if bad:  # run.parquet may be whole while another of the run's files is not: the catalog's status says so

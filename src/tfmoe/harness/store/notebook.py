@@ -32,6 +32,7 @@ from tfmoe.harness.store.rundir import (
     metrics_frame,
     read_parquet,
     read_table,
+    records,
     timings_frame,
     utcnow,
     write_parquet,
@@ -369,12 +370,12 @@ def read_run_row(run_dir: Path) -> dict[str, Any]:
     is kept as ``recorded_status``). Every reader of run.parquet goes through here."""
     path = Path(run_dir) / RUN_FILE
     try:
-        df = read_parquet(path)  # pandas' values (Timestamp, NaN): what every caller of the whole row expects
+        rows = records(read_table(path))  # pandas' values (NaN for a missing float or text), read without pandas
     except UnreadableFile as exc:
         raise UnreadableFile(path, f"{exc}; {rerun_advice(run_dir)}") from None
-    if df.empty:
+    if not rows:
         raise BadInput(f"{path} holds no row: the run is unreadable; {rerun_advice(run_dir)}")
-    row = df.iloc[0].to_dict()
+    row = rows[0]
     row["recorded_status"] = row.get("status")
     row["status"] = effective_status(row)
     return row
@@ -453,18 +454,50 @@ def status_now(status: str, run_dir: Path) -> str:
 # --------------------------------------------------------------------------------------------- reading
 
 
+TABLE_KEYS = (*TABLE_FILES, "expectations")  # the tables of a run directory that RunData holds
+
+
 @dataclass
 class RunData:
-    """One run directory, read back with pandas (no pickles, no classes instantiated)."""
+    """One run directory, read back (no pickles, no classes instantiated): run.parquet's row, the config text, and
+    each table as arrow (None: the run has no such file). ``rows(key)`` gives a table's rows with pandas' values
+    without importing pandas (what `tfmoe show` prints); ``metrics``, ``checks``, ``timings``, ``tensor_table`` and
+    ``expectations`` are the same tables as pandas DataFrames (empty when absent), made on first use."""
 
     path: Path
     run: dict[str, Any]
-    metrics: pd.DataFrame
-    checks: pd.DataFrame
-    timings: pd.DataFrame
-    tensor_table: pd.DataFrame
+    tables: dict[str, Any]  # key of TABLE_KEYS -> pyarrow.Table or None
     config: str  # .hydra/config.yaml text
-    expectations: pd.DataFrame = field(default_factory=lambda: _pd().DataFrame())  # expectations.parquet (empty if none)
+    _frames: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def rows(self, key: str) -> list[dict[str, Any]]:
+        return records(self.tables.get(key))
+
+    def frame(self, key: str) -> pd.DataFrame:
+        if key not in self._frames:
+            table = self.tables.get(key)
+            self._frames[key] = _pd().DataFrame() if table is None else table.to_pandas()
+        return self._frames[key]
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        return self.frame("metrics")
+
+    @property
+    def checks(self) -> pd.DataFrame:
+        return self.frame("checks")
+
+    @property
+    def timings(self) -> pd.DataFrame:
+        return self.frame("timings")
+
+    @property
+    def tensor_table(self) -> pd.DataFrame:
+        return self.frame("tensors")
+
+    @property
+    def expectations(self) -> pd.DataFrame:
+        return self.frame("expectations")
 
     @property
     def tensors(self) -> dict[str, Any]:
@@ -483,24 +516,18 @@ def _pd() -> Any:
 
 def load_run(path: str | Path) -> RunData:
     """Read a run directory (pass a path; use :func:`resolve_run` for ids and prefixes)."""
-    import pandas as pd
-
     path = Path(path)
     if not (path / RUN_FILE).exists():
         raise BadInput(f"{path} is not a run directory (no {RUN_FILE}): pass a path under runs/, a run id or `latest`")
     run = read_run_row(path)
-    frames = {}
+    files = {**TABLE_FILES, "expectations": EXPECTATIONS_FILE}
     try:
-        for key, fname in TABLE_FILES.items():
-            frames[key] = read_parquet(path / fname) if (path / fname).exists() else pd.DataFrame()
-        expectations = (read_parquet(path / EXPECTATIONS_FILE) if (path / EXPECTATIONS_FILE).exists()
-                        else pd.DataFrame())
+        tables = {key: read_table(path / files[key]) if (path / files[key]).exists() else None for key in TABLE_KEYS}
     except UnreadableFile as exc:
         raise UnreadableFile(exc.path, f"{exc}; {rerun_advice(path)}") from None
     cfg_file = path / ".hydra" / "config.yaml"
     config = cfg_file.read_text(encoding="utf-8") if cfg_file.exists() else ""
-    return RunData(path, run, frames["metrics"], frames["checks"], frames["timings"], frames["tensors"], config,
-                   expectations)
+    return RunData(path, run, tables, config)
 
 
 def tensors_from_frame(df: pd.DataFrame) -> dict[str, Any]:

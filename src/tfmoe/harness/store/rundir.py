@@ -168,6 +168,71 @@ def read_parquet(path: Path) -> pd.DataFrame:
     return read_table(path).to_pandas()
 
 
+NULLABLE_PANDAS_DTYPES = ("Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64", "boolean")
+
+
+def records(table: pa.Table | None) -> list[dict[str, Any]]:
+    """``table``'s rows as the values ``table.to_pandas().to_dict("records")`` gives (pandas 3), without importing
+    pandas: a missing float or string is NaN, an integer column with a missing value is float (NaN there) unless
+    pandas wrote it as nullable ``Int64`` (then None), a missing bool, list or timestamp is None; timestamps are
+    datetimes and lists are lists (where pandas gives Timestamps and arrays: the same text, the same JSON).
+    ``None`` (no file) gives no rows. Readers that print rows (show, failures add) get pandas' semantics this way."""
+    import pyarrow as pa
+
+    if table is None:
+        return []
+    nullable = {c["name"] for c in (table.schema.pandas_metadata or {}).get("columns", [])
+                if c.get("numpy_type") in NULLABLE_PANDAS_DTYPES}
+    columns = {}
+    nan = float("nan")
+    for name, col in zip(table.column_names, table.columns, strict=True):
+        t = col.type
+        values = python_values(col)
+        if col.null_count and name not in nullable:
+            if pa.types.is_floating(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
+                values = [nan if v is None else v for v in values]
+            elif pa.types.is_integer(t):
+                values = [nan if v is None else float(v) for v in values]
+        columns[name] = values
+    return [dict(zip(columns, row, strict=True)) for row in zip(*columns.values(), strict=True)] \
+        if columns else [{} for _ in range(table.num_rows)]
+
+
+def python_values(col: pa.ChunkedArray | pa.Array) -> list[Any]:
+    """``col.to_pylist()``, except that a timezone-aware timestamp column is converted here: pyarrow imports all of
+    pandas (0.4 s) to convert one, which `tfmoe runs` would pay on the first listing after every new run."""
+    import pyarrow as pa
+
+    return _datetimes(col) if pa.types.is_timestamp(col.type) and col.type.tz else col.to_pylist()
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+_PER_SECOND = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+
+
+def _datetimes(col: pa.ChunkedArray | pa.Array) -> list[dt.datetime | None]:
+    """A timezone-aware timestamp column as datetimes in its zone (as ``to_pylist`` gives them, without its
+    import of pandas for the zone): its int64 values read as that many units since the epoch (nanoseconds to
+    microseconds, as datetime holds them)."""
+    import pyarrow as pa
+
+    zone: dt.tzinfo = dt.timezone.utc
+    if col.type.tz not in ("UTC", "+00:00", "Z"):
+        import zoneinfo
+
+        zone = zoneinfo.ZoneInfo(col.type.tz)
+    per_second = _PER_SECOND[col.type.unit]
+    out: list[dt.datetime | None] = []
+    for chunk in col.chunks if isinstance(col, pa.ChunkedArray) else [col]:
+        for v in chunk.view(pa.int64()).to_pylist():
+            if v is None:
+                out.append(None)
+                continue
+            t = _EPOCH + dt.timedelta(microseconds=v * 1_000_000 // per_second)
+            out.append(t if zone is dt.timezone.utc else t.astimezone(zone))
+    return out
+
+
 def read_table(path: Path, columns: tuple[str, ...] | None = None) -> pa.Table:
     """One parquet file as an arrow table (only ``columns``, those the file has, when given); BadInput, one line,
     when it is missing or unreadable."""
