@@ -1,19 +1,33 @@
 """One case of the kernel battery: run the kernel, the fp64 reference and the plain same-dtype implementation,
-and judge the forward (and then dq, dk, dv) by FlashAttention's rule."""
+and judge the forward (and then dq, dk, dv) by FlashAttention's rule.
+
+Whose fault an exception is (:func:`kernel_fault`, module mode's rule of :mod:`tfmoe.faults` for kernels): a
+built-in kernel (``torch:*``, ``tfmoe:chunked``) is tfmoe's own code, so anything it raises but
+NotImplementedError is tfmoe's error (its wrapper, or the arguments the battery built: torch's frames are
+passed over, so torch refusing them points at tfmoe's frame); a user's kernel is at fault for what it raises
+itself, for what torch or native code raises under it, and for returning what SDPA's signature forbids
+(ContractError); an exception whose innermost non-torch frame is inside tfmoe below the user's kernel, or
+anywhere in the battery outside the kernel's call, is tfmoe's. tfmoe's error crashes the run (exit 3); the
+user's fails the case with :func:`~tfmoe.faults.raised_detail` leading."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tfmoe.components.comparison import Comparison, classify_rows, judge, max_abs_err
 from tfmoe.components.reference_attention import kv_head_index, plain_attention, reference_attention
+from tfmoe.errors import AdapterError, ContractError
 from tfmoe.experiments.attn_check.kernel_cases import POLICIES, Case, CaseInputs
-from tfmoe.experiments.attn_check.kernels import Kernel
+from tfmoe.experiments.attn_check.kernels import BUILTINS, Kernel
+from tfmoe.faults import culprit_frame, is_tfmoe_frame, raised_detail
 from tfmoe.recorder import Recorder
+
+_HERE = Path(__file__).resolve()
 
 
 @dataclass
@@ -26,26 +40,80 @@ class Outcome:
     ratio: float = 0.0  # err / limit of the worst comparison (inf for a crash or a wrong policy)
     policy: str = "none"  # the kernel's output on rows that see no key
     evidence: dict[str, torch.Tensor] = field(default_factory=dict)
+    raised: str = ""  # the kernel raised: raised_detail(exc) (observed None; the diagnosis never reads it)
 
 
 def missing_params(kernel: Kernel, kwargs: dict[str, Any]) -> list[str]:
     return [] if kernel.params is None else [p for p in kwargs if p not in kernel.params]
 
 
+def enter_kernel(kernel: Kernel, q, k, v, kwargs: dict[str, Any]) -> Any:
+    """The battery's one call of the kernel's forward (an exception whose innermost non-torch frame is this one
+    came from the kernel's own native or torch code: see :func:`kernel_fault`)."""
+    return kernel.fn(q, k, v, **kwargs)
+
+
+def enter_backward(out: torch.Tensor, inputs: list[torch.Tensor], grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The battery's one call of the kernel's backward (autograd through its graph; as :func:`enter_kernel`)."""
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+ENTRY_POINTS = ("enter_kernel", "enter_backward")
+
+
 def call_kernel(kernel: Kernel, inp: CaseInputs, q, k, v) -> torch.Tensor:
-    out = kernel.fn(q, k, v, **inp.kwargs)
+    """The kernel's output, or ContractError when it is not what SDPA's signature returns."""
+    out = enter_kernel(kernel, q, k, v, inp.kwargs)
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"the kernel returned {type(out).__name__}, not a tensor")
+        raise ContractError(f"the kernel returned {type(out).__name__}, not a tensor")
     if tuple(out.shape) != tuple(q.shape):
-        raise ValueError(f"the kernel returned shape {tuple(out.shape)}, expected (B, Hq, Tq, D) = {tuple(q.shape)}")
+        raise ContractError(f"the kernel returned shape {tuple(out.shape)}, expected (B, Hq, Tq, D) = "
+                            f"{tuple(q.shape)}")
     if out.dtype != q.dtype:
-        raise ValueError(f"the kernel returned {out.dtype} for {q.dtype} inputs (SDPA returns the inputs' dtype)")
+        raise ContractError(f"the kernel returned {out.dtype} for {q.dtype} inputs (SDPA returns the inputs' dtype)")
     return out
 
 
 def _raised(exc: Exception) -> str:
     message = " ".join(str(exc).split())  # the whole message, on one line
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def battery_fault(exc: BaseException, spec: str, during: str) -> AdapterError:
+    """tfmoe's error for ``exc`` (the run crashes, exit 3): where it was raised, and torch's version."""
+    if isinstance(exc, AdapterError):
+        return exc
+    frame = culprit_frame(exc)
+    where = "" if frame is None else f" at {Path(frame.filename).name}:{frame.lineno} ({frame.name})"
+    whose = (f"tfmoe's built-in kernel {spec} (its wrapper, or the arguments tfmoe's battery gave it)"
+             if spec in BUILTINS else "tfmoe's kernel battery")
+    return AdapterError(f"kernel={spec}: {raised_detail(exc)} {during}{where} on torch {torch.__version__} — an "
+                        f"error in {whose}, a bug of tfmoe, not a failure of the kernel under test; please report it")
+
+
+def kernel_fault(kernel: Kernel, exc: BaseException, during: str) -> AdapterError | None:
+    """The error to crash with when tfmoe is at fault for ``exc`` raised by the kernel's call (module docstring);
+    None when the user's kernel is (the case fails with the exception)."""
+    if isinstance(exc, AdapterError) or kernel.spec in BUILTINS:
+        return battery_fault(exc, kernel.spec, during)
+    if isinstance(exc, ContractError):
+        return None
+    frame = culprit_frame(exc)
+    if frame is None or not is_tfmoe_frame(frame):
+        return None  # the user's file, or a library the user's kernel calls
+    if Path(frame.filename).resolve() == _HERE and frame.name in ENTRY_POINTS:
+        return None  # raised by native or torch code the user's kernel is (or ran) with no Python frame of its own
+    return battery_fault(exc, kernel.spec, during)
+
+
+def raised_outcome(kernel: Kernel, case: Case, exc: Exception, during: str, evidence: dict[str, torch.Tensor],
+                   hint: str = "") -> Outcome:
+    """The user's kernel raised: that case fails with the exception leading; tfmoe's error crashes the run."""
+    fault = kernel_fault(kernel, exc, f"{during} of case {case.label()}")
+    if fault is not None:
+        raise fault from exc
+    raised = raised_detail(exc) + hint
+    return Outcome(case, "fail", f"{case.label()}: {during}: {raised}", math.inf, evidence=evidence, raised=raised)
 
 
 def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, scale: float,
@@ -97,9 +165,8 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
             out = call_kernel(kernel, inp, inp.q, inp.k, inp.v)
     except NotImplementedError as exc:
         return Outcome(case, "n/a", f"{case.label()}: {_raised(exc)}"), None
-    except Exception as exc:  # the kernel crashed on this case: a failure, never a crash of the battery
-        return Outcome(case, "fail", f"{case.label()}: the kernel raised {_raised(exc)}", math.inf,
-                       evidence=tensors), None
+    except Exception as exc:  # the user's kernel raised: this case fails; tfmoe's error crashes the run
+        return raised_outcome(kernel, case, exc, "forward", tensors), None
     leaves = {name: [t.detach().to(cast).requires_grad_(backward) for t in (inp.q, inp.k, inp.v)]
               for name, cast in (("ref", torch.float64), ("plain", dtype))}
     with torch.set_grad_enabled(backward):
@@ -155,13 +222,12 @@ def run_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype
     evidence = {**tensors, "grad_out": inp.grad_out}
     try:
         mine = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
-        got = torch.autograd.grad(call_kernel(kernel, inp, *mine), mine, inp.grad_out)
+        got = enter_backward(call_kernel(kernel, inp, *mine), mine, inp.grad_out)
     except NotImplementedError as exc:
         return Outcome(case, "n/a", f"{case.label()}: backward: {_raised(exc)}")
     except Exception as exc:
         hint = " (a forward-only kernel: pass kernel_checks.backward=false)" if "grad" in str(exc) else ""
-        return Outcome(case, "fail", f"{case.label()}: backward raised {_raised(exc)}{hint}", math.inf,
-                       evidence=evidence)
+        return raised_outcome(kernel, case, exc, "backward", evidence, hint)
     ref_g = torch.autograd.grad(ref, leaves["ref"], inp.grad_out.double())
     plain_g = torch.autograd.grad(plain, leaves["plain"], inp.grad_out)
     judged: dict[str, Comparison] = {}
