@@ -51,7 +51,12 @@ def prerequisites(case: Case, Hq: int) -> list[str]:
 
 def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_blocked: str) -> str:
     """One check ``kernel_<family>`` over its cases (pass / fail), or a note when nothing was judged (n/a).
-    Returns the family's verdict: pass | fail | n/a | not judged (every case blocked by a prerequisite)."""
+    Returns the family's verdict: pass | fail | n/a | not judged (every case blocked by a prerequisite).
+
+    A family whose failed cases all raised (the user's kernel's exceptions) records observed None and the
+    exception as the whole detail, ``raised <Type>: <message>`` (:func:`tfmoe.faults.is_raised`), the cases in a
+    note: the diagnosis never reads it as a measurement, and when every failed family raised the one exception the
+    verdict says so once, first. A measured failure leads over raised cases."""
     name = f"kernel_{family}"
     by = {s: [o for o in outcomes if o.status == s] for s in ("pass", "fail", "n/a", "skipped", "blocked")}
     counts = ", ".join(f"{len(v)} {s}" for s, v in by.items() if v)
@@ -74,7 +79,8 @@ def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_bl
     if raised:
         kinds = list(dict.fromkeys(o.raised for o in raised))
         labels = ", ".join(o.case.label() for o in raised[:3]) + (f" +{len(raised) - 3} more" if len(raised) > 3 else "")
-        rec.note(f"{name}: {len(raised)} of {judged} judged cases raised ({labels}): " + "; ".join(kinds))
+        rec.note(f"{name}: {len(raised)} of {judged} judged cases raised ({labels}): " + "; ".join(kinds)
+                 + ("" if measured or not extras else " | " + " | ".join(extras)))  # a measured detail has them
     if measured:
         worst = measured[0]
         others = [o.case.label() for o in failed if o is not worst][:3]

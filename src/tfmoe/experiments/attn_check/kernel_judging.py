@@ -109,7 +109,7 @@ def kernel_fault(kernel: Kernel, exc: BaseException, during: str) -> AdapterErro
 def raised_outcome(kernel: Kernel, case: Case, exc: Exception, during: str, evidence: dict[str, torch.Tensor],
                    hint: str = "") -> Outcome:
     """The user's kernel raised: that case fails with the exception leading; tfmoe's error crashes the run."""
-    fault = kernel_fault(kernel, exc, f"{during} of case {case.label()}")
+    fault = kernel_fault(kernel, exc, f"in the {during} of case {case.label()}")
     if fault is not None:
         raise fault from exc
     raised = raised_detail(exc) + hint
