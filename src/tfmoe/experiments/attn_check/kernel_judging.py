@@ -124,12 +124,17 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
 
     - dq, dk carry dS = P∘(dP - δ), δ_i = dO_i·O_i, a difference that cancels exactly when a row's softmax is
       constant (Tk = 1: dq = dk = 0 exactly, so the plain implementation's error is 0 too). A kernel forming δ
-      from dO·O (FlashAttention's way) rounds it: e_i ≈ eps_acc·Σ_d|dO_id·O_id|, reaching dq_i as
-      scale·e_i·(Σ_j P_ij²)^½·max|k| and dk_j as scale·(Σ_i (P_ij·e_i)²)^½·max|q|.
+      from dO·O (FlashAttention's way) reads O as its forward stored it, in the run's dtype, and accumulates in
+      fp32: e_i ≈ |Σ_d dO_id·(fl(O_id) - O_id)| + eps_acc·Σ_d|dO_id·O_id|, the first term the reference's own
+      δ with its output rounded to the dtype, measured (in bf16 it is most of SDPA's dk error: 1.32x the old
+      limit at seed 28, benchmarks/kernel_seed_sweep.py), reaching dq_i as scale·e_i·(Σ_j P_ij²)^½·max|k| and
+      dk_j as scale·(Σ_i (P_ij·e_i)²)^½·max|q|.
     - dv_j = Σ_i P_ij·dO_i sums n = (Hq/Hkv)·Tq terms; a kernel that accumulates them one block after
       another (SDPA's CPU backward) rounds each partial sum: ≈ eps_acc·√n·(Σ_i P_ij²)^½·max|dO|."""
     eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
-    e = eps * (inp.grad_out.double().abs() * ref_out.detach().abs()).sum(dim=-1, keepdim=True)  # (B,Hq,Tq,1)
+    d_o, o = inp.grad_out.double(), ref_out.detach()
+    stored = (d_o * (o.to(dtype).double() - o)).sum(dim=-1, keepdim=True).abs()  # δ from O rounded to the dtype
+    e = stored + eps * (d_o.abs() * o.abs()).sum(dim=-1, keepdim=True)  # (B,Hq,Tq,1)
     w = weights.detach()
     B, Hq, Tq, Tk = w.shape
     Hkv = inp.k.shape[1]
