@@ -130,7 +130,12 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
       limit at seed 28, benchmarks/kernel_seed_sweep.py), reaching dq_i as scale·e_i·(Σ_j P_ij²)^½·max|k| and
       dk_j as scale·(Σ_i (P_ij·e_i)²)^½·max|q|.
     - dv_j = Σ_i P_ij·dO_i sums n = (Hq/Hkv)·Tq terms; a kernel that accumulates them one block after
-      another (SDPA's CPU backward) rounds each partial sum: ≈ eps_acc·√n·(Σ_i P_ij²)^½·max|dO|."""
+      another (SDPA's CPU backward) rounds each partial sum: ≈ eps_acc·√n·(Σ_i P_ij²)^½·max|dO|.
+    - A kernel that recomputes P in the backward from the forward's logsumexp (FlashAttention's way) with a fast
+      exp carries a relative error u = 8·eps_acc per weight (PyTorch's CPU kernel: ``exp_u20``, 2^-20 = 8 eps32),
+      biased, so common to a row: dq_i then errs by ε_i·dq_i (SDPA fp32 at seed 4, default matrix: ε up to 13.6
+      eps32, dq 4.2x the plain implementation's error, 1.03x the limit without this term), dk_j by at most
+      u·scale·Σ_i|dS_ij|·|q_i|, dv_j by at most u·Σ_i P_ij·|dO_i|."""
     eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
     d_o, o = inp.grad_out.double(), ref_out.detach()
     stored = (d_o * (o.to(dtype).double() - o)).sum(dim=-1, keepdim=True).abs()  # δ from O rounded to the dtype
@@ -143,7 +148,16 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
         * float(inp.q.double().abs().max())
     p2 = w.pow(2).reshape(B, Hkv, -1, Tq, Tk).sum(dim=(2, 3))  # (B,Hkv,Tk): Σ over the group's queries
     dv = eps * math.sqrt(Hq // Hkv * Tq) * float(p2.max().sqrt()) * float(inp.grad_out.double().abs().max())
-    return {"dq": 2.0 * dq, "dk": 2.0 * dk, "dv": 2.0 * dv}
+    heads = kv_head_index(Hq, Hkv, w.device)
+    k_h, v_h = inp.k.double()[:, heads], inp.v.double()[:, heads]  # (B,Hq,Tk,D)
+    d_s = w * (d_o @ v_h.transpose(-2, -1) - (d_o * o).sum(dim=-1, keepdim=True))  # dS = P∘(dP - δ), (B,Hq,Tq,Tk)
+    u = 8.0 * eps  # a fast exp's relative error per recomputed weight
+    D = inp.q.shape[-1]
+    dq_p = u * scale * float((d_s @ k_h).abs().max())
+    dk_p = u * scale * float((d_s.abs().transpose(-2, -1) @ inp.q.double().abs()).reshape(B, Hkv, -1, Tk, D)
+                             .sum(dim=2).max())
+    dv_p = u * float((w.transpose(-2, -1) @ d_o.abs()).reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
+    return {"dq": 2.0 * math.hypot(dq, dq_p), "dk": 2.0 * math.hypot(dk, dk_p), "dv": 2.0 * math.hypot(dv, dv_p)}
 
 
 def reordered_yardstick(inp: CaseInputs, case: Case, plain: torch.Tensor, ref: torch.Tensor,
