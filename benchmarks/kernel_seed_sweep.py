@@ -86,9 +86,10 @@ def main() -> int:
     ap.add_argument("--default-matrix", action="store_true", help="the default case matrix instead of the tests'")
     ap.add_argument("--only", choices=("correct", "planted", "all"), default="all")
     ap.add_argument("--kernels", nargs="*", default=[], help="only these correct kernels (default: all)")
+    ap.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. kernel_checks.backward=false")
     args = ap.parse_args()
     sys.path.insert(0, str(TESTS))  # buggy_kernels.py, as the tests import it
-    matrix = [] if args.default_matrix else [SMALL]
+    matrix = ([] if args.default_matrix else [SMALL]) + list(args.overrides)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     t0 = time.perf_counter()
     print(f"torch {torch.__version__}, cpu, {args.dtype}, seeds {seeds.start}..{seeds.stop - 1}, "
