@@ -174,6 +174,18 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
             "dv": 2.0 * math.hypot(dv, dv_p, dv_s)}
 
 
+def fast_exp_atol(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> float:
+    """The output's floor for a kernel whose softmax uses a fast exp (PyTorch's CPU flash kernel: ``exp_u20``):
+    weights off by a relative u = 8·eps_acc each move O_i by at most u·Σ_j P_ij·|v_j - O_i| <= u·(Σ_j P_ij·|v_j|
+    + |O_i|), the bound used (not doubled). SDPA fp32 reached 2.36x the plain implementation's error at
+    (257, 255, 128), MQA, seed 26 of the default matrix (1.10x the limit without it)."""
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    heads = kv_head_index(inp.q.shape[1], inp.k.shape[1], inp.q.device)
+    w, o = weights.detach(), ref_out.detach()
+    bound = (w @ inp.v.double()[:, heads].abs() + o.abs())[inp.seen]
+    return 8.0 * eps * float(bound.max()) if bound.numel() else 0.0
+
+
 def reordered_yardstick(inp: CaseInputs, case: Case, plain: torch.Tensor, ref: torch.Tensor,
                         dtype: torch.dtype) -> torch.Tensor:
     """The plain same-dtype implementation whose error is larger: softmax(q kᵀ·s) v as written, or with the scale
@@ -206,6 +218,7 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
         ref, weights = reference_attention(*leaves["ref"], inp.visible, inp.bias, case.scale, return_weights=True)
         plain = plain_attention(*leaves["plain"], inp.visible, inp.bias, case.scale)
     j = judge(out, ref, reordered_yardstick(inp, case, plain, ref, dtype), dtype, 2.0, inp.seen)
+    j = replace(j, atol=max(j.atol, fast_exp_atol(inp, ref, weights, dtype)))
     rec.metric("err", j.err, tensor="out", plain_err=j.plain_err, limit=j.threshold, **case.tags())
     policy = "none"
     if not bool(inp.seen.all()):
