@@ -152,6 +152,33 @@ def test_fp32_backward_may_recompute_the_weights_with_a_fast_exp():
     assert bad.status == "fail" and "dq" in bad.detail
 
 
+def test_fp32_forward_may_use_a_fast_exp():
+    """benchmarks/kernel_seed_sweep.py, default matrix, fp32, seed 26: SDPA's output at (257, 255, 128), MQA, erred
+    1.92e-6 vs the limit 1.74e-6 (2x plain 8.13e-7 + rounding): 2.36x the plain implementation's, more than its
+    accumulation order explains (sequential or blocked fp32 sums give 0.9-1.1e-6). The output's floor now bounds a
+    fast exp's error on the weights. That case judged alone: SDPA passes, SDPA computing in bf16 inside fails."""
+    from tfmoe.experiments.attn_check.kernel_cases import make_inputs
+    from tfmoe.experiments.attn_check.kernel_judging import run_case
+    from tfmoe.experiments.attn_check.kernels import Kernel, load_kernel
+    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.testing import compose, cpu_recorder
+
+    s = EXPERIMENTS["attn-check"].load().settings(compose("attn-check", ["kernel=torch:sdpa", "seed=26"])).battery
+    i, case = next((i, c) for i, c in enumerate(s.cases) if (c.family, c.Tq, c.Tk, c.D, c.Hkv) == ("gqa", 257, 255,
+                                                                                                   128, 1))
+    inp = make_inputs(case, s.B, s.Hq, "top_left", 26, i, torch.device("cpu"), torch.float32)
+    sdpa = load_kernel("torch:sdpa", None, torch.device("cpu"))
+    fwd, _ = run_case(sdpa, case, inp, torch.float32, s.fully_masked_expect, False, s.grad_factor, cpu_recorder(26))
+    assert fwd.status == "pass", fwd.detail
+    assert float((fwd.evidence["out"].double() - fwd.evidence["ref"]).abs().max()) > 1.8e-6  # still that rounding
+    def in_bf16(q, k, v, **kwargs):  # the bug: a half-precision kernel behind an fp32 signature
+        return F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kwargs).float()
+
+    bad, _ = run_case(Kernel("my:in_bf16", in_bf16, None, "top_left"), case, inp, torch.float32, s.fully_masked_expect,
+                      False, s.grad_factor, cpu_recorder(26))
+    assert bad.status == "fail" and bad.ratio > 100, bad.detail
+
+
 def test_sdpa_under_its_module_path_and_a_plain_kernel_pass():
     checks, rec = battery("torch.nn.functional:scaled_dot_product_attention")
     assert failed(checks) == set() and any("not inspectable" in n for n in rec.notes)
