@@ -225,3 +225,25 @@ def kernel_takes_only_q(q):
 
 def kernel_wrong_shape(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p).transpose(1, 2)
+
+
+class _BackwardRaises(torch.autograd.Function):
+    """The right forward; a backward that raises (the user's code, called by autograd's engine)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, is_causal, scale, enable_gqa):
+        return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        raise RuntimeError("my backward is not written yet\n(see TODO)")
+
+
+def kernel_backward_raises(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Correct forward (dropout included); its backward raises an ordinary error: only kernel_backward fails."""
+    if dropout_p:
+        return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
+    return _BackwardRaises.apply(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+
+
+native_matmul = torch.matmul  # a native function as the "kernel": what it raises is its own (no Python frame)

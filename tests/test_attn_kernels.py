@@ -111,6 +111,74 @@ def test_low_precision_large_gradients_get_their_own_rounding():
     assert not failed(checks), {n: checks[n].detail for n in failed(checks)}
 
 
+def test_bf16_backward_may_form_delta_from_its_stored_output():
+    """benchmarks/kernel_seed_sweep.py, bf16, seed 28 (the one false alarm in 50 seeds): SDPA's backward forms
+    δ = dO·O from its bf16 output, as FlashAttention does; at (Tq=1, Tk=6, D=16, per_head_bool) that rounding gave
+    dk 8.4e-3 vs the limit 6.3e-3 (the plain bf16 autograd's error 1.4e-3). The dq/dk floor now carries the
+    reference's own δ with its output rounded to the dtype; a doubled dq stays far outside it."""
+    checks, rec = battery("torch:sdpa", "dtype=bf16", "seed=28")
+    assert not failed(checks), {n: checks[n].detail for n in failed(checks)}
+    dk = [r for r in rec.metrics_rows if r["name"] == "err" and r["tensor"] == "dk" and r["Tq"] == 1
+          and r["mask"] == "per_head_bool"]
+    assert dk and all(r["value"] > 3 * r["plain_err"] for r in dk)  # the case the plain yardstick alone fails
+    checks, _ = battery("buggy_kernels:kernel_wrong_grad", "dtype=bf16", "seed=28")
+    assert failed(checks) == {"kernel_backward"}
+
+
+def test_fp32_backward_may_recompute_the_weights_with_a_fast_exp():
+    """benchmarks/kernel_seed_sweep.py, default matrix, fp32, seed 4: SDPA's CPU backward recomputes P from the
+    logsumexp with a ~20-bit exp, a relative error common to each row (dq_i off by ε_i·dq_i, ε up to 13.6 eps32):
+    dq 2.86e-6 vs the limit 2.79e-6 (plain 6.74e-7) at (127, 128, 80). That one case of the default matrix, judged
+    directly (the whole matrix takes ~30 s): SDPA passes, a doubled dq fails."""
+    import buggy_kernels
+
+    from tfmoe.experiments.attn_check.kernel_cases import make_inputs
+    from tfmoe.experiments.attn_check.kernel_judging import run_case
+    from tfmoe.experiments.attn_check.kernels import Kernel, load_kernel
+    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.testing import compose, cpu_recorder
+
+    s = EXPERIMENTS["attn-check"].load().settings(compose("attn-check", ["kernel=torch:sdpa", "seed=4"])).battery
+    i, case = next((i, c) for i, c in enumerate(s.cases) if (c.family, c.Tq, c.Tk, c.D, c.scale) == ("scale", 127, 128,
+                                                                                                    80, None))
+    inp = make_inputs(case, s.B, s.Hq, "top_left", 4, i, torch.device("cpu"), torch.float32)
+    sdpa = load_kernel("torch:sdpa", None, torch.device("cpu"))
+    wrong = Kernel("buggy_kernels:kernel_wrong_grad", buggy_kernels.kernel_wrong_grad, None, "top_left")
+    fwd, bwd = run_case(sdpa, case, inp, torch.float32, s.fully_masked_expect, True, s.grad_factor, cpu_recorder(4))
+    assert fwd.status == "pass" and bwd.status == "pass", bwd.detail
+    dq_err = float((bwd.evidence["dq_kernel"].double() - bwd.evidence["dq_ref"]).abs().max())
+    assert dq_err > 2.5e-6  # the rounding the old limit (2.79e-6) nearly missed, still there
+    _, bad = run_case(wrong, case, inp, torch.float32, s.fully_masked_expect, True, s.grad_factor, cpu_recorder(4))
+    assert bad.status == "fail" and "dq" in bad.detail
+
+
+def test_fp32_forward_may_use_a_fast_exp():
+    """benchmarks/kernel_seed_sweep.py, default matrix, fp32, seed 26: SDPA's output at (257, 255, 128), MQA, erred
+    1.92e-6 vs the limit 1.74e-6 (2x plain 8.13e-7 + rounding): 2.36x the plain implementation's, more than its
+    accumulation order explains (sequential or blocked fp32 sums give 0.9-1.1e-6). The output's floor now bounds a
+    fast exp's error on the weights. That case judged alone: SDPA passes, SDPA computing in bf16 inside fails."""
+    from tfmoe.experiments.attn_check.kernel_cases import make_inputs
+    from tfmoe.experiments.attn_check.kernel_judging import run_case
+    from tfmoe.experiments.attn_check.kernels import Kernel, load_kernel
+    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.testing import compose, cpu_recorder
+
+    s = EXPERIMENTS["attn-check"].load().settings(compose("attn-check", ["kernel=torch:sdpa", "seed=26"])).battery
+    i, case = next((i, c) for i, c in enumerate(s.cases) if (c.family, c.Tq, c.Tk, c.D, c.Hkv) == ("gqa", 257, 255,
+                                                                                                   128, 1))
+    inp = make_inputs(case, s.B, s.Hq, "top_left", 26, i, torch.device("cpu"), torch.float32)
+    sdpa = load_kernel("torch:sdpa", None, torch.device("cpu"))
+    fwd, _ = run_case(sdpa, case, inp, torch.float32, s.fully_masked_expect, False, s.grad_factor, cpu_recorder(26))
+    assert fwd.status == "pass", fwd.detail
+    assert float((fwd.evidence["out"].double() - fwd.evidence["ref"]).abs().max()) > 1.8e-6  # still that rounding
+    def in_bf16(q, k, v, **kwargs):  # the bug: a half-precision kernel behind an fp32 signature
+        return F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kwargs).float()
+
+    bad, _ = run_case(Kernel("my:in_bf16", in_bf16, None, "top_left"), case, inp, torch.float32, s.fully_masked_expect,
+                      False, s.grad_factor, cpu_recorder(26))
+    assert bad.status == "fail" and bad.ratio > 100, bad.detail
+
+
 def test_sdpa_under_its_module_path_and_a_plain_kernel_pass():
     checks, rec = battery("torch.nn.functional:scaled_dot_product_attention")
     assert failed(checks) == set() and any("not inspectable" in n for n in rec.notes)

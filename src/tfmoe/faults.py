@@ -13,6 +13,10 @@ The rule, applied by the batteries' check wrappers (:func:`tfmoe_fault`):
    drives (e.g. transformers under ``impl=hf:``): the adapter drove it where it does not go, tfmoe's too.
    Anything else (the user's file, any other library the user's layer uses): the user's.
 
+Kernel mode (``attn-check kernel=``) applies the same rule to the kernel's call
+(:func:`tfmoe.experiments.attn_check.kernel_judging.kernel_fault`): a built-in kernel is tfmoe's code, so whatever
+it raises is tfmoe's; a user's kernel answers for what it, torch or native code under it raises.
+
 A raised check is recorded with observed=None and a detail that starts with :data:`RAISED`, then the exception's
 type and its whole message (:func:`raised_detail`); :func:`is_raised` recognises such a row, so the diagnosis never
 takes it for a measurement.

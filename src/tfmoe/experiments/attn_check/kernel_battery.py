@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tfmoe.errors import BadInput
+from tfmoe.errors import AdapterError, BadInput
 from tfmoe.experiments.attn_check.kernel_cases import FAMILIES, Case, make_inputs
 from tfmoe.experiments.attn_check.kernel_dropout import run_dropout_case
-from tfmoe.experiments.attn_check.kernel_judging import Outcome, missing_params, run_case
-from tfmoe.experiments.attn_check.kernels import load_kernel
+from tfmoe.experiments.attn_check.kernel_judging import Outcome, battery_fault, missing_params, run_case
+from tfmoe.experiments.attn_check.kernels import Kernel, load_kernel
 from tfmoe.memory import available_memory_bytes
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
@@ -51,7 +51,12 @@ def prerequisites(case: Case, Hq: int) -> list[str]:
 
 def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_blocked: str) -> str:
     """One check ``kernel_<family>`` over its cases (pass / fail), or a note when nothing was judged (n/a).
-    Returns the family's verdict: pass | fail | n/a | not judged (every case blocked by a prerequisite)."""
+    Returns the family's verdict: pass | fail | n/a | not judged (every case blocked by a prerequisite).
+
+    A family whose failed cases all raised (the user's kernel's exceptions) records observed None and the
+    exception as the whole detail, ``raised <Type>: <message>`` (:func:`tfmoe.faults.is_raised`), the cases in a
+    note: the diagnosis never reads it as a measurement, and when every failed family raised the one exception the
+    verdict says so once, first. A measured failure leads over raised cases."""
     name = f"kernel_{family}"
     by = {s: [o for o in outcomes if o.status == s] for s in ("pass", "fail", "n/a", "skipped", "blocked")}
     counts = ", ".join(f"{len(v)} {s}" for s, v in by.items() if v)
@@ -68,18 +73,33 @@ def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_bl
         rec.note(f"{name} n/a ({counts or 'no cases'}): " + "; ".join(extras))
         return "not judged" if by["blocked"] else "n/a"  # not judged: what rests on it is not judged either
     failed = sorted(by["fail"], key=lambda o: -o.ratio)
-    if failed:
-        worst = failed[0]
-        others = [o.case.label() for o in failed[1:4]]
+    measured = [o for o in failed if not o.raised]
+    raised = [o for o in failed if o.raised]
+    judged = len(by["pass"]) + len(failed)
+    if raised:
+        kinds = list(dict.fromkeys(o.raised for o in raised))
+        labels = ", ".join(o.case.label() for o in raised[:3]) + (f" +{len(raised) - 3} more" if len(raised) > 3 else "")
+        rec.note(f"{name}: {len(raised)} of {judged} judged cases raised ({labels}): " + "; ".join(kinds)
+                 + ("" if measured or not extras else " | " + " | ".join(extras)))  # a measured detail has them
+    if measured:
+        worst = measured[0]
+        others = [o.case.label() for o in failed if o is not worst][:3]
         more = f" +{len(failed) - 4} more" if len(failed) > 4 else ""
-        detail = (f"{len(failed)} of {len(by['pass']) + len(failed)} cases failed ({counts}); worst "
+        detail = (f"{len(failed)} of {judged} cases failed ({counts}); worst "
                   f"{worst.detail}" + (f"; also {', '.join(others)}{more}" if others else ""))
+        if raised:
+            detail += f"; {len(raised)} cases raised: {'; '.join(kinds)}"
+    elif raised:  # nothing measured a wrong value: the exception leads, alone when it is the one (faults.is_raised)
+        worst = raised[0]
+        detail = kinds[0] + (f"; other cases raised: {'; '.join(kinds[1:])}" if len(kinds) > 1 else "")
     else:
         worst = max(by["pass"], key=lambda o: o.ratio)
         detail = f"all {len(by['pass'])} judged cases within FlashAttention's rule ({counts}); closest {worst.detail}"
-    if extras:
+    if extras and (measured or not raised):
         detail += " | " + " | ".join(extras)
-    rec.check(name, not failed, float(len(failed)), 0.0, detail, evidence=failed[0].evidence if failed else None)
+    observed = None if raised and not measured else float(len(failed))
+    rec.check(name, not failed, observed, None if observed is None else 0.0, detail,
+              evidence=worst.evidence if failed else None)
     return "fail" if failed else "pass"
 
 
@@ -132,28 +152,12 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
         with rec.stage("kernel_family", family=family):
             for i in idx:
                 case = s.cases[i]
-                blocked = [p for p in prerequisites(case, s.Hq) if verdict.get(p) in UNMET]
-                inp = make_inputs(case, s.B, s.Hq, align, rec.seed, i, device, dtype)
-                missing = missing_params(kernel, inp.kwargs)
-                if blocked:
-                    o = Outcome(case, "blocked", f"{case.label()}: needs {', '.join(blocked)}")
-                elif missing:
-                    o = Outcome(case, "skipped", f"{case.label()}: the kernel's signature has no "
-                                f"{', '.join(missing)}")
-                elif family == "dropout":
-                    o = run_dropout_case(kernel, case, inp, dtype, rec.seed * 1_000_003 + i, s.dropout_seeds, rec)
-                    rec.metric("case_passed", float(o.status == "pass"), status=o.status, **case.tags())
-                else:
-                    o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, s.backward, s.grad_factor, rec)
-                    if o.policy != "none":
-                        policies.setdefault(case.mask, set()).add(o.policy)
-                    rec.metric("case_passed", float(o.status == "pass"), status=o.status, policy=o.policy,
-                               **case.tags())
-                    if bwd is not None:
-                        backward_outcomes[i] = bwd
-                if s.backward and family != "dropout":  # the backward of a dropout case is not judged
-                    backward_outcomes.setdefault(i, Outcome(case, o.status, o.detail) if o.status in (
-                        "n/a", "skipped") else Outcome(case, "blocked", f"{case.label()}: its forward did not pass"))
+                try:
+                    o = _judge_case(s, rec, kernel, align, case, i, verdict, policies, backward_outcomes)
+                except (BadInput, AdapterError):
+                    raise
+                except Exception as exc:  # outside the kernel's call: the battery's own error, never the kernel's
+                    raise battery_fault(exc, s.spec, f"while judging case {case.label()}") from exc
                 outcomes[family].append(o)
         blocked_by = sorted({p for o in outcomes[family] if o.status == "blocked"
                              for p in prerequisites(o.case, s.Hq) if verdict.get(p) in UNMET})
@@ -175,6 +179,34 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
         rec.check("kernel_ran", False, None, None, f"{s.spec} ran no case of the matrix (every family n/a): "
                   "see the notes for the kernel's reasons")
     _kernel_summary(rec, s, align, dtype, verdict, outcomes, policies, wall)
+
+
+def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, case: Case, i: int,
+                verdict: dict[str, str], policies: dict[str, set[str]], backward_outcomes: dict[int, Outcome]
+                ) -> Outcome:
+    """One case of the matrix: blocked, skipped, or run and judged (its backward too, into backward_outcomes)."""
+    family, device, dtype = case.family, rec.device, rec.dtype
+    blocked = [p for p in prerequisites(case, s.Hq) if verdict.get(p) in UNMET]
+    inp = make_inputs(case, s.B, s.Hq, align, rec.seed, i, device, dtype)
+    missing = missing_params(kernel, inp.kwargs)
+    if blocked:
+        o = Outcome(case, "blocked", f"{case.label()}: needs {', '.join(blocked)}")
+    elif missing:
+        o = Outcome(case, "skipped", f"{case.label()}: the kernel's signature has no {', '.join(missing)}")
+    elif family == "dropout":
+        o = run_dropout_case(kernel, case, inp, dtype, rec.seed * 1_000_003 + i, s.dropout_seeds, rec)
+        rec.metric("case_passed", float(o.status == "pass"), status=o.status, **case.tags())
+    else:
+        o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, s.backward, s.grad_factor, rec)
+        if o.policy != "none":
+            policies.setdefault(case.mask, set()).add(o.policy)
+        rec.metric("case_passed", float(o.status == "pass"), status=o.status, policy=o.policy, **case.tags())
+        if bwd is not None:
+            backward_outcomes[i] = bwd
+    if s.backward and family != "dropout":  # the backward of a dropout case is not judged
+        backward_outcomes.setdefault(i, Outcome(case, o.status, o.detail) if o.status in (
+            "n/a", "skipped") else Outcome(case, "blocked", f"{case.label()}: its forward did not pass"))
+    return o
 
 
 def _kernel_summary(rec: Recorder, s: KernelSettings, align: str, dtype: torch.dtype, verdict: dict[str, str],

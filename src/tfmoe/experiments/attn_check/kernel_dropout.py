@@ -23,7 +23,7 @@ import torch
 
 from tfmoe.components.reference_attention import reference_attention
 from tfmoe.experiments.attn_check.kernel_cases import Case, CaseInputs
-from tfmoe.experiments.attn_check.kernel_judging import Outcome, _raised, call_kernel
+from tfmoe.experiments.attn_check.kernel_judging import Outcome, _raised, call_kernel, raised_outcome
 from tfmoe.experiments.attn_check.kernels import Kernel
 from tfmoe.recorder import Recorder
 
@@ -60,8 +60,8 @@ def run_dropout_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.d
             again = call_kernel(kernel, inp, q, k, v)
     except NotImplementedError as exc:
         return Outcome(case, "n/a", f"{case.label()}: {_raised(exc)}")
-    except Exception as exc:
-        return Outcome(case, "fail", f"{case.label()}: the kernel raised {_raised(exc)}", math.inf, evidence=evidence)
+    except Exception as exc:  # the user's kernel raised: this case fails; tfmoe's error crashes the run
+        return raised_outcome(kernel, case, exc, "forward with dropout_p", evidence)
     out = torch.stack(outs).double()  # (seeds,B,Hq,Tq,D)
     r = out[..., :Tk] * (1.0 - p) / ref  # 0 (dropped) or 1 (kept) per weight
     kept = r > 0.5

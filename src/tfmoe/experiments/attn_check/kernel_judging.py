@@ -1,19 +1,33 @@
 """One case of the kernel battery: run the kernel, the fp64 reference and the plain same-dtype implementation,
-and judge the forward (and then dq, dk, dv) by FlashAttention's rule."""
+and judge the forward (and then dq, dk, dv) by FlashAttention's rule.
+
+Whose fault an exception is (:func:`kernel_fault`, module mode's rule of :mod:`tfmoe.faults` for kernels): a
+built-in kernel (``torch:*``, ``tfmoe:chunked``) is tfmoe's own code, so anything it raises but
+NotImplementedError is tfmoe's error (its wrapper, or the arguments the battery built: torch's frames are
+passed over, so torch refusing them points at tfmoe's frame); a user's kernel is at fault for what it raises
+itself, for what torch or native code raises under it, and for returning what SDPA's signature forbids
+(ContractError); an exception whose innermost non-torch frame is inside tfmoe below the user's kernel, or
+anywhere in the battery outside the kernel's call, is tfmoe's. tfmoe's error crashes the run (exit 3); the
+user's fails the case with :func:`~tfmoe.faults.raised_detail` leading."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from tfmoe.components.comparison import Comparison, classify_rows, judge, max_abs_err
 from tfmoe.components.reference_attention import kv_head_index, plain_attention, reference_attention
+from tfmoe.errors import AdapterError, ContractError
 from tfmoe.experiments.attn_check.kernel_cases import POLICIES, Case, CaseInputs
-from tfmoe.experiments.attn_check.kernels import Kernel
+from tfmoe.experiments.attn_check.kernels import BUILTINS, Kernel
+from tfmoe.faults import culprit_frame, is_tfmoe_frame, raised_detail
 from tfmoe.recorder import Recorder
+
+_HERE = Path(__file__).resolve()
 
 
 @dataclass
@@ -26,26 +40,80 @@ class Outcome:
     ratio: float = 0.0  # err / limit of the worst comparison (inf for a crash or a wrong policy)
     policy: str = "none"  # the kernel's output on rows that see no key
     evidence: dict[str, torch.Tensor] = field(default_factory=dict)
+    raised: str = ""  # the kernel raised: raised_detail(exc) (observed None; the diagnosis never reads it)
 
 
 def missing_params(kernel: Kernel, kwargs: dict[str, Any]) -> list[str]:
     return [] if kernel.params is None else [p for p in kwargs if p not in kernel.params]
 
 
+def enter_kernel(kernel: Kernel, q, k, v, kwargs: dict[str, Any]) -> Any:
+    """The battery's one call of the kernel's forward (an exception whose innermost non-torch frame is this one
+    came from the kernel's own native or torch code: see :func:`kernel_fault`)."""
+    return kernel.fn(q, k, v, **kwargs)
+
+
+def enter_backward(out: torch.Tensor, inputs: list[torch.Tensor], grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The battery's one call of the kernel's backward (autograd through its graph; as :func:`enter_kernel`)."""
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+ENTRY_POINTS = ("enter_kernel", "enter_backward")
+
+
 def call_kernel(kernel: Kernel, inp: CaseInputs, q, k, v) -> torch.Tensor:
-    out = kernel.fn(q, k, v, **inp.kwargs)
+    """The kernel's output, or ContractError when it is not what SDPA's signature returns."""
+    out = enter_kernel(kernel, q, k, v, inp.kwargs)
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"the kernel returned {type(out).__name__}, not a tensor")
+        raise ContractError(f"the kernel returned {type(out).__name__}, not a tensor")
     if tuple(out.shape) != tuple(q.shape):
-        raise ValueError(f"the kernel returned shape {tuple(out.shape)}, expected (B, Hq, Tq, D) = {tuple(q.shape)}")
+        raise ContractError(f"the kernel returned shape {tuple(out.shape)}, expected (B, Hq, Tq, D) = "
+                            f"{tuple(q.shape)}")
     if out.dtype != q.dtype:
-        raise ValueError(f"the kernel returned {out.dtype} for {q.dtype} inputs (SDPA returns the inputs' dtype)")
+        raise ContractError(f"the kernel returned {out.dtype} for {q.dtype} inputs (SDPA returns the inputs' dtype)")
     return out
 
 
 def _raised(exc: Exception) -> str:
     message = " ".join(str(exc).split())  # the whole message, on one line
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def battery_fault(exc: BaseException, spec: str, during: str) -> AdapterError:
+    """tfmoe's error for ``exc`` (the run crashes, exit 3): where it was raised, and torch's version."""
+    if isinstance(exc, AdapterError):
+        return exc
+    frame = culprit_frame(exc)
+    where = "" if frame is None else f" at {Path(frame.filename).name}:{frame.lineno} ({frame.name})"
+    whose = (f"tfmoe's built-in kernel {spec} (its wrapper, or the arguments tfmoe's battery gave it)"
+             if spec in BUILTINS else "tfmoe's kernel battery")
+    return AdapterError(f"kernel={spec}: {raised_detail(exc)} {during}{where} on torch {torch.__version__} — an "
+                        f"error in {whose}, a bug of tfmoe, not a failure of the kernel under test; please report it")
+
+
+def kernel_fault(kernel: Kernel, exc: BaseException, during: str) -> AdapterError | None:
+    """The error to crash with when tfmoe is at fault for ``exc`` raised by the kernel's call (module docstring);
+    None when the user's kernel is (the case fails with the exception)."""
+    if isinstance(exc, AdapterError) or kernel.spec in BUILTINS:
+        return battery_fault(exc, kernel.spec, during)
+    if isinstance(exc, ContractError):
+        return None
+    frame = culprit_frame(exc)
+    if frame is None or not is_tfmoe_frame(frame):
+        return None  # the user's file, or a library the user's kernel calls
+    if Path(frame.filename).resolve() == _HERE and frame.name in ENTRY_POINTS:
+        return None  # raised by native or torch code the user's kernel is (or ran) with no Python frame of its own
+    return battery_fault(exc, kernel.spec, during)
+
+
+def raised_outcome(kernel: Kernel, case: Case, exc: Exception, during: str, evidence: dict[str, torch.Tensor],
+                   hint: str = "") -> Outcome:
+    """The user's kernel raised: that case fails with the exception leading; tfmoe's error crashes the run."""
+    fault = kernel_fault(kernel, exc, f"in the {during} of case {case.label()}")
+    if fault is not None:
+        raise fault from exc
+    raised = raised_detail(exc) + hint
+    return Outcome(case, "fail", f"{case.label()}: {during}: {raised}", math.inf, evidence=evidence, raised=raised)
 
 
 def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, scale: float,
@@ -56,12 +124,27 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
 
     - dq, dk carry dS = P∘(dP - δ), δ_i = dO_i·O_i, a difference that cancels exactly when a row's softmax is
       constant (Tk = 1: dq = dk = 0 exactly, so the plain implementation's error is 0 too). A kernel forming δ
-      from dO·O (FlashAttention's way) rounds it: e_i ≈ eps_acc·Σ_d|dO_id·O_id|, reaching dq_i as
-      scale·e_i·(Σ_j P_ij²)^½·max|k| and dk_j as scale·(Σ_i (P_ij·e_i)²)^½·max|q|.
+      from dO·O (FlashAttention's way) reads O as its forward stored it, in the run's dtype, and accumulates in
+      fp32: e_i ≈ |Σ_d dO_id·(fl(O_id) - O_id)| + eps_acc·Σ_d|dO_id·O_id|, the first term the reference's own
+      δ with its output rounded to the dtype, measured (in bf16 it is most of SDPA's dk error: 1.32x the old
+      limit at seed 28, benchmarks/kernel_seed_sweep.py), reaching dq_i as scale·e_i·(Σ_j P_ij²)^½·max|k| and
+      dk_j as scale·(Σ_i (P_ij·e_i)²)^½·max|q|.
     - dv_j = Σ_i P_ij·dO_i sums n = (Hq/Hkv)·Tq terms; a kernel that accumulates them one block after
-      another (SDPA's CPU backward) rounds each partial sum: ≈ eps_acc·√n·(Σ_i P_ij²)^½·max|dO|."""
+      another (SDPA's CPU backward) rounds each partial sum: ≈ eps_acc·√n·(Σ_i P_ij²)^½·max|dO|.
+    - A kernel that recomputes P in the backward from the forward's logsumexp (FlashAttention's way) with a fast
+      exp carries a relative error u = 8·eps_acc per weight (PyTorch's CPU kernel: ``exp_u20``, 2^-20 = 8 eps32),
+      biased, so common to a row: dq_i then errs by ε_i·dq_i (SDPA fp32 at seed 4, default matrix: ε up to 13.6
+      eps32, dq 4.2x the plain implementation's error, 1.03x the limit without this term), dk_j by at most
+      u·scale·Σ_i|dS_ij|·|q_i|, dv_j by at most u·Σ_i P_ij·|dO_i|.
+    - The recomputed scores round again (in fp32), against a logsumexp the forward rounded otherwise: the weights
+      err by P_ij·ε_ij, ε_ij = fl_acc(s_ij) - s_ij, measured on the reference (its backward with each weight so
+      perturbed: dq = scale·(P∘ε∘(dP - δ))·K, dk, dv likewise). With large scores (scale=0.3, D=111) SDPA's dv
+      erred 7.3x the plain implementation's, 2.1x this measured term (fp32, default matrix, seed 8: 0.92 of the
+      limit without it)."""
     eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
-    e = eps * (inp.grad_out.double().abs() * ref_out.detach().abs()).sum(dim=-1, keepdim=True)  # (B,Hq,Tq,1)
+    d_o, o = inp.grad_out.double(), ref_out.detach()
+    stored = (d_o * (o.to(dtype).double() - o)).sum(dim=-1, keepdim=True).abs()  # δ from O rounded to the dtype
+    e = stored + eps * (d_o.abs() * o.abs()).sum(dim=-1, keepdim=True)  # (B,Hq,Tq,1)
     w = weights.detach()
     B, Hq, Tq, Tk = w.shape
     Hkv = inp.k.shape[1]
@@ -70,7 +153,37 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
         * float(inp.q.double().abs().max())
     p2 = w.pow(2).reshape(B, Hkv, -1, Tq, Tk).sum(dim=(2, 3))  # (B,Hkv,Tk): Σ over the group's queries
     dv = eps * math.sqrt(Hq // Hkv * Tq) * float(p2.max().sqrt()) * float(inp.grad_out.double().abs().max())
-    return {"dq": 2.0 * dq, "dk": 2.0 * dk, "dv": 2.0 * dv}
+    heads = kv_head_index(Hq, Hkv, w.device)
+    k_h, v_h = inp.k.double()[:, heads], inp.v.double()[:, heads]  # (B,Hq,Tk,D)
+    d_s = w * (d_o @ v_h.transpose(-2, -1) - (d_o * o).sum(dim=-1, keepdim=True))  # dS = P∘(dP - δ), (B,Hq,Tq,Tk)
+    u = 8.0 * eps  # a fast exp's relative error per recomputed weight
+    D = inp.q.shape[-1]
+    dq_p = u * scale * float((d_s @ k_h).abs().max())
+    dk_p = u * scale * float((d_s.abs().transpose(-2, -1) @ inp.q.double().abs()).reshape(B, Hkv, -1, Tk, D)
+                             .sum(dim=2).max())
+    dv_p = u * float((w.transpose(-2, -1) @ d_o.abs()).reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    k_acc = inp.k.to(acc)[:, heads]
+    score_err = (inp.q.to(acc) @ k_acc.transpose(-2, -1)).double() * scale \
+        - (inp.q.double() @ k_h.transpose(-2, -1)) * scale  # fl_acc(s) - s, (B,Hq,Tq,Tk)
+    g = d_s * score_err
+    dq_s = scale * float((g @ k_h).abs().max())
+    dk_s = scale * float((g.transpose(-2, -1) @ inp.q.double()).reshape(B, Hkv, -1, Tk, D).sum(dim=2).abs().max())
+    dv_s = float(((w * score_err).transpose(-2, -1) @ d_o).reshape(B, Hkv, -1, Tk, D).sum(dim=2).abs().max())
+    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s), "dk": 2.0 * math.hypot(dk, dk_p, dk_s),
+            "dv": 2.0 * math.hypot(dv, dv_p, dv_s)}
+
+
+def fast_exp_atol(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> float:
+    """The output's floor for a kernel whose softmax uses a fast exp (PyTorch's CPU flash kernel: ``exp_u20``):
+    weights off by a relative u = 8·eps_acc each move O_i by at most u·Σ_j P_ij·|v_j - O_i| <= u·(Σ_j P_ij·|v_j|
+    + |O_i|), the bound used (not doubled). SDPA fp32 reached 2.36x the plain implementation's error at
+    (257, 255, 128), MQA, seed 26 of the default matrix (1.10x the limit without it)."""
+    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    heads = kv_head_index(inp.q.shape[1], inp.k.shape[1], inp.q.device)
+    w, o = weights.detach(), ref_out.detach()
+    bound = (w @ inp.v.double()[:, heads].abs() + o.abs())[inp.seen]
+    return 8.0 * eps * float(bound.max()) if bound.numel() else 0.0
 
 
 def reordered_yardstick(inp: CaseInputs, case: Case, plain: torch.Tensor, ref: torch.Tensor,
@@ -97,15 +210,15 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
             out = call_kernel(kernel, inp, inp.q, inp.k, inp.v)
     except NotImplementedError as exc:
         return Outcome(case, "n/a", f"{case.label()}: {_raised(exc)}"), None
-    except Exception as exc:  # the kernel crashed on this case: a failure, never a crash of the battery
-        return Outcome(case, "fail", f"{case.label()}: the kernel raised {_raised(exc)}", math.inf,
-                       evidence=tensors), None
+    except Exception as exc:  # the user's kernel raised: this case fails; tfmoe's error crashes the run
+        return raised_outcome(kernel, case, exc, "forward", tensors), None
     leaves = {name: [t.detach().to(cast).requires_grad_(backward) for t in (inp.q, inp.k, inp.v)]
               for name, cast in (("ref", torch.float64), ("plain", dtype))}
     with torch.set_grad_enabled(backward):
         ref, weights = reference_attention(*leaves["ref"], inp.visible, inp.bias, case.scale, return_weights=True)
         plain = plain_attention(*leaves["plain"], inp.visible, inp.bias, case.scale)
     j = judge(out, ref, reordered_yardstick(inp, case, plain, ref, dtype), dtype, 2.0, inp.seen)
+    j = replace(j, atol=max(j.atol, fast_exp_atol(inp, ref, weights, dtype)))
     rec.metric("err", j.err, tensor="out", plain_err=j.plain_err, limit=j.threshold, **case.tags())
     policy = "none"
     if not bool(inp.seen.all()):
@@ -155,13 +268,12 @@ def run_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype
     evidence = {**tensors, "grad_out": inp.grad_out}
     try:
         mine = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
-        got = torch.autograd.grad(call_kernel(kernel, inp, *mine), mine, inp.grad_out)
+        got = enter_backward(call_kernel(kernel, inp, *mine), mine, inp.grad_out)
     except NotImplementedError as exc:
         return Outcome(case, "n/a", f"{case.label()}: backward: {_raised(exc)}")
     except Exception as exc:
         hint = " (a forward-only kernel: pass kernel_checks.backward=false)" if "grad" in str(exc) else ""
-        return Outcome(case, "fail", f"{case.label()}: backward raised {_raised(exc)}{hint}", math.inf,
-                       evidence=evidence)
+        return raised_outcome(kernel, case, exc, "backward", evidence, hint)
     ref_g = torch.autograd.grad(ref, leaves["ref"], inp.grad_out.double())
     plain_g = torch.autograd.grad(plain, leaves["plain"], inp.grad_out)
     judged: dict[str, Comparison] = {}
