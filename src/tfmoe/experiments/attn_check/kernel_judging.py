@@ -140,7 +140,12 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
       err by P_ij·ε_ij, ε_ij = fl_acc(s_ij) - s_ij, measured on the reference (its backward with each weight so
       perturbed: dq = scale·(P∘ε∘(dP - δ))·K, dk, dv likewise). With large scores (scale=0.3, D=111) SDPA's dv
       erred 7.3x the plain implementation's, 2.1x this measured term (fp32, default matrix, seed 8: 0.92 of the
-      limit without it)."""
+      limit without it).
+    - With grouped kv heads (r = Hq/Hkv > 1) a kernel may form each query head's dk, dv and sum the group's after,
+      each per-head gradient rounded to the run's dtype first (FlashAttention 2's interface for MQA/GQA sums
+      ``dk_expanded``/``dv_expanded`` over the group): ≤ (eps_dtype/2)·Σ_h |g_h| per element, the group's
+      per-head gradients measured on the reference (SDPA fp16, MQA, seed 10 of the reduced matrix: dv 1.18x the
+      limit without this term)."""
     eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
     d_o, o = inp.grad_out.double(), ref_out.detach()
     stored = (d_o * (o.to(dtype).double() - o)).sum(dim=-1, keepdim=True).abs()  # δ from O rounded to the dtype
@@ -170,8 +175,15 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
     dq_s = scale * float((g @ k_h).abs().max())
     dk_s = scale * float((g.transpose(-2, -1) @ inp.q.double()).reshape(B, Hkv, -1, Tk, D).sum(dim=2).abs().max())
     dv_s = float(((w * score_err).transpose(-2, -1) @ d_o).reshape(B, Hkv, -1, Tk, D).sum(dim=2).abs().max())
-    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s), "dk": 2.0 * math.hypot(dk, dk_p, dk_s),
-            "dv": 2.0 * math.hypot(dv, dv_p, dv_s)}
+    dk_g = dv_g = 0.0
+    if Hq > Hkv:  # each query head's dk_h, dv_h rounded to the dtype before the group's sum
+        half_eps = torch.finfo(dtype).eps / 2
+        dk_heads = scale * (d_s.transpose(-2, -1) @ inp.q.double())  # (B,Hq,Tk,D)
+        dv_heads = w.transpose(-2, -1) @ d_o  # (B,Hq,Tk,D)
+        dk_g = half_eps * float(dk_heads.abs().reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
+        dv_g = half_eps * float(dv_heads.abs().reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
+    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s), "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g),
+            "dv": 2.0 * math.hypot(dv, dv_p, dv_s, dv_g)}
 
 
 def fast_exp_atol(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> float:
