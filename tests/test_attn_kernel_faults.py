@@ -15,20 +15,12 @@ from tfmoe.experiments.attn_check.kernel_judging import enter_kernel, kernel_fau
 from tfmoe.experiments.attn_check.kernels import Kernel
 from tfmoe.faults import is_raised
 from tfmoe.harness.store.notebook import load_run
-from tfmoe.testing import run_cli, run_recorded
+from tfmoe.testing import caught, run_cli, run_recorded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SMALL = ["cases.shapes=[[5,7,12],[7,5,8],[1,6,16]]"]  # tests/test_attn_kernels.py's reduced matrix
 USER = Kernel("my_attn:attend", F.scaled_dot_product_attention, None, "top_left")
 BUILTIN = Kernel("torch:sdpa", F.scaled_dot_product_attention, None, "top_left")
-
-
-def _caught(fn, *args, **kwargs) -> BaseException:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return exc
-    raise AssertionError(f"{fn} did not raise")
 
 
 def _users_code_raises():
@@ -43,15 +35,15 @@ def failed(rec) -> dict[str, object]:
 def test_whose_fault_a_kernel_exception_is():
     from tfmoe.components.references import visibility
 
-    users = _caught(_users_code_raises)
+    users = caught(_users_code_raises)
     assert kernel_fault(USER, users, "forward") is None
-    tfmoes = _caught(visibility, 4, 4, False, torch.ones(2, 3, dtype=torch.bool))  # raised inside tfmoe
+    tfmoes = caught(visibility, 4, 4, False, torch.ones(2, 3, dtype=torch.bool))  # raised inside tfmoe
     fault = kernel_fault(USER, tfmoes, "forward")
     assert isinstance(fault, AdapterError) and "references.py" in str(fault) and "bug of tfmoe" in str(fault)
     q = torch.randn(1, 2, 3, 4)
-    native = _caught(enter_kernel, Kernel("my:matmul", torch.matmul, None, "top_left"), q, q, q, {})
+    native = caught(enter_kernel, Kernel("my:matmul", torch.matmul, None, "top_left"), q, q, q, {})
     assert kernel_fault(USER, native, "forward") is None  # a native kernel's own error: no Python frame of its own
-    contract = _caught(lambda: (_ for _ in ()).throw(ContractError("the kernel returned shape (1,)")))
+    contract = caught(lambda: (_ for _ in ()).throw(ContractError("the kernel returned shape (1,)")))
     assert kernel_fault(USER, contract, "forward") is None
     for exc in (users, native, contract):  # a built-in kernel is tfmoe's code: whatever it raises is tfmoe's
         fault = kernel_fault(BUILTIN, exc, "forward")

@@ -12,7 +12,7 @@ from tfmoe.errors import AdapterError, ContractError
 from tfmoe.faults import is_raised, raised_detail, tfmoe_fault
 from tfmoe.harness.method.diagnosis import common_exception, diagnose
 from tfmoe.harness.store.notebook import load_run
-from tfmoe.testing import run_cli
+from tfmoe.testing import caught, run_cli
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SMALL = ["d_model=16", "n_heads=4", "T=6", "chunked.probe_T=256", "chunked.probe_block_size=16",
@@ -27,17 +27,9 @@ def _user_code_raises() -> None:
     torch.zeros(2, 3) @ torch.zeros(2, 3)  # (2,3)@(2,3): a shape error raised by torch for the user's code
 
 
-def _caught(fn, *args, **kwargs) -> BaseException:
-    try:
-        fn(*args, **kwargs)
-    except Exception as exc:
-        return exc
-    raise AssertionError(f"{fn} did not raise")
-
-
 # ------------------------------------------------------------------------------------ whose fault it is
 def test_an_exception_in_user_code_is_the_users():
-    exc = _caught(_user_code_raises)
+    exc = caught(_user_code_raises)
     assert tfmoe_fault(exc, "tfmoe") is None
     assert tfmoe_fault(exc, "tfmoe", "transformers", SUPPORTED) is None  # torch frames are passed over
 
@@ -45,7 +37,7 @@ def test_an_exception_in_user_code_is_the_users():
 def test_an_exception_raised_inside_tfmoe_is_tfmoes():
     from tfmoe.components.references import visibility
 
-    exc = _caught(visibility, 4, 4, False, torch.ones(2, 3, dtype=torch.bool))  # tfmoe's own ValueError
+    exc = caught(visibility, 4, 4, False, torch.ones(2, 3, dtype=torch.bool))  # tfmoe's own ValueError
     fault = tfmoe_fault(exc, "tfmoe")
     assert isinstance(fault, AdapterError) and "references.py" in str(fault) and "not a failure of the layer" in str(fault)
 
@@ -55,7 +47,7 @@ def test_an_exception_inside_the_library_a_shipped_adapter_drives_names_library_
     import transformers
     from transformers.masking_utils import create_causal_mask
 
-    exc = _caught(create_causal_mask, config=None, inputs_embeds=torch.zeros(1, 2, 4), attention_mask=None,
+    exc = caught(create_causal_mask, config=None, inputs_embeds=torch.zeros(1, 2, 4), attention_mask=None,
                   cache=None, position_ids=None)  # raises inside transformers (config None)
     fault = tfmoe_fault(exc, "impl=hf:llama", "transformers", SUPPORTED)
     assert isinstance(fault, AdapterError)
@@ -65,7 +57,7 @@ def test_an_exception_inside_the_library_a_shipped_adapter_drives_names_library_
 
 
 def test_a_contract_error_is_the_users_unless_a_shipped_adapter_made_it():
-    exc = _caught(lambda: (_ for _ in ()).throw(ContractError("output shape (2, 6) != (2, 6, 16)")))
+    exc = caught(lambda: (_ for _ in ()).throw(ContractError("output shape (2, 6) != (2, 6, 16)")))
     assert tfmoe_fault(exc, "impl=my:Layer") is None
     assert isinstance(tfmoe_fault(exc, "impl=hf:llama", "transformers", SUPPORTED), AdapterError)
     assert isinstance(tfmoe_fault(AdapterError("x"), "tfmoe"), AdapterError)

@@ -105,3 +105,13 @@ def run_recorded(experiment: str, overrides: list[str] | None = None):
 
 
 __all__ = ["CliResult", "run_cli", "launched", "compose", "make_recorder", "run_recorded", "cpu_recorder", "check_passed"]
+
+
+def caught(fn, *args, **kwargs) -> BaseException:
+    """The exception ``fn(*args, **kwargs)`` raises, its traceback intact (what the whose-fault rule reads);
+    AssertionError if it raises nothing."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return exc
+    raise AssertionError(f"{fn} did not raise")
