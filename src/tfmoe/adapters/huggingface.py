@@ -470,7 +470,7 @@ ABSENT_MEANS_SELF_ATTENTION = {"cache", "past_key_values", "cache_position", "en
                                "encoder_attention_mask", "head_mask", "position_ids"}
 
 
-def unsupplied_inputs(module: nn.Module, layout: str, supplied: set[str] = frozenset()) -> str:
+def unsupplied_inputs(module: nn.Module, layout: str, supplied: frozenset[str] | set[str] = frozenset()) -> str:
     """'' or the semantic behind the forward's inputs that this adapter does not supply: a layer that takes
     positions or biases beside the mask (layoutlmv3's position_bias, roformer's sinusoidal_pos) would run without
     them and could pass while judging a layer its model never runs."""

@@ -116,6 +116,11 @@ def raised_outcome(kernel: Kernel, case: Case, exc: Exception, during: str, evid
     return Outcome(case, "fail", f"{case.label()}: {during}: {raised}", math.inf, evidence=evidence, raised=raised)
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a kernel accumulates in for inputs of ``dtype``: fp32, or fp64 for fp64 runs (eps_acc is its eps)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, scale: float,
                        dtype: torch.dtype) -> dict[str, float]:
     """Rounding floors for the gradients, where FlashAttention's "rounding at the reference's scale" is 0 or
@@ -146,7 +151,8 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
       ``dk_expanded``/``dv_expanded`` over the group): ≤ (eps_dtype/2)·Σ_h |g_h| per element, the group's
       per-head gradients measured on the reference (SDPA fp16, MQA, seed 10 of the reduced matrix: dv 1.18x the
       limit without this term)."""
-    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    acc = accumulation_dtype(dtype)
+    eps = torch.finfo(acc).eps
     d_o, o = inp.grad_out.double(), ref_out.detach()
     stored = (d_o * (o.to(dtype).double() - o)).sum(dim=-1, keepdim=True).abs()  # δ from O rounded to the dtype
     e = stored + eps * (d_o.abs() * o.abs()).sum(dim=-1, keepdim=True)  # (B,Hq,Tq,1)
@@ -167,7 +173,6 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
     dk_p = u * scale * float((d_s.abs().transpose(-2, -1) @ inp.q.double().abs()).reshape(B, Hkv, -1, Tk, D)
                              .sum(dim=2).max())
     dv_p = u * float((w.transpose(-2, -1) @ d_o.abs()).reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
     k_acc = inp.k.to(acc)[:, heads]
     score_err = (inp.q.to(acc) @ k_acc.transpose(-2, -1)).double() * scale \
         - (inp.q.double() @ k_h.transpose(-2, -1)) * scale  # fl_acc(s) - s, (B,Hq,Tq,Tk)
@@ -191,7 +196,7 @@ def fast_exp_atol(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor,
     weights off by a relative u = 8·eps_acc each move O_i by at most u·Σ_j P_ij·|v_j - O_i| <= u·(Σ_j P_ij·|v_j|
     + |O_i|), the bound used (not doubled). SDPA fp32 reached 2.36x the plain implementation's error at
     (257, 255, 128), MQA, seed 26 of the default matrix (1.10x the limit without it)."""
-    eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    eps = torch.finfo(accumulation_dtype(dtype)).eps
     heads = kv_head_index(inp.q.shape[1], inp.k.shape[1], inp.q.device)
     w, o = weights.detach(), ref_out.detach()
     bound = (w @ inp.v.double()[:, heads].abs() + o.abs())[inp.seen]

@@ -454,7 +454,12 @@ def status_now(status: str, run_dir: Path) -> str:
 # --------------------------------------------------------------------------------------------- reading
 
 
-TABLE_KEYS = (*TABLE_FILES, "expectations")  # the tables of a run directory that RunData holds
+RUN_TABLE_FILES = {**TABLE_FILES, "expectations": EXPECTATIONS_FILE}  # the tables of a run directory RunData holds
+
+
+def _frame_property(key: str) -> Any:
+    """RunData's ``key`` table as a pandas DataFrame (empty when absent), made on first use."""
+    return property(lambda self: self.frame(key), doc=f"the run's {key} table as a DataFrame (empty when absent)")
 
 
 @dataclass
@@ -466,7 +471,7 @@ class RunData:
 
     path: Path
     run: dict[str, Any]
-    tables: dict[str, Any]  # key of TABLE_KEYS -> pyarrow.Table or None
+    tables: dict[str, Any]  # key of RUN_TABLE_FILES -> pyarrow.Table or None
     config: str  # .hydra/config.yaml text
     _frames: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -479,25 +484,11 @@ class RunData:
             self._frames[key] = _pd().DataFrame() if table is None else table.to_pandas()
         return self._frames[key]
 
-    @property
-    def metrics(self) -> pd.DataFrame:
-        return self.frame("metrics")
-
-    @property
-    def checks(self) -> pd.DataFrame:
-        return self.frame("checks")
-
-    @property
-    def timings(self) -> pd.DataFrame:
-        return self.frame("timings")
-
-    @property
-    def tensor_table(self) -> pd.DataFrame:
-        return self.frame("tensors")
-
-    @property
-    def expectations(self) -> pd.DataFrame:
-        return self.frame("expectations")
+    metrics = _frame_property("metrics")
+    checks = _frame_property("checks")
+    timings = _frame_property("timings")
+    tensor_table = _frame_property("tensors")
+    expectations = _frame_property("expectations")
 
     @property
     def tensors(self) -> dict[str, Any]:
@@ -520,9 +511,9 @@ def load_run(path: str | Path) -> RunData:
     if not (path / RUN_FILE).exists():
         raise BadInput(f"{path} is not a run directory (no {RUN_FILE}): pass a path under runs/, a run id or `latest`")
     run = read_run_row(path)
-    files = {**TABLE_FILES, "expectations": EXPECTATIONS_FILE}
     try:
-        tables = {key: read_table(path / files[key]) if (path / files[key]).exists() else None for key in TABLE_KEYS}
+        tables = {key: read_table(path / name) if (path / name).exists() else None
+                  for key, name in RUN_TABLE_FILES.items()}
     except UnreadableFile as exc:
         raise UnreadableFile(exc.path, f"{exc}; {rerun_advice(path)}") from None
     cfg_file = path / ".hydra" / "config.yaml"
