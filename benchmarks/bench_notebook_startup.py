@@ -28,6 +28,8 @@ TARGETS = {  # command label -> (arguments, with {ok}/{err}/{a}/{b} run ids fill
     "runs --last 5 --format json": (["runs", "--last", "5", "--format", "json"], 3.0),
     "show ID": (["show", "{ok}"], 5.0),
     "sql (one table)": (["sql", "SELECT run_id, status, wall_s FROM runs WHERE status = 'ok' LIMIT 5"], 6.0),
+    "sql (metrics)": (["sql", "SELECT name, avg(value) AS mean FROM metrics GROUP BY name ORDER BY name LIMIT 5"],
+                      6.0),
     "diff A B": (["diff", "{a}", "{b}"], 9.0),
     "failures add ID": (["failures", "add", "{err}", "--again", "--file", "failures-bench.md"], 6.0),
 }

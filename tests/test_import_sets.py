@@ -68,13 +68,24 @@ def make_run(root: Path, run_id: str, status: str = "ok", tensor: list[float] | 
                "summarised": False, "min": min(tensor), "max": max(tensor), "mean": sum(tensor) / len(tensor),
                "std": 0.0}
         rundir.write_parquet(pd.DataFrame([row]), writer.run_dir / "tensors.parquet", schema=rundir.TENSORS_SCHEMA)
+        metrics = [{"name": "loss", "value": v, "step": i} for i, v in enumerate(tensor)]
+        rundir.write_parquet(rundir.metrics_frame(metrics), writer.run_dir / rundir.TABLE_FILES["metrics"])
     return writer.run_dir
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A working directory whose runs root holds two finished runs, its catalog already built."""
-    cwd = tmp_path_factory.mktemp("lab")
+    return _make_lab(tmp_path_factory.mktemp("lab"))
+
+
+@pytest.fixture(scope="module")
+def finished_lab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same, for tests that need every run finished (``lab`` gets a running run)."""
+    return _make_lab(tmp_path_factory.mktemp("finished-lab"))
+
+
+def _make_lab(cwd: Path) -> Path:
     make_run(cwd / "runs", "20260101T000000Z-aaaaaaaa", tensor=[0.5, 1.5])
     make_run(cwd / "runs", "20260102T000000Z-bbbbbbbb", "failed", tensor=[0.5, 2.5])
     old = time.time() - 3600  # not racy: the catalog trusts these directories' and run.parquet files' mtimes
@@ -109,6 +120,7 @@ def test_import_guard_names_a_forbidden_import_put_back(lab: Path) -> None:
 
 
 READS_WITH_PYARROW_ALONE = (*NO_CONFIG_NO_TORCH, "duckdb", "pandas")  # show, failures add: pyarrow reads the run
+SQL_WITHOUT_PANDAS = (*NO_CONFIG_NO_TORCH, "pandas")  # DuckDB over the catalog's arrow tables; text without pandas
 SHOWS_A_PASSING_RUN = (*READS_WITH_PYARROW_ALONE, "yaml")  # no failed check to explain: no config parsed
 
 
@@ -117,10 +129,14 @@ SHOWS_A_PASSING_RUN = (*READS_WITH_PYARROW_ALONE, "yaml")  # no failed check to 
     (["show", "20260101T000000Z-aaaaaaaa", "--format", "md"], SHOWS_A_PASSING_RUN, 0),
     (["show", "20260101T000000Z-aaaaaaaa", "--format", "json"], SHOWS_A_PASSING_RUN, 0),
     (["diff", "20260101T000000Z-aaaaaaaa", "20260102T000000Z-bbbbbbbb"], (*NO_CONFIG_NO_TORCH, "duckdb"), 1),
-    (["sql", "SELECT run_id FROM runs"], NO_CONFIG_NO_TORCH, 0),
+    (["sql", "SELECT run_id FROM runs"], SQL_WITHOUT_PANDAS, 0),
+    (["sql", "SELECT * FROM runs", "--format", "json"], SQL_WITHOUT_PANDAS, 0),
+    (["sql", "SELECT * FROM runs", "--format", "csv"], SQL_WITHOUT_PANDAS, 0),
+    (["sql", "SELECT r.run_id, count(*) AS n FROM runs r JOIN metrics m USING (run_id) JOIN checks c "
+             "USING (run_id) JOIN timings t USING (run_id) GROUP BY ALL"], SQL_WITHOUT_PANDAS, 0),
     (["failures", "add", "20260102T000000Z-bbbbbbbb", "--again", "--file", "failures-guard.md"],
      READS_WITH_PYARROW_ALONE, 0),
-], ids=["show", "show-md", "show-json", "diff", "sql", "failures-add"])
+], ids=["show", "show-md", "show-json", "diff", "sql", "sql-json", "sql-csv", "sql-every-view", "failures-add"])
 def test_notebook_commands_import_neither_hydra_nor_torch(lab: Path, args: list[str], forbidden: tuple[str, ...],
                                                           code: int) -> None:
     out = assert_imports_none_of(args, lab, forbidden, code=code)
@@ -146,3 +162,40 @@ def test_show_json_of_a_run_without_an_end_time(lab: Path) -> None:
                                  READS_WITH_PYARROW_ALONE)
     run = json.loads(out)["run"]
     assert run["finished_at"] is None and run["wall_s"] is None and run["started_at"].endswith("+00:00")
+
+
+@pytest.mark.parametrize("plant", [
+    # planted: the result goes through a DataFrame again (DuckDB's .df(), as before issue 23)
+    "import tfmoe.harness.reading.sql_output as o\n_csv = o.csv_text\n"
+    "def csv_text(result):\n    import pandas\n    return _csv(result)\no.csv_text = csv_text",
+    # planted: a view's run_id column is built by pyarrow from Python strings, which imports pandas
+    "import pyarrow as pa\nimport tfmoe.harness.reading.sql as s\n"
+    "s.string_array = lambda values: pa.array(values, pa.string())",
+], ids=["frame", "pyarrow-conversion"])
+def test_import_guard_names_pandas_put_back_into_sql(lab: Path, plant: str) -> None:
+    args = ["sql", "SELECT run_id, count(*) AS n FROM metrics GROUP BY ALL ORDER BY run_id", "--format", "csv"]
+    out = assert_imports_none_of(args, lab, SQL_WITHOUT_PANDAS)  # unplanted: the metrics view has rows, no pandas
+    assert out.splitlines()[1:3] == ["20260101T000000Z-aaaaaaaa,2", "20260102T000000Z-bbbbbbbb,2"]
+    with pytest.raises(AssertionError, match=r"imported .*pandas"):
+        assert_imports_none_of(args, lab, SQL_WITHOUT_PANDAS, plant=plant)
+
+
+SQL_FROM_KEPT_VIEWS = (*SQL_WITHOUT_PANDAS, "pyarrow", "numpy")  # DuckDB reads the catalog's kept view files itself
+
+
+@pytest.mark.parametrize("query", ["SELECT run_id, status FROM runs",
+                                   "SELECT r.run_id, count(m.name) AS n FROM runs r LEFT JOIN metrics m USING (run_id) "
+                                   "LEFT JOIN checks c USING (run_id) LEFT JOIN timings t USING (run_id) GROUP BY ALL"],
+                         ids=["runs", "every-view"])
+def test_sql_over_kept_views_imports_no_pyarrow(finished_lab: Path, query: str) -> None:
+    for fmt in ("csv", "json", "table"):  # the first query may build the views (pyarrow); then they are kept
+        assert_imports_none_of(["sql", query, "--format", fmt], finished_lab, SQL_WITHOUT_PANDAS)
+        out = assert_imports_none_of(["sql", query, "--format", fmt], finished_lab, SQL_FROM_KEPT_VIEWS)
+        assert "20260102T000000Z-bbbbbbbb" in out
+
+
+def test_import_guard_names_pyarrow_when_the_views_are_not_kept(finished_lab: Path) -> None:
+    # planted: the catalog keeps no view file (as before issue 23's last step), so each query builds them with pyarrow
+    plant = "import tfmoe.harness.store.catalog as c\nc._on_disk = lambda conn: False"
+    with pytest.raises(AssertionError, match=r"imported .*pyarrow"):
+        assert_imports_none_of(["sql", "SELECT run_id FROM runs"], finished_lab, SQL_FROM_KEPT_VIEWS, plant=plant)

@@ -185,6 +185,26 @@ def test_sql_every_view(name: str, root: Path) -> None:
                                runs.cwd))
             if fmt == "json" and view in ("metrics", "checks"):  # every experiment records metrics and checks
                 assert sorted(row["run_id"] for row in json.loads(r.stdout)) == sorted(ids), (view, r.stdout)
+    _sql_prints_every_column_as_pandas_did(runs.cwd / "runs")
+
+
+def _sql_prints_every_column_as_pandas_did(runs_root: Path) -> None:
+    """Every column of every view of this experiment's runs: the same table cells, JSON and CSV that `tfmoe sql`
+    printed through pandas (its tag columns, lists and timestamps included), and the CLI prints that text."""
+    from sql_pandas_oracle import pandas_texts, tfmoe_texts
+
+    from tfmoe.harness.reading.sql import FILE_VIEWS, connect
+
+    for view in ("runs", *FILE_VIEWS):
+        query = f"SELECT * FROM {view} ORDER BY ALL"
+        con = connect(runs_root, query)
+        try:
+            expected = pandas_texts(con, query)
+            assert tfmoe_texts(con, query) == expected, view
+        finally:
+            con.close()
+        printed = _clean(run_cli(["sql", query, "--format", "csv", "--runs-root", str(runs_root)], runs_root.parent))
+        assert printed.stdout == expected["csv"], view
 
 
 @pytest.mark.parametrize("name", _params("failures_add"))

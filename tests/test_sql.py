@@ -17,6 +17,12 @@ from tfmoe.status import Status
 from tfmoe.testing import launched, run_cli
 
 
+def _frame(runs_root: Path, query: str) -> pd.DataFrame:
+    """A query's result as a DataFrame, for the assertions (tfmoe sql itself does not import pandas)."""
+    result = sql.query(runs_root, query)
+    return pd.DataFrame(result.rows, columns=result.columns)
+
+
 @pytest.fixture
 def two_runs(fake_experiment) -> list[Path]:
     dirs = []
@@ -26,17 +32,17 @@ def two_runs(fake_experiment) -> list[Path]:
 
 
 def test_views_join_runs_with_metrics_checks_and_timings(two_runs: list[Path]) -> None:
-    df = sql.query(Path("runs"), "SELECT r.run_id, r.seed, r.status, r.checks_passed, r.checks_total, "
+    df = _frame(Path("runs"), "SELECT r.run_id, r.seed, r.status, r.checks_passed, r.checks_total, "
                    "max(m.value) AS top FROM runs r JOIN metrics m USING (run_id) WHERE m.name = 'loss' "
                    "GROUP BY ALL ORDER BY r.seed")
     assert list(df["seed"]) == [1, 2] and list(df["status"]) == ["ok", "failed"]
     assert list(df["checks_passed"]) == [1, 0] and list(df["checks_total"]) == [1, 1]
     assert list(df["run_id"]) == [d.name for d in two_runs] and (df["top"] > 0).all()
-    tags = sql.query(Path("runs"), "SELECT DISTINCT variant, step FROM metrics WHERE name = 'loss' ORDER BY step")
+    tags = _frame(Path("runs"), "SELECT DISTINCT variant, step FROM metrics WHERE name = 'loss' ORDER BY step")
     assert list(tags["variant"]) == ["a"] * 5 and list(tags["step"]) == list(range(5))  # tag columns and steps
-    failed = sql.query(Path("runs"), "SELECT run_id FROM checks WHERE NOT passed")
+    failed = _frame(Path("runs"), "SELECT run_id FROM checks WHERE NOT passed")
     assert list(failed["run_id"]) == [two_runs[1].name]
-    stages = sql.query(Path("runs"), "SELECT run_id, stage, wall_ms FROM timings ORDER BY run_id")
+    stages = _frame(Path("runs"), "SELECT run_id, stage, wall_ms FROM timings ORDER BY run_id")
     assert list(stages["stage"]) == ["sum", "sum"] and (stages["wall_ms"] > 0).all()
 
 
@@ -66,7 +72,7 @@ def test_writing_statements_are_refused_with_exit_2(workdir: Path, statement: st
     assert r.exit_code == 2 and r.stderr.count("\n") == 1
     assert "read-only" in r.stderr or "statements given" in r.stderr
     assert not any((workdir / name).exists() for name in ("out.csv", "other.duckdb", "dump"))
-    assert len(sql.query(workdir / "runs", "SELECT * FROM runs")) == 1  # nothing was changed
+    assert len(_frame(workdir / "runs", "SELECT * FROM runs")) == 1  # nothing was changed
 
 
 def test_syntax_and_name_errors_are_one_line_exit_2(two_runs: list[Path]) -> None:
@@ -75,11 +81,11 @@ def test_syntax_and_name_errors_are_one_line_exit_2(two_runs: list[Path]) -> Non
     r = run_cli(["sql", "SELECT nosuch FROM runs"], Path.cwd())
     assert r.exit_code == 2 and "Binder Error" in r.stderr and r.stderr.count("\n") == 1
     with pytest.raises(BadInput, match="no SQL statement"):
-        sql.query(Path("runs"), "  ")
+        _frame(Path("runs"), "  ")
 
 
 def test_empty_runs_root_has_empty_views(tmp_path: Path) -> None:
-    df = sql.query(tmp_path / "none", "SELECT count(*) AS n FROM runs r JOIN metrics m USING (run_id)")
+    df = _frame(tmp_path / "none", "SELECT count(*) AS n FROM runs r JOIN metrics m USING (run_id)")
     assert int(df["n"].iloc[0]) == 0
 
 
@@ -139,11 +145,11 @@ def test_the_sandbox_holds_even_past_the_statement_check(two_runs: list[Path], o
 
 def test_views_and_the_runs_own_files_still_read(two_runs: list[Path]) -> None:
     root = Path("runs").resolve()
-    df = sql.query(Path("runs"), f"SELECT count(*) AS n FROM read_parquet('{root}/**/metrics.parquet')")
-    assert int(df["n"].iloc[0]) == len(sql.query(Path("runs"), "SELECT * FROM metrics")) > 0
-    n = sql.query(Path("runs"), "SELECT count(*) AS n FROM runs r JOIN metrics m USING (run_id)")
+    df = _frame(Path("runs"), f"SELECT count(*) AS n FROM read_parquet('{root}/**/metrics.parquet')")
+    assert int(df["n"].iloc[0]) == len(_frame(Path("runs"), "SELECT * FROM metrics")) > 0
+    n = _frame(Path("runs"), "SELECT count(*) AS n FROM runs r JOIN metrics m USING (run_id)")
     assert int(n["n"].iloc[0]) > 0
-    rel = sql.query(Path("runs"), f"SELECT count(*) AS n FROM glob('{root}/*/*/run.parquet')")
+    rel = _frame(Path("runs"), f"SELECT count(*) AS n FROM glob('{root}/*/*/run.parquet')")
     assert int(rel["n"].iloc[0]) == 2
 
 
@@ -162,7 +168,7 @@ def test_a_run_with_a_truncated_metrics_file_is_unreadable_in_sql_and_runs(two_r
     assert r.exit_code == 0, r.stderr
     warning = [line for line in r.stderr.splitlines() if bad.name in line]
     assert len(warning) == 1 and "unreadable" in warning[0] and "metrics.parquet" in warning[0]
-    status = sql.query(Path("runs"), "SELECT run_id, status, error FROM runs ORDER BY seed")
+    status = _frame(Path("runs"), "SELECT run_id, status, error FROM runs ORDER BY seed")
     assert list(status["status"]) == ["unreadable", "failed"] and "metrics.parquet" in status["error"].iloc[0]
     listed = run_cli(["runs", "--format", "json"], Path.cwd())
     assert {r["run_id"]: r["status"] for r in json.loads(listed.stdout)}[bad.name] == "unreadable"
@@ -221,7 +227,7 @@ def test_with_run_parquet_unreadable_the_advice_is_hydras_recorded_command_line(
 
 # ------------------------------------------------------------------------------------------ the kept runs view
 def _runs_now(root: Path) -> pd.DataFrame:
-    return sql.query(root, "SELECT * FROM runs ORDER BY path")
+    return _frame(root, "SELECT * FROM runs ORDER BY path")
 
 
 def _same_as_rebuilt(root: Path) -> int:
@@ -240,17 +246,18 @@ def _runs_rebuilt(root: Path) -> pd.DataFrame:
 
 
 def _kept_views(root: Path) -> list[tuple[str, int, int]]:
-    """(view, generation it was built at, the catalog's generation now) of each view the catalog keeps."""
+    """(view, generation it was built at, the catalog's generation now) of each view file the catalog keeps."""
     import sqlite3
 
-    from tfmoe.harness.store.catalog import CATALOG_FILE
+    from tfmoe.harness.store.catalog import CATALOG_FILE, VIEWS_DIR
 
     conn = sqlite3.connect(root / CATALOG_FILE)
     try:
         now = int(conn.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()[0])
-        return [(name, gen, now) for name, gen in conn.execute("SELECT name, generation FROM views")]
     finally:
         conn.close()
+    files = sorted((root / VIEWS_DIR).glob("*.parquet")) if (root / VIEWS_DIR).is_dir() else []
+    return [(f.name.split("-")[0], int(f.stem.rsplit("-", 1)[1]), now) for f in files]
 
 
 def test_the_runs_view_is_kept_until_a_run_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -266,7 +273,7 @@ def test_the_runs_view_is_kept_until_a_run_changes(tmp_path: Path, monkeypatch: 
     running = make_run(root, "fake/20260102T000000Z-bbbbbbbb", "running")
     age(root)
     first = _runs_now(root)
-    assert [(v, gen == now) for v, gen, now in _kept_views(root)] == [(f"run {root}", True)]
+    assert [(v, gen == now) for v, gen, now in _kept_views(root)] == [("run", True)]
     pd.testing.assert_frame_equal(_runs_now(root), first)  # read back from the kept view
     assert list(first["checks_passed"]) == [1, 0] and list(first["status"]) == ["ok", "running"]
     make_run(root, "fake/20260103T000000Z-cccccccc")  # a new run
@@ -308,3 +315,127 @@ def notebook_writer(run_dir: Path):
     row = notebook.read_run_row(run_dir)
     return notebook.RunWriter(run_dir=run_dir, run_id=row["run_id"], experiment=row["experiment"], seed=0, argv=[],
                               overrides=["x=1"], device="cpu", dtype="fp32", started_at=row["started_at"])
+
+
+def test_kept_view_files_of_older_generations_are_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each change to the runs keeps a new runs view file; the older ones (and leftovers of an interrupted write)
+    are deleted once STALE_VIEW_S old (0 here), so the folder holds one file per view, not one per change."""
+    from test_catalog import age, make_run
+
+    from tfmoe.harness.store import catalog
+
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)
+    monkeypatch.setattr(catalog, "STALE_VIEW_S", 0.0)
+    root = tmp_path / "runs"
+    make_run(root, "fake/20260101T000000Z-aaaaaaaa")
+    age(root)
+    assert len(_runs_now(root)) == 1
+    (kept,) = (root / catalog.VIEWS_DIR).glob("*.parquet")
+    (kept.parent / f".{kept.name}.12345-deadbeef.tmp").write_bytes(b"half a file")  # a write killed midway
+    for i, rid in enumerate(("bbbbbbbb", "cccccccc")):
+        make_run(root, f"fake/2026010{i + 2}T000000Z-{rid}")
+        assert _same_as_rebuilt(root) == i + 2
+        kept = _kept_views(root)
+        assert len(kept) == 1 and kept[0][1] == kept[0][2], kept  # the one file is this generation's
+    assert not list((root / catalog.VIEWS_DIR).glob(".*"))
+
+
+def test_a_runs_view_that_cannot_be_kept_is_built_each_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no view file can be written (here a file stands where the folder would be), the view is built from the
+    catalog's tables at each query: the same rows, no error."""
+    from test_catalog import age, make_run
+
+    from tfmoe.harness.store import catalog
+
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)
+    root = tmp_path / "runs"
+    make_run(root, "fake/20260101T000000Z-aaaaaaaa", checks=(True, False))
+    age(root)
+    (root / catalog.VIEWS_DIR).write_text("not a folder")
+    first = _runs_now(root)
+    assert list(first["checks_passed"]) == [1] and (root / catalog.VIEWS_DIR).read_text() == "not a folder"
+    make_run(root, "fake/20260102T000000Z-bbbbbbbb")
+    assert _same_as_rebuilt(root) == 2
+
+
+def test_a_rebuilt_catalog_never_reads_the_view_files_of_the_one_before(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuilt catalog counts its generations from 0 again: its views are named by a new epoch, so a file kept by
+    the catalog before, at the same generation number, is never taken for its own."""
+    from test_catalog import age, make_run
+
+    from tfmoe.harness.store import catalog
+
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)
+    root = tmp_path / "runs"
+    make_run(root, "fake/20260101T000000Z-aaaaaaaa")
+    make_run(root, "fake/20260102T000000Z-bbbbbbbb")
+    age(root)
+    assert len(_runs_now(root)) == 2
+    (before,) = (root / catalog.VIEWS_DIR).glob("*.parquet")
+    shutil.rmtree(root / "fake/20260102T000000Z-bbbbbbbb")
+    for p in root.glob(catalog.CATALOG_FILE + "*"):
+        p.unlink()  # the catalog is only a cache: deleted, it is rebuilt from the directories
+    now = _runs_now(root)
+    assert list(now["run_id"]) == ["20260101T000000Z-aaaaaaaa"]
+    assert before.name.split("-")[2] not in {f.name.split("-")[2] for f in (root / catalog.VIEWS_DIR).glob("*.parquet")
+                                             if f != before}
+
+
+def test_a_running_runs_rows_are_read_now_and_no_file_view_is_kept(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A running run's checks.parquet grows without the catalog's generation moving: while one runs, the checks
+    view is built from its file at each query (a new row shows), never kept; once it ends, the view is kept."""
+    from test_catalog import age, make_run
+
+    from tfmoe.harness.store import catalog, rundir
+
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)
+    root = tmp_path / "runs"
+    make_run(root, "fake/20260101T000000Z-aaaaaaaa", checks=(True,))
+    running = make_run(root, "fake/20260102T000000Z-bbbbbbbb", "running", checks=(False,))
+    age(root)
+    checks_kept = lambda: [v for v, *_ in _kept_views(root) if v == "checks"]  # noqa: E731
+
+    def failed() -> list[str]:
+        return list(_frame(root, "SELECT \"check\" FROM checks WHERE NOT passed ORDER BY 1")["check"])
+
+    assert failed() == ["c0"] and checks_kept() == []
+    df = pd.DataFrame({"check": ["c0", "c1"], "passed": [False, False], "observed": 1.0, "threshold": 2.0,
+                       "detail": ""})
+    rundir.write_parquet(df, running / "checks.parquet", schema=rundir.CHECKS_SCHEMA)  # the run records one more
+    assert failed() == ["c0", "c1"] and checks_kept() == []
+    notebook_writer(running).finish(None, Status.FAILED, 1, None, None, None, 100)
+    assert failed() == ["c0", "c1"] and checks_kept() == ["checks"]
+    assert failed() == ["c0", "c1"]  # read back from the kept file
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_damaged_or_vanished_kept_view_file_is_built_again(two_runs: list[Path], damage: str) -> None:
+    """The kept view files are a cache: one cut in half (or deleted between the lookup and DuckDB's read, as a
+    concurrent cleaner might) is dropped and the view built now, the same rows, no traceback."""
+    from tfmoe.harness.store import catalog
+
+    query = "SELECT r.run_id, r.status, count(*) AS n FROM runs r JOIN metrics m USING (run_id) GROUP BY ALL ORDER BY 1"
+    expected = _frame(Path("runs"), query)
+    files = sorted((Path("runs") / catalog.VIEWS_DIR).glob("*.parquet"))
+    assert [f.name.split("-")[0] for f in files] == ["metrics", "run"]
+    if damage == "truncate":
+        for f in files:
+            _truncate(f)
+        pd.testing.assert_frame_equal(_frame(Path("runs"), query), expected)
+    else:
+        real_view = catalog.view
+
+        def view_then_vanish(*args: object, **kwargs: object) -> object:
+            kept = real_view(*args, **kwargs)
+            if isinstance(kept, Path):
+                kept.unlink()
+            return kept
+
+        import unittest.mock
+
+        with unittest.mock.patch.object(catalog, "view", view_then_vanish):
+            pd.testing.assert_frame_equal(_frame(Path("runs"), query), expected)
+    r = run_cli(["sql", query, "--format", "csv"], Path.cwd())
+    assert r.exit_code == 0 and r.stderr == "" and r.stdout.count("\n") == 3, r.stdout + r.stderr

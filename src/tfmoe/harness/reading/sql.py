@@ -17,11 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-import pyarrow as pa
-
 from tfmoe.errors import BadInput
-from tfmoe.harness.store.rundir import RUN_SCHEMA, TABLE_FILES
+from tfmoe.harness.reading.sql_output import Result, csv_text, json_records, table_rows
+from tfmoe.harness.store.rundir import TABLE_FILES, int64_array, string_array
 from tfmoe.status import Status
 
 FILE_VIEWS = ("metrics", "checks", "timings")
@@ -32,8 +30,15 @@ EMPTY_COLUMNS = {
     "timings": "CAST(NULL AS VARCHAR) AS stage, CAST(NULL AS DOUBLE) AS wall_ms, CAST(NULL AS DOUBLE) AS device_ms, "
                "CAST(NULL AS BIGINT) AS repeats, CAST(NULL AS BIGINT) AS peak_device_mem_bytes",
 }
-RUNS_SCHEMA = pa.schema([*RUN_SCHEMA, ("path", pa.string()), ("checks_passed", pa.int64()),
-                         ("checks_total", pa.int64())])
+
+
+def runs_schema() -> Any:
+    """The runs view's columns: run.parquet's, then ``path``, ``checks_passed``, ``checks_total``."""
+    import pyarrow as pa
+
+    from tfmoe.harness.store.rundir import RUN_SCHEMA
+
+    return pa.schema([*RUN_SCHEMA, ("path", pa.string()), ("checks_passed", pa.int64()), ("checks_total", pa.int64())])
 
 
 def _duckdb() -> Any:
@@ -44,10 +49,11 @@ def _duckdb() -> Any:
     return duckdb
 
 
-def check_read_only(duckdb: Any, query: str) -> None:
-    """Refuse (BadInput) anything but a single SELECT / EXPLAIN, and report syntax errors in one line."""
+def check_read_only(duckdb: Any, query: str, con: Any = None) -> None:
+    """Refuse (BadInput) anything but a single SELECT / EXPLAIN, and report syntax errors in one line. ``con``:
+    the connection to parse with (DuckDB's default one costs its own start, 15-25 ms)."""
     try:
-        statements = duckdb.extract_statements(query)
+        statements = (con or duckdb).extract_statements(query)
     except duckdb.Error as exc:
         raise BadInput(one_line(exc)) from None
     if not statements:
@@ -73,6 +79,8 @@ def one_line(exc: BaseException) -> str:
 def _concat(tables: list[Any]) -> Any:
     """One table from many whose columns differ (experiments' tag columns): by name, types promoted; a column
     whose types cannot be reconciled (an int tag here, a string there) becomes a string column."""
+    import pyarrow as pa
+
     groups: dict[Any, list[Any]] = {}
     for t in tables:  # same schema: a cheap concatenation; only the few distinct schemas need promoting
         groups.setdefault(t.schema, []).append(t)
@@ -91,94 +99,152 @@ def _concat(tables: list[Any]) -> Any:
 
 
 def _with_run_id(run_id: str, table: Any) -> Any:
-    return table.add_column(0, "run_id", pa.array([run_id] * table.num_rows, pa.string()))
+    return table.add_column(0, "run_id", string_array([run_id] * table.num_rows))
 
 
 def _every_run(cached: list[Any]) -> Any:
-    """The runs view as the catalog holds it: every run's run.parquet row, its path and checks passed / total."""
+    """The runs view as the catalog keeps it: every run's run.parquet row, its path and checks passed / total
+    (and an ``error`` column, which the statuses fixed at query time may fill)."""
+    import pyarrow as pa
+
     if not cached:
-        return RUNS_SCHEMA.empty_table()
-    table = _concat([t if t is not None else pa.table({"run_id": [rid], "status": [status]})
+        return runs_schema().empty_table()
+    table = _concat([t if t is not None else pa.table({"run_id": string_array([rid]), "status": string_array([status])})
                      for rid, _, status, t, _, _ in cached]).combine_chunks()
-    table = table.append_column("path", pa.array([c[1] for c in cached], pa.string()))
-    table = table.append_column("checks_passed", pa.array([c[4] for c in cached], pa.int64()))
-    return table.append_column("checks_total", pa.array([c[5] for c in cached], pa.int64()))
-
-
-def _runs_table(conn: Any, runs_root: Path) -> Any:
-    """The runs view with THE status readers show: unreadable runs as the catalog says, running ones read now."""
-    from tfmoe.harness.store.catalog import unreadable as catalog_unreadable
-    from tfmoe.harness.store.catalog import view
-    from tfmoe.harness.store.notebook import read_run_row
-
-    table = view(conn, runs_root, "run", _every_run)
-    if not table.num_rows:
-        return table
-    paths = table.column("path").to_pylist()
-    statuses = table.column("status").to_pylist()
-    bad = {str(path): why for _, path, why in catalog_unreadable(conn, runs_root)}
-    if bad:  # run.parquet may be whole while another of the run's files is not: the catalog's status says so
-        errors = table.column("error").to_pylist() if "error" in table.column_names else [None] * len(paths)
-        for i, p in enumerate(paths):
-            if p in bad:
-                statuses[i], errors[i] = Status.UNREADABLE.value, bad[p]
-        table = table.set_column(table.schema.get_field_index("status"), "status", pa.array(statuses, pa.string()))
-        if "error" in table.column_names:
-            table = table.set_column(table.schema.get_field_index("error"), "error", pa.array(errors, pa.string()))
-        else:
-            table = table.append_column("error", pa.array(errors, pa.string()))
-    if Status.RUNNING in statuses:  # THE status readers show: a dead `running` run is `lost` (effective_status)
-        for i, st in enumerate(statuses):
-            if st == Status.RUNNING:
-                statuses[i] = read_run_row(Path(paths[i]))["status"]
-        table = table.set_column(table.schema.get_field_index("status"), "status", pa.array(statuses, pa.string()))
+    table = table.append_column("path", string_array([c[1] for c in cached]))
+    table = table.append_column("checks_passed", int64_array([c[4] for c in cached]))
+    table = table.append_column("checks_total", int64_array([c[5] for c in cached]))
+    if "error" not in table.column_names:
+        table = table.append_column("error", string_array([None] * table.num_rows))
     return table
 
 
-def _file_table(conn: Any, runs_root: Path, view: str) -> Any:
-    """Every run's ``view`` rows with its run_id: from the catalog, or read now for runs that are still running."""
-    import pyarrow.parquet as pq
-
-    from tfmoe.harness.store.catalog import FINAL_STATUSES, arrow_tables
-
-    tables = []
-    for run_id, path, status, table, _, _ in arrow_tables(conn, runs_root, view):
-        if status not in FINAL_STATUSES:
-            f = Path(path) / TABLE_FILES[view]
-            try:
-                table = pq.ParquetFile(f).read() if f.exists() else None
-            except Exception:
-                table = None
-        if table is not None and table.num_rows:
-            tables.append(_with_run_id(run_id, table))
-    return _concat(tables).combine_chunks() if tables else None
+def _sql_text(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
 
 
-def connect(runs_root: Path, query: str) -> Any:
-    """An in-memory DuckDB with the views the query names, built from the catalog's cached tables (one SQLite
-    read instead of opening every run's parquet files)."""
+def _statuses_now(conn: Any, runs_root: Path, unreadable: list[tuple[str, Path, str]]) -> dict[str, tuple[str, Any]]:
+    """{path: (status, error or None to keep it)} for the runs whose status readers show differs from the kept
+    view's: ``unreadable`` ones (the catalog's, with why), and running ones that died (``lost``, effective_status)."""
+    from tfmoe.harness.store.catalog import UNSETTLED
+
+    root = Path(runs_root)
+    spelt = lambda rel: f"{root}/{rel}"  # noqa: E731 (as catalog.arrow_tables spells the view's paths)
+    fixed: dict[str, tuple[str, Any]] = {spelt(path.relative_to(root)): (Status.UNREADABLE.value, why)
+                                         for _, path, why in unreadable}
+    running = [p for p, st in conn.execute(f"SELECT path, status FROM runs WHERE {UNSETTLED}")  # its partial index
+               if st == Status.RUNNING]
+    if running:
+        from tfmoe.harness.store.notebook import read_run_row
+
+        for rel in running:
+            path = spelt(rel)
+            status = read_run_row(root / rel)["status"]
+            if status != Status.RUNNING and path not in fixed:
+                fixed[path] = (status, None)
+    return fixed
+
+
+def _runs_select(conn: Any, runs_root: Path, unreadable: list[tuple[str, Path, str]]) -> str:
+    """SELECT … FROM {source} for the runs view: the kept rows with THE status readers show."""
+    fixed = _statuses_now(conn, runs_root, unreadable) if conn is not None else {}
+    if not fixed:
+        return "SELECT * FROM {source}"
+    status = " ".join(f"WHEN {_sql_text(p)} THEN {_sql_text(st)}" for p, (st, _) in fixed.items())
+    error = " ".join(f"WHEN {_sql_text(p)} THEN {_sql_text(e)}" for p, (_, e) in fixed.items() if e is not None)
+    replace = f"CASE path {status} ELSE status END AS status"
+    if error:
+        replace += f", CASE path {error} ELSE error END AS error"
+    return f"SELECT * REPLACE ({replace}) FROM {{source}}"
+
+
+def _file_rows(view: str) -> Any:
+    """The builder of a file view (catalog.view): every run's ``view`` rows with its run_id, from the catalog's
+    cached tables, or read now for runs that are still running; None when no run has a row."""
+    def build(cached: list[Any]) -> Any:
+        import pyarrow.parquet as pq
+
+        from tfmoe.harness.store.catalog import FINAL_STATUSES
+
+        tables = []
+        for run_id, path, status, table, _, _ in cached:
+            if status not in FINAL_STATUSES:
+                f = Path(path) / TABLE_FILES[view]
+                try:
+                    table = pq.ParquetFile(f).read() if f.exists() else None
+                except Exception:
+                    table = None
+            if table is not None and table.num_rows:
+                tables.append(_with_run_id(run_id, table))
+        return _concat(tables).combine_chunks() if tables else None
+
+    return build
+
+
+def _any_running(conn: Any) -> bool:
+    """Whether a run is still running: its files grow without the catalog's generation moving, so a view of its
+    rows cannot be kept."""
+    from tfmoe.harness.store.catalog import UNSETTLED
+
+    return any(st == Status.RUNNING for (st,) in conn.execute(f"SELECT status FROM runs WHERE {UNSETTLED}"))
+
+
+def _source(con: Any, name: str, kept: Any) -> str:
+    """The FROM source of a view: DuckDB reads a kept parquet file itself; a table built now is registered."""
+    if isinstance(kept, Path):
+        return f"read_parquet({_sql_text(str(kept))})"
+    con.register(f"_{name}", kept)
+    return f"_{name}"
+
+
+def _create_view(con: Any, name: str, select: str, kept: Any, build_now: Any) -> None:
+    """CREATE VIEW ``name`` AS ``select`` (its ``{source}`` the kept view): a kept file DuckDB cannot read (deleted
+    or damaged since; it is only a cache) is dropped and the view built now instead (``build_now()``)."""
+    if kept is None:  # no run has a row
+        con.execute(f"CREATE VIEW {name} AS SELECT CAST(NULL AS VARCHAR) AS run_id, {EMPTY_COLUMNS[name]} WHERE false")
+        return
+    try:
+        con.execute(f"CREATE VIEW {name} AS " + select.format(source=_source(con, name, kept)))
+    except _duckdb().Error:
+        if not isinstance(kept, Path):
+            raise
+        kept.unlink(missing_ok=True)
+        _create_view(con, name, select, build_now(), build_now)
+
+
+def _connection() -> Any:
+    """An in-memory DuckDB that installs and loads no extension."""
+    return _duckdb().connect(":memory:", config={"autoinstall_known_extensions": False,
+                                                 "autoload_known_extensions": False})
+
+
+def connect(runs_root: Path, query: str, con: Any = None) -> Any:
+    """An in-memory DuckDB (``con``, or a new one) with the views the query names, built from the catalog's cached
+    tables (one SQLite read instead of opening every run's parquet files), then sandboxed."""
     from tfmoe.harness.store import catalog
-    from tfmoe.harness.store.notebook import rerun_advice
 
-    duckdb = _duckdb()
-    con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
-                                             "autoload_known_extensions": False})
+    con = con if con is not None else _connection()
     conn = catalog.open_catalog(Path(runs_root)) if Path(runs_root).is_dir() else None
     try:
-        runs = _runs_table(conn, runs_root) if conn is not None else RUNS_SCHEMA.empty_table()
-        con.register("_runs", runs)
-        con.execute("CREATE VIEW runs AS SELECT * FROM _runs")
+        if conn is None:
+            _create_view(con, "runs", "SELECT * FROM {source}", runs_schema().empty_table(), None)
+        else:
+            kept = catalog.view(conn, runs_root, "run", _every_run)  # reading the runs' tables marks unreadable ones
+            unreadable = catalog.unreadable(conn, runs_root)
+            _create_view(con, "runs", _runs_select(conn, runs_root, unreadable), kept,
+                         lambda: catalog.view(conn, runs_root, "run", _every_run, keep=False))
         for view in FILE_VIEWS:
             if not re.search(rf"\b{view}\b", query, re.I):
                 continue  # only the views the query names are built
-            table = _file_table(conn, runs_root, view) if conn is not None else None
-            if table is None:
-                con.execute(f"CREATE VIEW {view} AS SELECT CAST(NULL AS VARCHAR) AS run_id, {EMPTY_COLUMNS[view]} "
-                            "WHERE false")
+            if conn is None:
+                _create_view(con, view, "", None, None)
                 continue
-            con.register(f"_{view}", table)
-            con.execute(f"CREATE VIEW {view} AS SELECT * FROM _{view}")
-        for run_id, path, why in catalog.unreadable(conn, runs_root) if conn is not None else []:
+            kept = catalog.view(conn, runs_root, view, _file_rows(view), keep=not _any_running(conn))
+            _create_view(con, view, "SELECT * FROM {source}", kept,
+                         lambda v=view: catalog.view(conn, runs_root, v, _file_rows(v), keep=False))
+        for run_id, path, why in unreadable if conn is not None else []:
+            from tfmoe.harness.store.notebook import rerun_advice
+
             sys.stderr.write(f"warning: run {run_id} is unreadable, its rows are missing from the views: {why}; "
                              f"{rerun_advice(path)}\n")
     finally:
@@ -204,13 +270,18 @@ def _refusal(runs_root: Path, exc: BaseException) -> str:
             f"checks, timings): {one_line(exc)}")
 
 
-def query(runs_root: Path, sql: str) -> pd.DataFrame:
+def query(runs_root: Path, sql: str) -> Result:
     """Run one read-only SELECT over the views; BadInput for writes, syntax errors and unknown names."""
     duckdb = _duckdb()
-    check_read_only(duckdb, sql)
-    con = connect(runs_root, sql)
+    con = _connection()
     try:
-        return con.execute(sql).df()
+        check_read_only(duckdb, sql, con)
+    except BadInput:
+        con.close()
+        raise
+    connect(runs_root, sql, con)
+    try:
+        return Result.fetch(con.execute(sql))
     except duckdb.PermissionException as exc:
         raise BadInput(_refusal(runs_root, exc)) from None
     except duckdb.Error as exc:
@@ -219,13 +290,16 @@ def query(runs_root: Path, sql: str) -> pd.DataFrame:
         con.close()
 
 
-def emit(df: pd.DataFrame, fmt: str) -> None:
-    """table (rich), json (a list of row objects) or csv on stdout."""
+def emit(result: Result, fmt: str) -> None:
+    """table (rich), json (a list of row objects) or csv on stdout (sql_output: pandas' text, without pandas)."""
     if fmt == "json":
-        print(df.to_json(orient="records", date_format="iso", default_handler=str))
+        print(json_records(result))
     elif fmt == "csv":
-        print(df.to_csv(index=False), end="")
+        print(csv_text(result), end="")
     else:
-        from tfmoe.harness.reading.reports import print_frame
+        from rich.console import Console
 
-        print_frame(df, "table", f"{len(df)} row{'s' if len(df) != 1 else ''}")
+        from tfmoe.tables import Rows, print_rows
+
+        title = f"{len(result)} row{'s' if len(result) != 1 else ''}"
+        print_rows(Rows(title, result.columns, table_rows(result)), "table", Console(highlight=False))
