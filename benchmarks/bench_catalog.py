@@ -131,7 +131,7 @@ def main(n: int = 10_000) -> None:
             "show PREFIX": ["show", ok[:-2]],
             "show latest": ["show", "latest"],
             "diff A B": ["diff", a, b],
-            "failures add ID": ["failures", "add", err, "--file", "failures-bench.md"],
+            "failures add ID": ["failures", "add", err, "--again", "--file", "failures-bench.md"],
             "sql join": ["sql", SQL_JOIN],
         }
         print(f"{'command':44s} {'10 runs':>9s} {f'{n} runs':>11s} {'ratio':>7s}  (target <= 2x)")

@@ -169,6 +169,35 @@ def test_the_catalog_on_a_full_disk_falls_back_to_a_full_scan(small_fs: Path) ->
     assert sql.exit_code == 0 and '"ok"' in sql.stdout, sql.stdout + sql.stderr
 
 
+def test_a_disk_that_fills_between_sweep_parquet_and_its_plots_says_which(small_fs: Path, tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """sweep.parquet fits, its plot does not: the one line says sweep.parquet was written and its plots not (it said
+    "sweep.parquet not written"), and `tfmoe sweep-complete` writes them once there is room."""
+    from tfmoe.harness.launching import hydra_callbacks
+
+    (tmp_path / "made").mkdir()
+    made = run_cli([*ROUTE, "-m", "top_k=1,2"], tmp_path / "made")
+    assert made.exit_code == 0, made.stderr
+    (sweep,) = (tmp_path / "made" / "runs" / "route-sim").glob("multirun-*")
+    assert (sweep / "sweep.parquet").stat().st_size < 16384 < min(p.stat().st_size for p in sweep.glob("sweep_*.png"))
+    copy = small_fs / "runs" / "route-sim" / sweep.name
+    shutil.copytree(sweep, copy)
+    for f in [copy / "sweep.parquet", *copy.glob("sweep_*.png")]:
+        f.unlink()
+    _fill(small_fs, 16384)
+    capsys.readouterr()
+    try:
+        assert hydra_callbacks._write_or_say(copy, "route-sim") is False
+    finally:
+        hydra_callbacks.UNWRITTEN_SWEEPS.clear()
+    _one_clean_line(capsys.readouterr().err, "sweep.parquet written, its plots not", "No space left on device",
+                    f"tfmoe sweep-complete {copy}")
+    assert set(pd.read_parquet(copy / "sweep.parquet")["job"]) == {"0", "1"} and not list(copy.glob("sweep_*.png"))
+    (small_fs / "filler").unlink()
+    done = run_cli(["sweep-complete", str(copy)], small_fs)
+    assert done.exit_code == 0 and list(copy.glob("sweep_*.png")), done.stdout + done.stderr
+
+
 def test_disk_problem_names_only_file_system_refusals() -> None:
     import errno
 

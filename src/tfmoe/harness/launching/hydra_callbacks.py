@@ -14,7 +14,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from tfmoe.harness.store.sweeps import sweep_size, write_sweep_outputs
+from tfmoe.harness.store.sweeps import sweep_size, write_sweep_plots, write_sweep_table
 
 log = logging.getLogger("tfmoe")
 
@@ -29,20 +29,25 @@ UNWRITTEN_SWEEPS: list[Path] = []
 
 
 def _write_or_say(sweep_dir: Path, experiment: str) -> bool:
-    """write_sweep_outputs; a full disk or read-only file system is one line on stderr (and UNWRITTEN_SWEEPS), not
-    a traceback through Hydra."""
+    """sweep.parquet, then the sweep plots; a full disk or read-only file system is one line on stderr naming what
+    was not written (and UNWRITTEN_SWEEPS), not a traceback through Hydra."""
     import sys
 
     from tfmoe.errors import disk_problem
 
+    table_written = False
     try:
-        write_sweep_outputs(sweep_dir, experiment)
+        df = write_sweep_table(sweep_dir)
+        table_written = True
+        if df is not None:
+            write_sweep_plots(sweep_dir, experiment, df)
     except Exception as exc:
-        said = disk_problem(exc, sweep_dir / "sweep.parquet")
+        said = disk_problem(exc, sweep_dir if table_written else sweep_dir / "sweep.parquet")
         if said is None:
             raise
-        print(f"error: {said} (sweep.parquet not written: `tfmoe sweep-complete {sweep_dir}` writes it later)",
-              file=sys.stderr)
+        what = "sweep.parquet written, its plots not" if table_written else "sweep.parquet not written"
+        print(f"error: {said} ({what}: `tfmoe sweep-complete {sweep_dir}` writes {'them' if table_written else 'it'} "
+              "later)", file=sys.stderr)
         UNWRITTEN_SWEEPS.append(sweep_dir)
         return False
     return True

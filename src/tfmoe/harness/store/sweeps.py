@@ -11,9 +11,12 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tfmoe.status import Status
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 log = logging.getLogger("tfmoe")
 
@@ -146,13 +149,28 @@ def sweep_experiment(sweep_dir: Path) -> str:
 
 def write_sweep_outputs(sweep_dir: Path, experiment: str) -> None:
     """sweep.parquet (+ the experiment's ``sweep_plots(df)`` PNGs) for a finished sweep directory."""
-    from tfmoe.harness.store.rundir import atomic_replace, write_parquet
-    from tfmoe.registry import EXPERIMENTS
+    df = write_sweep_table(sweep_dir)
+    if df is not None:
+        write_sweep_plots(sweep_dir, experiment, df)
+
+
+def write_sweep_table(sweep_dir: Path) -> pd.DataFrame | None:
+    """sweep.parquet of a sweep directory; its rows (None when no job has a run.parquet yet)."""
+    from tfmoe.harness.store.rundir import write_parquet
 
     df = collect_sweep(sweep_dir)
     if df.empty:
-        return
+        return None
     write_parquet(df, sweep_dir / "sweep.parquet")
+    return df
+
+
+def write_sweep_plots(sweep_dir: Path, experiment: str, df: pd.DataFrame) -> None:
+    """The experiment's ``sweep_plots(df)`` PNGs in the sweep directory (a plot that raises is logged, not raised;
+    a file system that refuses the PNG raises)."""
+    from tfmoe.harness.store.rundir import atomic_replace
+    from tfmoe.registry import EXPERIMENTS
+
     plots = EXPERIMENTS[experiment].sweep_plots()
     if plots is None:
         return
