@@ -82,6 +82,10 @@ def test_read_only_runs_root_refuses_runs_and_sweeps_and_still_lists(small_fs: P
         listing = run_cli(["runs", "--format", "json"], small_fs)
         assert listing.exit_code == 0 and "Traceback" not in listing.stderr, listing.stderr
         assert [r["status"] for r in json.loads(listing.stdout)] == ["ok"]
+        joined = run_cli(["sql", "SELECT r.status, count(*) AS n FROM runs r JOIN metrics m USING (run_id) "
+                                 "GROUP BY ALL", "--format", "json"], small_fs)  # no view file can be kept there
+        assert joined.exit_code == 0 and "Traceback" not in joined.stderr, joined.stderr
+        assert [r["status"] for r in json.loads(joined.stdout)] == ["ok"] and json.loads(joined.stdout)[0]["n"] > 0
     finally:
         _remount(small_fs, "rw")
     assert len(list((small_fs / "runs").rglob("run.parquet"))) == 1  # nothing was written by the refused ones

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import decimal
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -323,3 +325,17 @@ def test_show_prints_what_it_printed_from_pandas_frames(fake_experiment, capsys)
         out = capsys.readouterr().out
         for table, expected in _tables_from_frames(run_dir, fmt).items():
             assert expected in out, f"show --format {fmt}: the {table} table differs from pandas' rendering"
+
+
+@pytest.mark.parametrize(("value", "missing"), [
+    (None, True), (float("nan"), True), (np.float32("nan"), True), (pd.NA, True), (pd.NaT, True),
+    (np.datetime64("NaT"), True), (decimal.Decimal("NaN"), True),
+    (0, False), (0.0, False), ("", False), ("nan", False), (False, False), ([], False), ({}, False),
+    (np.array([np.nan]), False), (np.int64(3), False), (pd.Timestamp("2020-01-01"), False),
+])
+def test_is_missing_is_the_one_rule_for_an_unrecorded_value(value: object, missing: bool) -> None:
+    """expectations (tag matching) and diff/show (`_same`, context flags) ask the same question with one rule; it
+    never raises (an array is a value, not missing)."""
+    from tfmoe.harness.store.rundir import is_missing
+
+    assert is_missing(value) is missing

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import math
 import re
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tfmoe.errors import BadInput
+from tfmoe.harness.store.rundir import is_missing
 
 AGGREGATES = ("max", "min", "mean", "first", "last")
 COMPARISONS = ("<=", ">=", "==", "!=", "<", ">")  # two-character operators first
@@ -237,14 +237,8 @@ class Judgement:
     where: str = ""  # the row the observed value is: its tag values and step ('' for a mean over rows)
 
 
-def _missing(v: Any) -> bool:
-    """None, NaN, or pandas' NA/NaT (a pandas value can only be here once pandas is loaded)."""
-    pd = sys.modules.get("pandas")
-    return v is None or (isinstance(v, float) and v != v) or (pd is not None and (v is pd.NA or v is pd.NaT))
-
-
 def _tag_matches(value: Any, wanted: str) -> bool:
-    if _missing(value):
+    if is_missing(value):
         return False
     if str(value) == wanted:
         return True

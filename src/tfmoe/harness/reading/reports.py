@@ -20,7 +20,7 @@ from tfmoe.harness.store.notebook import (
     resolve_run,
     where_running,
 )
-from tfmoe.harness.store.rundir import EXPECTATIONS_FILE, read_parquet
+from tfmoe.harness.store.rundir import EXPECTATIONS_FILE, is_missing, read_parquet
 from tfmoe.status import Status, exit_code_for, worst_exit_code
 from tfmoe.tables import Rows, cell, from_frame, print_rows
 
@@ -288,24 +288,12 @@ def _config_dict(data: RunData) -> dict[str, Any]:
     return flat
 
 
-def _missing(v: Any) -> bool:
-    """None, NaN, pd.NA or NaT: a value one side did not record (never raises, whatever ``v`` is)."""
-    import pandas as pd
-
-    if v is None:
-        return True
-    try:
-        return bool(pd.isna(v)) if pd.api.types.is_scalar(v) else False
-    except (TypeError, ValueError):
-        return False
-
-
 def _same(a: Any, b: Any, rtol: float = 1e-9) -> bool:
     """Equal values: both missing, floats within ``rtol``, or equal otherwise (never raises)."""
     import pandas as pd
 
-    if _missing(a) or _missing(b):
-        return _missing(a) and _missing(b)
+    if is_missing(a) or is_missing(b):
+        return is_missing(a) and is_missing(b)
     if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=rtol, abs_tol=0.0)
     try:
@@ -323,7 +311,7 @@ def dtype_tolerance(dtype_a: str, dtype_b: str) -> float:
 
 def _is_measured(name: str, flag: Any, measured_names: frozenset[str]) -> bool:
     """A machine measurement: recorded ``measured=True`` or declared so (declared_metrics.MEASURED)."""
-    return (not _missing(flag) and str(flag) in ("True", "true", "1")) or str(name) in measured_names
+    return (not is_missing(flag) and str(flag) in ("True", "true", "1")) or str(name) in measured_names
 
 
 def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]:
@@ -357,9 +345,9 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
         merged = ma.merge(mb, on=[*keys, "_dup"], how="outer", suffixes=("_A", "_B"))
         rows = []
         for r in merged.to_dict("records"):  # a row only one side has, or a value left empty: None there
-            va, vb = (None if _missing(v) else float(v) for v in (r.get("value_A"), r.get("value_B")))
+            va, vb = (None if is_missing(v) else float(v) for v in (r.get("value_A"), r.get("value_B")))
             flag = r.get("measured_A", r.get("measured"))
-            if _missing(flag):
+            if is_missing(flag):
                 flag = r.get("measured_B")
             measured = _is_measured(r["name"], flag, measured_names)
             delta = (vb - va) if va is not None and vb is not None else None
@@ -426,7 +414,7 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
 
 def _shape(row: pd.Series) -> list[int] | None:
     shape = row.get("shape")
-    return None if shape is None or _missing(shape) else [int(n) for n in shape]
+    return None if shape is None or is_missing(shape) else [int(n) for n in shape]
 
 
 def _diff_expectations(a: RunData, b: RunData) -> pd.DataFrame:
@@ -498,7 +486,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
           + (f"; environment: {', '.join(summary['environment_keys'])}" if summary["environment_keys"] else ""))
     for m in summary["largest_metric_changes"]:
         where = f" ({m['where']})" if m["where"] else ""
-        change = _pct(m["rel_delta"]) or ("only in B" if _missing(m["A"]) else "only in A" if _missing(m["B"])
+        change = _pct(m["rel_delta"]) or ("only in B" if is_missing(m["A"]) else "only in A" if is_missing(m["B"])
                                           else "from 0")
         print(f"  largest: {m['metric']}{where} {cell(m['A'])} -> {cell(m['B'])} ({change})")
     for t in summary["largest_tensor_changes"]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -169,6 +170,20 @@ def read_parquet(path: Path) -> pd.DataFrame:
 
 
 NULLABLE_PANDAS_DTYPES = ("Int8", "Int16", "Int32", "Int64", "UInt8", "UInt16", "UInt32", "UInt64", "boolean")
+
+
+def is_missing(v: Any) -> bool:
+    """Whether ``v`` is a value a table did not record: None, NaN (Python, numpy or Decimal), pandas' NA or NaT,
+    numpy's NaT. Never raises, never imports pandas; a container (list, array) is a value, not missing."""
+    if v is None:
+        return True
+    pd = sys.modules.get("pandas")
+    if pd is not None and v is pd.NA:
+        return True
+    try:
+        return (v != v) is True or bool(getattr(v, "shape", None) == () and v != v)
+    except (TypeError, ValueError):
+        return False
 
 
 def records(table: pa.Table | None) -> list[dict[str, Any]]:
