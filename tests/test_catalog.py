@@ -3,6 +3,7 @@ and safe with concurrent writer and reader processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sqlite3
@@ -184,3 +185,59 @@ def test_concurrent_writer_and_reader_processes_lose_no_entry(tmp_path: Path) ->
     conn = sqlite3.connect(root / catalog.CATALOG_FILE)
     assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     conn.close()
+
+
+def _generation(root: Path) -> int:
+    import sqlite3
+
+    conn = sqlite3.connect(root / catalog.CATALOG_FILE)
+    try:
+        return int(conn.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def test_a_run_settling_unchanged_moves_no_generation_and_a_changed_one_does(tmp_path: Path) -> None:
+    """A run indexed while its run.parquet was brand new is re-read once it settles. Found unchanged, only its
+    signature is updated: the views kept for this generation (tfmoe sql) stay valid. Changed meanwhile, it is
+    re-indexed and the generation moves, so no view built before is read back."""
+    root = tmp_path / "runs"
+    same = make_run(root, "fake/20260101T000000Z-aaaaaaaa")  # run.parquet written just now: racy
+    changed = make_run(root, "fake/20260102T000000Z-bbbbbbbb")
+    age(root)
+    catalog.open_catalog(root).close()
+    before = _generation(root)
+    os.utime(same / "run.parquet", (OLD, OLD))  # settled: a new signature, the same row
+    catalog.open_catalog(root).close()
+    assert _generation(root) == before
+    row = pd.read_parquet(changed / "run.parquet")
+    row["notes"] = [["a note written in the same tick"]]
+    rundir.write_parquet(row, changed / "run.parquet", schema=rundir.RUN_SCHEMA)
+    os.utime(changed / "run.parquet", (OLD, OLD))  # rewritten, then settled
+    conn = catalog.open_catalog(root)
+    rows = {p: json.loads(r) for p, r in conn.execute("SELECT path, row FROM runs")}
+    sigs = [sig for (sig,) in conn.execute("SELECT sig FROM runs")]
+    conn.close()
+    assert rows["fake/20260102T000000Z-bbbbbbbb"]["notes"] == ["a note written in the same tick"]
+    assert _generation(root) > before and not any(sig.endswith(":racy") for sig in sigs)
+
+
+def test_a_catalog_made_before_the_settled_rule_gets_its_trigger_once(tmp_path: Path) -> None:
+    """Planted: the catalog's update trigger as it was (counting every update, a signature's too). Opening it puts
+    the conditional one in its place; a second open changes nothing."""
+    import sqlite3
+
+    root = tmp_path / "runs"
+    make_run(root, "fake/20260101T000000Z-aaaaaaaa")
+    age(root)
+    catalog.open_catalog(root).close()
+    conn = sqlite3.connect(root / catalog.CATALOG_FILE)
+    conn.executescript("DROP TRIGGER runs_update; CREATE TRIGGER runs_update AFTER UPDATE ON runs BEGIN UPDATE meta "
+                       "SET value = CAST(value AS INTEGER) + 1 WHERE key = 'generation'; END;")
+    conn.close()
+    for _ in range(2):
+        catalog.open_catalog(root).close()
+        conn = sqlite3.connect(root / catalog.CATALOG_FILE)
+        (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'runs_update'").fetchone()
+        conn.close()
+        assert " WHEN OLD.path IS NOT NEW.path" in sql

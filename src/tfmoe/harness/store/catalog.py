@@ -51,6 +51,10 @@ SQL_TABLES = {"run": RUN_FILE, "metrics": TABLE_FILES["metrics"], "checks": TABL
               "timings": TABLE_FILES["timings"]}
 LIST_COLUMNS = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
 
+# A run's settled signature replacing its racy one, the row unchanged, is no change to what views show.
+RUNS_UPDATE_WHEN = (" WHEN " + " OR ".join(f"OLD.{c} IS NOT NEW.{c}" for c in (
+    "path", "parent", "run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides",
+    "checks_passed", "checks_total", "row")))
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS containers (path TEXT PRIMARY KEY, parent TEXT, sig TEXT);
@@ -70,7 +74,8 @@ CREATE INDEX IF NOT EXISTS runs_unsettled ON runs (path) WHERE """ + UNSETTLED +
 CREATE INDEX IF NOT EXISTS runs_unreadable ON runs (path) WHERE status = 'unreadable';
 CREATE INDEX IF NOT EXISTS containers_parent ON containers (parent);
 """ + "".join(
-    f"CREATE TRIGGER IF NOT EXISTS {table}_{event.lower()} AFTER {event} ON {table} BEGIN UPDATE meta SET value = "
+    f"CREATE TRIGGER IF NOT EXISTS {table}_{event.lower()} AFTER {event} ON {table}"
+    f"{RUNS_UPDATE_WHEN if (table, event) == ('runs', 'UPDATE') else ''} BEGIN UPDATE meta SET value = "
     "CAST(value AS INTEGER) + 1 WHERE key = 'generation'; END;\n"
     for table in ("runs", "tables") for event in ("INSERT", "UPDATE", "DELETE"))
 
@@ -89,6 +94,11 @@ def _connect(db: str) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
     conn.executescript(_DDL)
+    trigger = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = 'runs_update'").fetchone()
+    if trigger is not None and " WHEN " not in trigger[0]:  # a catalog made before RUNS_UPDATE_WHEN: once
+        conn.executescript("BEGIN IMMEDIATE; DROP TRIGGER IF EXISTS runs_update; "
+                           + _DDL[_DDL.index("CREATE TRIGGER IF NOT EXISTS runs_update"):].split("\n")[0]
+                           + " COMMIT;")
     return conn
 
 
@@ -303,6 +313,12 @@ def _read_runs(run_dirs: list[Path]) -> list[dict[str, Any]]:
         return list(pool.map(_read_run, run_dirs, chunksize=64))
 
 
+def _same_row(conn: sqlite3.Connection, rel: str, parent: str, row: dict[str, Any]) -> bool:
+    """Whether the catalog already holds exactly this row for the run (a re-read found nothing new)."""
+    got = conn.execute("SELECT parent, row FROM runs WHERE path = ?", (rel,)).fetchone()
+    return got is not None and got[0] == parent and got[1] == json.dumps(row, default=str)
+
+
 def _upsert_run(conn: sqlite3.Connection, rel: str, parent: str, sig: str | None, row: dict[str, Any]) -> None:
     conn.execute("DELETE FROM tables WHERE path = ?", (rel,))  # stale: `tfmoe sql` caches it again when asked
     conn.execute(
@@ -388,7 +404,11 @@ def sync(conn: sqlite3.Connection, runs_root: Path) -> None:
             if new_sig is None:
                 continue  # gone: its container's rescan forgets it
             if new_sig != sig:
-                _upsert_run(conn, rel, parent, new_sig, _read_run(root / rel))
+                row = _read_run(root / rel)
+                if _same_row(conn, rel, parent, row):  # settled, unchanged: its cached tables and views still hold
+                    conn.execute("UPDATE runs SET sig = ? WHERE path = ?", (new_sig, rel))
+                else:
+                    _upsert_run(conn, rel, parent, new_sig, row)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
