@@ -202,6 +202,40 @@ def test_a_disk_that_fills_between_sweep_parquet_and_its_plots_says_which(small_
     assert done.exit_code == 0 and list(copy.glob("sweep_*.png")), done.stdout + done.stderr
 
 
+def test_a_disk_that_fills_during_a_sweep_stops_it_in_lines_without_a_traceback(small_fs: Path) -> None:
+    """140 KiB free passes the check before the sweep; its jobs then fill the disk, one of them in the middle of its
+    records or before its `.hydra/` files (Hydra printed a traceback there). Every line names what was not written,
+    the exit is 2, and no job that did end is lost."""
+    _fill(small_fs, 140 * 1024)
+    r = subprocess.run([*TFMOE, "shift-labels", "-m", "seed=1,2,3,4,5,6"], cwd=small_fs, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in r.stderr and lines, r.stderr
+    assert all(ln.startswith("error: cannot write ") and "No space left on device" in ln for ln in lines), r.stderr
+    assert len(lines) <= 4, r.stderr  # a job's records, the next job's .hydra/ files, sweep.parquet
+
+
+def test_a_sweep_jobs_hydra_records_refused_stop_the_sweep_in_one_line(small_fs: Path) -> None:
+    """The moment itself, made certain: with the disk full, the sweep's faster `.hydra/` writer raises
+    JobNotStarted naming the job's directory (not an Exception: Hydra's job runner would print a traceback)."""
+    import hydra.core.utils as hydra_utils
+    from omegaconf import OmegaConf
+
+    from tfmoe.harness.launching import runner, sweep_speed
+
+    undo = sweep_speed.faster_job_records()
+    try:
+        _fill(small_fs, 0)
+        job = small_fs / "runs" / "x" / "multirun-1" / "3"
+        with pytest.raises(runner.JobNotStarted) as caught:
+            hydra_utils._save_config(OmegaConf.create({"seed": 1}), "config.yaml", job / ".hydra")
+    finally:
+        undo()
+    assert not isinstance(caught.value, Exception) and caught.value.job_dir == job
+    assert caught.value.said.startswith(f"cannot write {job}: No space left on device"), caught.value.said
+
+
 def test_disk_problem_names_only_file_system_refusals() -> None:
     import errno
 

@@ -473,6 +473,9 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     try:
         with runner.stop_reaches_workers(out):
             main()
+    except runner.JobNotStarted as exc:  # the disk filled during the sweep: this job (and the rest) never started
+        print(f"error: {exc.said} (its .hydra/ records refused; the sweep stops here)", file=sys.stderr)
+        runner.UNRECORDED.add(exc.job_dir.resolve())
     except SystemExit as exc:  # Hydra's own error path: a bad config, or a launcher that lost a job
         hydra_failed = exc.code not in (0, None)
     except (KeyboardInterrupt, Terminated) as exc:  # Ctrl-C / SIGTERM here: say each job's outcome, then stop

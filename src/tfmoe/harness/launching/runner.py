@@ -44,6 +44,16 @@ LAUNCHER_PID: int | None = None
 # Run directories of this process whose final run.parquet the file system refused (full disk, read-only): their
 # status on disk is still `running` (readers say `lost` once the process ends); launch exits 2 for them.
 UNRECORDED: set[Path] = set()
+
+
+class JobNotStarted(BaseException):  # noqa: N818 (a stop, like SystemExit: Hydra's job runner must not report it)
+    """The file system refused a sweep job's ``.hydra/`` records before the job could start (a disk that filled
+    during the sweep). Not an ``Exception``: Hydra would print it with a traceback; launch says ``said`` in one
+    line, and the sweep stops there (its later jobs would meet the same disk)."""
+
+    def __init__(self, said: str, job_dir: Path) -> None:
+        super().__init__(said)
+        self.said, self.job_dir = said, job_dir
 # The launching process's pid, in the environment its worker processes (joblib's loky workers) inherit.
 LAUNCHER_ENV = "TFMOE_LAUNCHER_PID"
 STOP_WAIT_S = 60.0  # how long the launcher waits, on SIGTERM, for its workers' jobs to record `interrupted`

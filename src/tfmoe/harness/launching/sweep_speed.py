@@ -186,9 +186,18 @@ def faster_job_records() -> Callable[[], None]:
     taken: list[str | None] = []
 
     def save_config(cfg: Any, filename: str, output_dir: Path) -> None:  # hydra.core.utils._save_config
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with open(str(output_dir / filename), "w", encoding="utf-8") as file:
-            file.write(omegaconf_yaml(cfg))
+        from tfmoe.errors import disk_problem
+        from tfmoe.harness.launching.runner import JobNotStarted
+
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            with open(str(output_dir / filename), "w", encoding="utf-8") as file:
+                file.write(omegaconf_yaml(cfg))
+        except OSError as exc:  # a disk that filled since the sweep started: one line, not Hydra's traceback
+            said = disk_problem(exc, output_dir.parent)
+            if said is None:
+                raise
+            raise JobNotStarted(said, output_dir.parent) from None
 
     def tfmoe_diff() -> str | None:
         if not taken:
