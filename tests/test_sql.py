@@ -439,3 +439,21 @@ def test_a_damaged_or_vanished_kept_view_file_is_built_again(two_runs: list[Path
             pd.testing.assert_frame_equal(_frame(Path("runs"), query), expected)
     r = run_cli(["sql", query, "--format", "csv"], Path.cwd())
     assert r.exit_code == 0 and r.stderr == "" and r.stdout.count("\n") == 3, r.stdout + r.stderr
+
+
+def test_statuses_fixed_in_the_view_sql_survive_quotes_and_braces(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unreadable run's path and error go into the runs view's SQL as literals: a runs root whose name holds a
+    quote and braces (`{source}` among them) still gives the right statuses."""
+    from test_catalog import age, make_run
+
+    from tfmoe.harness.store import catalog
+
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)
+    root = tmp_path / "it's {source} {0}"
+    bad = make_run(root, "fake/20260101T000000Z-aaaaaaaa", checks=(True,))
+    make_run(root, "fake/20260102T000000Z-bbbbbbbb")
+    age(root)
+    _truncate(bad / "checks.parquet")
+    got = _frame(root, "SELECT run_id, status, path FROM runs ORDER BY run_id")
+    assert list(got["status"]) == ["unreadable", "ok"] and got["path"].iloc[0] == f"{root}/fake/{bad.name}"

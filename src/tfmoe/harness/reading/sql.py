@@ -159,7 +159,7 @@ def _runs_select(conn: Any, runs_root: Path, unreadable: list[tuple[str, Path, s
     replace = f"CASE path {status} ELSE status END AS status"
     if error:
         replace += f", CASE path {error} ELSE error END AS error"
-    return f"SELECT * REPLACE ({replace}) FROM {{source}}"
+    return f"SELECT * REPLACE ({replace}) FROM " + "{source}"
 
 
 def _file_rows(view: str) -> Any:
@@ -208,7 +208,8 @@ def _create_view(con: Any, name: str, select: str, kept: Any, build_now: Any) ->
         con.execute(f"CREATE VIEW {name} AS SELECT CAST(NULL AS VARCHAR) AS run_id, {EMPTY_COLUMNS[name]} WHERE false")
         return
     try:
-        con.execute(f"CREATE VIEW {name} AS " + select.format(source=_source(con, name, kept)))
+        head, _, tail = select.rpartition("{source}")  # not str.format: paths and errors may hold braces
+        con.execute(f"CREATE VIEW {name} AS {head}{_source(con, name, kept)}{tail}")
     except _duckdb().Error:
         if not isinstance(kept, Path):
             raise
