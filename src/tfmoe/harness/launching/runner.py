@@ -41,9 +41,13 @@ log = logging.getLogger("tfmoe")
 # The process that launched the sweep (set by launch.run_experiment). A job interrupted there stops the whole
 # sweep (the interrupt is re-raised); a job in a worker (joblib, submitit, SLURM, Ray) returns its exit code.
 LAUNCHER_PID: int | None = None
-# Run directories of this process whose final run.parquet the file system refused (full disk, read-only): their
-# status on disk is still `running` (readers say `lost` once the process ends); launch exits 2 for them.
+# Run directories of this process whose records the file system refused (full disk, read-only): their final
+# run.parquet (their status on disk is still `running`, readers say `lost` once the process ends), or a sweep job's
+# .hydra/ files before it started (JobNotStarted); launch exits 2 for them.
 UNRECORDED: set[Path] = set()
+# The launching process's pid, in the environment its worker processes (joblib's loky workers) inherit.
+LAUNCHER_ENV = "TFMOE_LAUNCHER_PID"
+STOP_WAIT_S = 60.0  # how long the launcher waits, on SIGTERM, for its workers' jobs to record `interrupted`
 
 
 class JobNotStarted(BaseException):  # noqa: N818 (a stop, like SystemExit: Hydra's job runner must not report it)
@@ -54,9 +58,6 @@ class JobNotStarted(BaseException):  # noqa: N818 (a stop, like SystemExit: Hydr
     def __init__(self, said: str, job_dir: Path) -> None:
         super().__init__(said)
         self.said, self.job_dir = said, job_dir
-# The launching process's pid, in the environment its worker processes (joblib's loky workers) inherit.
-LAUNCHER_ENV = "TFMOE_LAUNCHER_PID"
-STOP_WAIT_S = 60.0  # how long the launcher waits, on SIGTERM, for its workers' jobs to record `interrupted`
 
 
 def _worker_children() -> list[Any]:

@@ -2,8 +2,9 @@
 
 Views: ``runs`` (one row per run: run.parquet's columns, ``path``, ``checks_passed``, ``checks_total``), and
 ``metrics``, ``checks``, ``timings`` (each file's rows with the ``run_id`` of its run; experiments' different tag
-columns lined up by name). All come from the catalog, which caches each run's tables as Arrow at sync time (runs
-still running are read from their files now): one SQLite read instead of opening 40,000 parquet files.
+columns lined up by name). The catalog keeps each view as one parquet file that DuckDB reads itself (catalog.view:
+rebuilt from the runs' cached tables after a run changes; a view over runs still running is built at each query,
+their rows read from their files now), so a query over 10,000 runs imports neither pandas nor pyarrow.
 Only one SELECT (or EXPLAIN) statement is run; anything that writes is refused before DuckDB executes it. The
 connection is sandboxed by DuckDB's own settings: file access only under the runs root (``allowed_directories``,
 ``enable_external_access=false``, no temp directory), no extension installed or auto-loaded, and the configuration
@@ -127,17 +128,22 @@ def _sql_text(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def _statuses_now(conn: Any, runs_root: Path, unreadable: list[tuple[str, Path, str]]) -> dict[str, tuple[str, Any]]:
-    """{path: (status, error or None to keep it)} for the runs whose status readers show differs from the kept
-    view's: ``unreadable`` ones (the catalog's, with why), and running ones that died (``lost``, effective_status)."""
+def _running(conn: Any) -> list[str]:
+    """The catalog's paths of runs still running (the unsettled runs' partial index, not a scan)."""
     from tfmoe.harness.store.catalog import UNSETTLED
 
+    return [p for p, st in conn.execute(f"SELECT path, status FROM runs WHERE {UNSETTLED}") if st == Status.RUNNING]
+
+
+def _statuses_now(runs_root: Path, unreadable: list[tuple[str, Path, str]],
+                  running: list[str]) -> dict[str, tuple[str, Any]]:
+    """{path: (status, error or None to keep it)} for the runs whose status readers show differs from the kept
+    view's: ``unreadable`` ones (the catalog's, with why), and ``running`` ones that died (``lost``,
+    effective_status)."""
     root = Path(runs_root)
     spelt = lambda rel: f"{root}/{rel}"  # noqa: E731 (as catalog.arrow_tables spells the view's paths)
     fixed: dict[str, tuple[str, Any]] = {spelt(path.relative_to(root)): (Status.UNREADABLE.value, why)
                                          for _, path, why in unreadable}
-    running = [p for p, st in conn.execute(f"SELECT path, status FROM runs WHERE {UNSETTLED}")  # its partial index
-               if st == Status.RUNNING]
     if running:
         from tfmoe.harness.store.notebook import read_run_row
 
@@ -149,9 +155,8 @@ def _statuses_now(conn: Any, runs_root: Path, unreadable: list[tuple[str, Path, 
     return fixed
 
 
-def _runs_select(conn: Any, runs_root: Path, unreadable: list[tuple[str, Path, str]]) -> str:
-    """SELECT … FROM {source} for the runs view: the kept rows with THE status readers show."""
-    fixed = _statuses_now(conn, runs_root, unreadable) if conn is not None else {}
+def _runs_select(fixed: dict[str, tuple[str, Any]]) -> str:
+    """SELECT … FROM {source} for the runs view: the kept rows with THE status readers show (``fixed``)."""
     if not fixed:
         return "SELECT * FROM {source}"
     status = " ".join(f"WHEN {_sql_text(p)} THEN {_sql_text(st)}" for p, (st, _) in fixed.items())
@@ -185,14 +190,6 @@ def _file_rows(view: str) -> Any:
     return build
 
 
-def _any_running(conn: Any) -> bool:
-    """Whether a run is still running: its files grow without the catalog's generation moving, so a view of its
-    rows cannot be kept."""
-    from tfmoe.harness.store.catalog import UNSETTLED
-
-    return any(st == Status.RUNNING for (st,) in conn.execute(f"SELECT status FROM runs WHERE {UNSETTLED}"))
-
-
 def _source(con: Any, name: str, kept: Any) -> str:
     """The FROM source of a view: DuckDB reads a kept parquet file itself; a table built now is registered."""
     if isinstance(kept, Path):
@@ -224,8 +221,8 @@ def _connection() -> Any:
 
 
 def connect(runs_root: Path, query: str, con: Any = None) -> Any:
-    """An in-memory DuckDB (``con``, or a new one) with the views the query names, built from the catalog's cached
-    tables (one SQLite read instead of opening every run's parquet files), then sandboxed."""
+    """An in-memory DuckDB (``con``, or a new one) with the views the query names, read from the catalog's kept
+    views (catalog.view), then sandboxed."""
     from tfmoe.harness.store import catalog
 
     con = con if con is not None else _connection()
@@ -235,8 +232,8 @@ def connect(runs_root: Path, query: str, con: Any = None) -> Any:
             _create_view(con, "runs", "SELECT * FROM {source}", runs_schema().empty_table(), None)
         else:
             kept = catalog.view(conn, runs_root, "run", _every_run)  # reading the runs' tables marks unreadable ones
-            unreadable = catalog.unreadable(conn, runs_root)
-            _create_view(con, "runs", _runs_select(conn, runs_root, unreadable), kept,
+            unreadable, running = catalog.unreadable(conn, runs_root), _running(conn)
+            _create_view(con, "runs", _runs_select(_statuses_now(runs_root, unreadable, running)), kept,
                          lambda: catalog.view(conn, runs_root, "run", _every_run, keep=False))
         for view in FILE_VIEWS:
             if not re.search(rf"\b{view}\b", query, re.I):
@@ -244,7 +241,8 @@ def connect(runs_root: Path, query: str, con: Any = None) -> Any:
             if conn is None:
                 _create_view(con, view, "", None, None)
                 continue
-            kept = catalog.view(conn, runs_root, view, _file_rows(view), keep=not _any_running(conn))
+            # a running run's files grow without the catalog's generation moving: such a view is not kept
+            kept = catalog.view(conn, runs_root, view, _file_rows(view), keep=not running)
             _create_view(con, view, "SELECT * FROM {source}", kept,
                          lambda v=view: catalog.view(conn, runs_root, v, _file_rows(v), keep=False))
         for run_id, path, why in unreadable if conn is not None else []:
@@ -281,16 +279,13 @@ def query(runs_root: Path, sql: str) -> Result:
     con = _connection()
     try:
         check_read_only(duckdb, sql, con)
-    except BadInput:
-        con.close()
-        raise
-    connect(runs_root, sql, con)
-    try:
-        return Result.fetch(con.execute(sql))
-    except duckdb.PermissionException as exc:
-        raise BadInput(_refusal(runs_root, exc)) from None
-    except duckdb.Error as exc:
-        raise BadInput(one_line(exc)) from None
+        connect(runs_root, sql, con)
+        try:
+            return Result.fetch(con.execute(sql))
+        except duckdb.PermissionException as exc:
+            raise BadInput(_refusal(runs_root, exc)) from None
+        except duckdb.Error as exc:
+            raise BadInput(one_line(exc)) from None
     finally:
         con.close()
 

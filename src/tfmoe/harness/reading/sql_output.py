@@ -22,7 +22,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-INTEGER_TYPES = {"tinyint", "smallint", "integer", "bigint", "utinyint", "usmallint", "uinteger", "ubigint"}
 AS_FLOAT64 = {"hugeint", "uhugeint", "decimal"}  # DuckDB's .df() makes these float64
 DATETIME_TYPES = {"date", "timestamp", "timestamp_s", "timestamp_ms", "timestamp_ns", "timestamp with time zone"}
 NUMPY_DTYPES = {  # DuckDB's numpy type for a LIST's elements; others are objects
@@ -82,8 +81,8 @@ def deduplicate(names: Sequence[str]) -> list[str]:
 # ------------------------------------------------------------------------------------- the frame's values
 @dataclass
 class Column:
-    """One column as the DataFrame held it: ``kind`` (bool, int, float, float32, str, datetime, timedelta,
-    object) and its values (None where the frame held NA/NaN/NaT)."""
+    """One column as the DataFrame held it: its values (None where the frame held NA/NaN/NaT) and the ``kind`` the
+    texts tell apart (float, float32, datetime, timedelta; any other is printed as its values are)."""
 
     kind: str
     values: list[Any]
@@ -96,18 +95,12 @@ def _child(duck_type: Any, name: str = "child") -> Any:
 def frame_column(duck_type: Any, values: list[Any]) -> Column:
     """A fetched column as ``.df()`` turned it into a pandas column."""
     kind = duck_type.id
-    if kind == "boolean":
-        return Column("bool", values)
-    if kind in INTEGER_TYPES:
-        return Column("int", values)
     if kind in AS_FLOAT64:
         return Column("float", [None if v is None else float(v) for v in values])
     if kind == "float":
         return Column("float32", values)
     if kind == "double":
         return Column("float", values)
-    if kind in ("varchar", "enum"):
-        return Column("str", values)
     if kind == "date":
         return Column("datetime", [None if v is None else dt.datetime.combine(v, dt.time()) for v in values])
     if kind in DATETIME_TYPES:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tfmoe.harness.store.rundir import RUN_FILE, TABLE_FILES, python_values, read_parquet
+from tfmoe.harness.store.rundir import RUN_FILE, TABLE_FILES, atomic_replace, python_values, read_parquet
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -43,6 +43,7 @@ FINAL_STATUSES = tuple(s.value for s in Status if s.final)
 # The runs every sync re-stats: still changing, or indexed while their run.parquet was brand new. A partial index
 # with this very condition keeps that a lookup at 10,000 runs (a scan of the runs table took 6-16 ms per command).
 UNSETTLED = (f"status NOT IN ({', '.join(repr(s) for s in FINAL_STATUSES)}) OR sig IS NULL OR sig LIKE '%:racy'")
+UNREADABLE = f"status = '{Status.UNREADABLE.value}'"  # a literal, as the partial index on it needs
 RACY_S = 2.0
 VIEWS_DIR = ".tfmoe-views"  # kept views (catalog.view), one parquet file per view and generation
 STALE_VIEW_S = 60.0
@@ -51,10 +52,12 @@ SQL_TABLES = {"run": RUN_FILE, "metrics": TABLE_FILES["metrics"], "checks": TABL
               "timings": TABLE_FILES["timings"]}
 LIST_COLUMNS = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
 
+_BUMP_GENERATION = "BEGIN UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'generation'; END;"
 # A run's settled signature replacing its racy one, the row unchanged, is no change to what views show.
-RUNS_UPDATE_WHEN = (" WHEN " + " OR ".join(f"OLD.{c} IS NOT NEW.{c}" for c in (
-    "path", "parent", "run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides",
-    "checks_passed", "checks_total", "row")))
+RUNS_UPDATE_TRIGGER = ("CREATE TRIGGER IF NOT EXISTS runs_update AFTER UPDATE ON runs WHEN " + " OR ".join(
+    f"OLD.{c} IS NOT NEW.{c}" for c in ("path", "parent", "run_id", "experiment", "status", "started_at", "wall_s",
+                                        "device", "dtype", "overrides", "checks_passed", "checks_total", "row"))
+    + " " + _BUMP_GENERATION)
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS containers (path TEXT PRIMARY KEY, parent TEXT, sig TEXT);
@@ -71,12 +74,11 @@ CREATE INDEX IF NOT EXISTS runs_run_id ON runs (run_id);
 CREATE INDEX IF NOT EXISTS runs_started ON runs (started_at);
 CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent);
 CREATE INDEX IF NOT EXISTS runs_unsettled ON runs (path) WHERE """ + UNSETTLED + """;
-CREATE INDEX IF NOT EXISTS runs_unreadable ON runs (path) WHERE status = 'unreadable';
+CREATE INDEX IF NOT EXISTS runs_unreadable ON runs (path) WHERE """ + UNREADABLE + """;
 CREATE INDEX IF NOT EXISTS containers_parent ON containers (parent);
 """ + "".join(
-    f"CREATE TRIGGER IF NOT EXISTS {table}_{event.lower()} AFTER {event} ON {table}"
-    f"{RUNS_UPDATE_WHEN if (table, event) == ('runs', 'UPDATE') else ''} BEGIN UPDATE meta SET value = "
-    "CAST(value AS INTEGER) + 1 WHERE key = 'generation'; END;\n"
+    RUNS_UPDATE_TRIGGER + "\n" if (table, event) == ("runs", "UPDATE") else
+    f"CREATE TRIGGER IF NOT EXISTS {table}_{event.lower()} AFTER {event} ON {table} {_BUMP_GENERATION}\n"
     for table in ("runs", "tables") for event in ("INSERT", "UPDATE", "DELETE"))
 
 
@@ -96,9 +98,7 @@ def _connect(db: str) -> sqlite3.Connection:
     conn.executescript(_DDL)
     trigger = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = 'runs_update'").fetchone()
     if trigger is not None and " WHEN " not in trigger[0]:  # a catalog made before RUNS_UPDATE_WHEN: once
-        conn.executescript("BEGIN IMMEDIATE; DROP TRIGGER IF EXISTS runs_update; "
-                           + _DDL[_DDL.index("CREATE TRIGGER IF NOT EXISTS runs_update"):].split("\n")[0]
-                           + " COMMIT;")
+        conn.executescript(f"BEGIN IMMEDIATE; DROP TRIGGER IF EXISTS runs_update; {RUNS_UPDATE_TRIGGER} COMMIT;")
     return conn
 
 
@@ -316,7 +316,11 @@ def _read_runs(run_dirs: list[Path]) -> list[dict[str, Any]]:
 def _same_row(conn: sqlite3.Connection, rel: str, parent: str, row: dict[str, Any]) -> bool:
     """Whether the catalog already holds exactly this row for the run (a re-read found nothing new)."""
     got = conn.execute("SELECT parent, row FROM runs WHERE path = ?", (rel,)).fetchone()
-    return got is not None and got[0] == parent and got[1] == json.dumps(row, default=str)
+    return got is not None and got[0] == parent and got[1] == _row_json(row)
+
+
+def _row_json(row: dict[str, Any]) -> str:
+    return json.dumps(row, default=str)
 
 
 def _upsert_run(conn: sqlite3.Connection, rel: str, parent: str, sig: str | None, row: dict[str, Any]) -> None:
@@ -325,7 +329,7 @@ def _upsert_run(conn: sqlite3.Connection, rel: str, parent: str, sig: str | None
         "INSERT OR REPLACE INTO runs VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (rel, parent, sig, str(row.get("run_id")), row.get("experiment"), row.get("status"), row.get("started_at"),
          row.get("wall_s"), row.get("device"), row.get("dtype"), json.dumps(row.get("overrides") or []),
-         row["checks_passed"], row["checks_total"], json.dumps(row, default=str)),
+         row["checks_passed"], row["checks_total"], _row_json(row)),
     )
 
 
@@ -529,8 +533,7 @@ def _mark_unreadable(conn: sqlite3.Connection, rel: str, error: str) -> None:
 def unreadable(conn: sqlite3.Connection, runs_root: Path) -> list[tuple[str, Path, str]]:
     """(run_id, directory, why) of every run the catalog holds as unreadable."""
     root = Path(runs_root)
-    assert Status.UNREADABLE.value == "unreadable"  # spelt out below: SQLite uses the partial index for a literal only
-    rows = conn.execute("SELECT run_id, path, row, started_at FROM runs WHERE status = 'unreadable'").fetchall()
+    rows = conn.execute(f"SELECT run_id, path, row, started_at FROM runs WHERE {UNREADABLE}").fetchall()
     return [(rid, root / p, json.loads(row).get("error") or "unreadable")
             for rid, p, row, _ in sorted(rows, key=lambda r: (r[3] is not None, r[3] or "", r[1]))]
 
@@ -575,7 +578,9 @@ def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[
             kept.parent.mkdir(exist_ok=True)
             empty.touch()
         else:
-            _write_atomically(kept, table)
+            import pyarrow.parquet as pq
+
+            atomic_replace(kept, lambda tmp: pq.write_table(table, tmp))
     except OSError:  # read-only, full: the view is only a cache, built again next time
         return table
     _drop_stale_views(kept, stem)
@@ -584,20 +589,6 @@ def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[
 
 def _on_disk(conn: sqlite3.Connection) -> bool:
     return any(row[2] for row in conn.execute("PRAGMA database_list"))  # an in-memory catalog has no file
-
-
-def _write_atomically(path: Path, table: Any) -> None:
-    """``table`` as the parquet file ``path``, appearing whole or not at all (written beside it, then renamed)."""
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
-    try:
-        pq.write_table(table, str(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _drop_stale_views(kept: Path, stem: str) -> None:
