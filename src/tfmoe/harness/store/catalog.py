@@ -188,10 +188,6 @@ def rebuild(runs_root: Path) -> int:
 
 
 # --------------------------------------------------------------------------------------------- syncing
-def _rel(root: Path, path: Path) -> str:
-    return path.relative_to(root).as_posix() if path != root else ""
-
-
 def _sig(run_file: Path) -> str | None:
     try:
         st = run_file.stat()
