@@ -222,22 +222,46 @@ def test_a_run_settling_unchanged_moves_no_generation_and_a_changed_one_does(tmp
     assert _generation(root) > before and not any(sig.endswith(":racy") for sig in sigs)
 
 
-def test_a_catalog_made_before_the_settled_rule_gets_its_trigger_once(tmp_path: Path) -> None:
-    """Planted: the catalog's update trigger as it was (counting every update, a signature's too). Opening it puts
-    the conditional one in its place; a second open changes nothing."""
+def _triggers_and_versions(root: Path) -> tuple[dict[str, str], dict[str, int], int]:
+    import sqlite3
+
+    conn = sqlite3.connect(root / catalog.CATALOG_FILE)
+    try:
+        triggers = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'trigger'").fetchall())
+        versions = dict(conn.execute("SELECT path, version FROM versions").fetchall())
+        return triggers, versions, int(conn.execute("SELECT value FROM meta WHERE key = 'generation'").fetchone()[0])
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("made_by", ["the settled rule", "run versions"])
+def test_a_catalog_made_before_gets_this_codes_triggers_once(tmp_path: Path, made_by: str) -> None:
+    """Planted: the catalog's triggers as they were before the settled rule (an update trigger counting every
+    update, a signature's too), or before run versions (none set). Opening it puts TRIGGERS in their place, with
+    every run's version set to the generation then (its kept views are rebuilt once, not extended), without a
+    rebuild; a second open changes nothing."""
     import sqlite3
 
     root = tmp_path / "runs"
     make_run(root, "fake/20260101T000000Z-aaaaaaaa")
+    make_run(root, "fake/20260102T000000Z-bbbbbbbb")
     age(root)
     catalog.open_catalog(root).close()
+    bump = "BEGIN UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'generation'; END;"
     conn = sqlite3.connect(root / catalog.CATALOG_FILE)
-    conn.executescript("DROP TRIGGER runs_update; CREATE TRIGGER runs_update AFTER UPDATE ON runs BEGIN UPDATE meta "
-                       "SET value = CAST(value AS INTEGER) + 1 WHERE key = 'generation'; END;")
+    conn.executescript("".join(f"DROP TRIGGER {name}; " for name in catalog.TRIGGERS) + "DELETE FROM versions;"
+                       + "".join(
+        f"CREATE TRIGGER {t}_{e.lower()} AFTER {e} ON {t} "
+        f"{catalog._RUNS_UPDATE_WHEN + ' ' if (t, e) == ('runs', 'UPDATE') and made_by == 'run versions' else ''}"
+        f"{bump}" for t in ("runs", "tables") for e in ("INSERT", "UPDATE", "DELETE")))
     conn.close()
+    before = _triggers_and_versions(root)
+    assert before[1] == {} and (" WHEN " in before[0]["runs_update"]) == (made_by == "run versions")
+    ids_before = ids(root)
     for _ in range(2):
         catalog.open_catalog(root).close()
-        conn = sqlite3.connect(root / catalog.CATALOG_FILE)
-        (sql,) = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'runs_update'").fetchone()
-        conn.close()
-        assert " WHEN OLD.path IS NOT NEW.path" in sql
+        triggers, versions, generation = _triggers_and_versions(root)
+        assert {n: " ".join(t.split()) for n, t in triggers.items()} == catalog.TRIGGERS
+        assert versions == {"fake/20260101T000000Z-aaaaaaaa": before[2], "fake/20260102T000000Z-bbbbbbbb": before[2]}
+        assert generation == before[2]  # no rebuild: the same rows, the same generation
+    assert ids(root) == ids_before

@@ -199,3 +199,47 @@ def test_import_guard_names_pyarrow_when_the_views_are_not_kept(finished_lab: Pa
     plant = "import tfmoe.harness.store.catalog as c\nc._on_disk = lambda conn: False"
     with pytest.raises(AssertionError, match=r"imported .*pyarrow"):
         assert_imports_none_of(["sql", "SELECT run_id FROM runs"], finished_lab, SQL_FROM_KEPT_VIEWS, plant=plant)
+
+
+EVERY_VIEW = ("SELECT r.run_id, count(m.name) AS n FROM runs r LEFT JOIN metrics m USING (run_id) LEFT JOIN checks c "
+              "USING (run_id) LEFT JOIN timings t USING (run_id) GROUP BY ALL")
+
+
+def _lab_with_a_new_run(cwd: Path) -> Path:
+    """A lab whose views are kept, then one more finished run (the views are extended by the next query)."""
+    _make_lab(cwd)
+    assert_imports_none_of(["sql", EVERY_VIEW], cwd, SQL_WITHOUT_PANDAS)
+    make_run(cwd / "runs", "20260103T000000Z-cccccccc", tensor=[0.25, 3.5])
+    return cwd
+
+
+SAY_EXTENDED = """import tfmoe.harness.store.catalog as c
+real = c._extensible
+def spy(*args):
+    found = real(*args)
+    print("extended", args[2]) if found is not None else None
+    return found
+c._extensible = spy"""  # prints each view extended, not built (stdlib only: the import set stays the command's)
+
+
+def test_sql_right_after_a_new_run_extends_the_views_without_pandas(tmp_path: Path) -> None:
+    from tfmoe.harness.store import catalog
+
+    out = assert_imports_none_of(["sql", EVERY_VIEW, "--format", "csv"], _lab_with_a_new_run(tmp_path),
+                                 SQL_WITHOUT_PANDAS, plant=SAY_EXTENDED)
+    assert "20260103T000000Z-cccccccc,2" in out
+    assert sorted(line for line in out.splitlines() if line.startswith("extended ")) == [
+        "extended checks", "extended metrics", "extended run", "extended timings"], out
+    import pyarrow.parquet as pq
+
+    newest = max((tmp_path / "runs" / catalog.VIEWS_DIR).glob("metrics-*.parquet"),
+                 key=lambda f: int(f.stem.rsplit("-", 1)[1]))  # the one before stays a minute (STALE_VIEW_S)
+    assert int(pq.read_schema(newest).metadata[catalog.VIEW_RUNS_KEY]) == 3  # the extended view: 3 runs
+
+
+def test_import_guard_names_pandas_put_back_into_extending_a_view(tmp_path: Path) -> None:
+    # planted: the kept view read with pq.read_table, whose pyarrow.dataset imports pandas (0.25 s)
+    plant = ("import tfmoe.harness.store.catalog as c, pyarrow.parquet as pq\n"
+             "c._read_kept = lambda p: None if p.suffix == '.empty' else pq.read_table(p)")
+    with pytest.raises(AssertionError, match=r"imported .*pandas"):
+        assert_imports_none_of(["sql", EVERY_VIEW], _lab_with_a_new_run(tmp_path), SQL_WITHOUT_PANDAS, plant=plant)

@@ -207,6 +207,43 @@ def _sql_prints_every_column_as_pandas_did(runs_root: Path) -> None:
         assert printed.stdout == expected["csv"], view
 
 
+def test_sql_views_extended_run_by_run_print_as_rebuilt(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every experiment's runs copied one at a time, oldest first, into a new runs root: after each, every view
+    prints what a catalog built afresh prints (test_sql_extended_views.rebuilt), and each view was extended from
+    its kept file (catalog.view's Extension) rather than rebuilt at least once for every experiment's runs."""
+    import shutil
+
+    from test_sql_extended_views import VIEWS, printed, rebuilt
+
+    from tfmoe.harness.reading import sql
+    from tfmoe.harness.store import catalog
+    from tfmoe.harness.store.notebook import read_run_row
+
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)
+    extended: list[tuple[str, str]] = []  # (experiment of the run just copied, catalog view extended)
+    real = catalog._extensible
+    copying = [""]
+
+    def spy(conn: object, runs_root: Path, view: str, *args: object) -> object:
+        found = real(conn, runs_root, view, *args)
+        if found is not None:
+            extended.append((copying[0], view))
+        return found
+
+    monkeypatch.setattr(catalog, "_extensible", spy)
+    runs = sorted((read_run_row(d)["started_at"], str(d.relative_to(build(name, root).cwd / "runs")), d, name)
+                  for name in NAMES for d in _all_runs(build(name, root)))
+    target = root / "extended" / "runs"
+    for _, rel, run_dir, name in runs:
+        copying[0] = name
+        shutil.copytree(run_dir, target / rel)
+        for view in VIEWS:
+            assert printed(target, view) == rebuilt(target, view), (rel, view)
+    assert len(sql.query(target, "SELECT run_id FROM runs").rows) == len(runs)
+    for name in NAMES:
+        assert {v for n, v in extended if n == name} >= {"run", "metrics", "checks"}, (name, extended)
+
+
 @pytest.mark.parametrize("name", _params("failures_add"))
 def test_failures_add_into_a_tmp_file(name: str, root: Path) -> None:
     runs = build(name, root)

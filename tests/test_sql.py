@@ -295,7 +295,7 @@ def test_a_kept_view_without_the_generation_triggers_goes_stale(tmp_path: Path,
     from tfmoe.harness.store import catalog
 
     monkeypatch.setattr(catalog, "RACY_S", 0.0)
-    monkeypatch.setattr(catalog, "_DDL", catalog._DDL.split("CREATE TRIGGER")[0])  # no triggers made
+    monkeypatch.setattr(catalog, "TRIGGERS", {})  # no triggers made
     root = tmp_path / "runs"
     make_run(root, "fake/20260101T000000Z-aaaaaaaa")
     age(root)

@@ -3,8 +3,9 @@
 Views: ``runs`` (one row per run: run.parquet's columns, ``path``, ``checks_passed``, ``checks_total``), and
 ``metrics``, ``checks``, ``timings`` (each file's rows with the ``run_id`` of its run; experiments' different tag
 columns lined up by name). The catalog keeps each view as one parquet file that DuckDB reads itself (catalog.view:
-rebuilt from the runs' cached tables after a run changes; a view over runs still running is built at each query,
-their rows read from their files now), so a query over 10,000 runs imports neither pandas nor pyarrow.
+extended by the rows of runs added since, where that gives the table a rebuild would (the Extensions here), else
+rebuilt from the runs' cached tables; a view over runs still running is built at each query, their rows read from
+their files now), so a query over 10,000 runs imports neither pandas nor pyarrow.
 Only one SELECT (or EXPLAIN) statement is run; anything that writes is refused before DuckDB executes it. The
 connection is sandboxed by DuckDB's own settings: file access only under the runs root (``allowed_directories``,
 ``enable_external_access=false``, no temp directory), no extension installed or auto-loaded, and the configuration
@@ -107,21 +108,76 @@ def _with_run_id(run_id: str, table: Any) -> Any:
     return table.add_column(0, "run_id", string_array([run_id] * table.num_rows))
 
 
+def _run_parts(cached: list[Any]) -> list[Any]:
+    """The tables the runs view concatenates: each run's run.parquet row (its run_id and status alone when the
+    catalog holds none)."""
+    import pyarrow as pa
+
+    return [t if t is not None else pa.table({"run_id": string_array([rid]), "status": string_array([status])})
+            for rid, _, status, t, _, _ in cached]
+
+
 def _every_run(cached: list[Any]) -> Any:
     """The runs view as the catalog keeps it: every run's run.parquet row, its path and checks passed / total
     (and an ``error`` column, which the statuses fixed at query time may fill)."""
-    import pyarrow as pa
-
     if not cached:
         return runs_schema().empty_table()
-    table = _concat([t if t is not None else pa.table({"run_id": string_array([rid]), "status": string_array([status])})
-                     for rid, _, status, t, _, _ in cached]).combine_chunks()
+    table = _concat(_run_parts(cached)).combine_chunks()
     table = table.append_column("path", string_array([c[1] for c in cached]))
     table = table.append_column("checks_passed", int64_array([c[4] for c in cached]))
     table = table.append_column("checks_total", int64_array([c[5] for c in cached]))
     if "error" not in table.column_names:
         table = table.append_column("error", string_array([None] * table.num_rows))
     return table
+
+
+_ADDED_COLUMNS = ["path", "checks_passed", "checks_total"]  # what _every_run adds after the runs' own columns
+
+
+def _fit(parts: list[Any], schema: Any, new_columns: bool) -> bool:
+    """Whether appending ``parts`` to a kept view of ``schema`` gives the table _concat makes from every run: each
+    column the view has comes with its very type, in any order (no promotion, no string fallback: the rebuild
+    keeps the view's columns, first seen first); a column the view lacks is allowed only when a rebuild puts it
+    last too (``new_columns``) and with one type in all ``parts``."""
+    kept = dict(zip(schema.names, schema.types, strict=True))
+    added: dict[str, Any] = {}
+    for part in parts:
+        for f in part.schema:
+            if f.name in kept:
+                if f.type != kept[f.name]:
+                    return False
+            elif not new_columns or added.setdefault(f.name, f.type) != f.type:
+                return False
+    return True
+
+
+def _append(table: Any, tables: list[Any]) -> Any:
+    import pyarrow as pa
+
+    return pa.concat_tables([table, *tables], promote_options="default").combine_chunks() if tables else table
+
+
+def _runs_fit(schema: Any, cached: list[Any]) -> bool:
+    """The runs view (schema: the runs' own columns, then _ADDED_COLUMNS, then ``error`` when no run had one)."""
+    if schema is None:
+        return False  # never kept as empty: a runs root with no runs has an empty table
+    names = schema.names
+    own = len(names) - len(_ADDED_COLUMNS) - (names[-1:] == ["error"])
+    if names[own:own + len(_ADDED_COLUMNS)] != _ADDED_COLUMNS:
+        return False
+    import pyarrow as pa
+
+    # the runs' own columns as the kept ones, and the columns _every_run adds (an error column it adds) as well
+    # a new column of the runs' own would go before path in a rebuild: none is allowed
+    return _fit(_run_parts(cached), pa.schema(list(schema)[:own]), new_columns=False) and (
+        not cached or _fit([_every_run(cached)], schema, new_columns=False))
+
+
+def _runs_extension() -> Any:
+    from tfmoe.harness.store.catalog import Extension
+
+    return Extension(fits=_runs_fit,
+                     append=lambda table, cached: _append(table, [_every_run(cached)] if cached else []))
 
 
 def _sql_text(value: str) -> str:
@@ -167,27 +223,45 @@ def _runs_select(fixed: dict[str, tuple[str, Any]]) -> str:
     return f"SELECT * REPLACE ({replace}) FROM " + "{source}"
 
 
+def _file_parts(view: str, cached: list[Any]) -> list[Any]:
+    """Each run's ``view`` rows with its run_id (runs without a row left out), from the catalog's cached tables, or
+    read now for runs that are still running."""
+    import pyarrow.parquet as pq
+
+    from tfmoe.harness.store.catalog import FINAL_STATUSES
+
+    tables = []
+    for run_id, path, status, table, _, _ in cached:
+        if status not in FINAL_STATUSES:
+            f = Path(path) / TABLE_FILES[view]
+            try:
+                table = pq.ParquetFile(f).read() if f.exists() else None
+            except Exception:
+                table = None
+        if table is not None and table.num_rows:
+            tables.append(_with_run_id(run_id, table))
+    return tables
+
+
 def _file_rows(view: str) -> Any:
-    """The builder of a file view (catalog.view): every run's ``view`` rows with its run_id, from the catalog's
-    cached tables, or read now for runs that are still running; None when no run has a row."""
+    """The builder of a file view (catalog.view): every run's ``view`` rows with its run_id; None when no run has
+    a row."""
     def build(cached: list[Any]) -> Any:
-        import pyarrow.parquet as pq
-
-        from tfmoe.harness.store.catalog import FINAL_STATUSES
-
-        tables = []
-        for run_id, path, status, table, _, _ in cached:
-            if status not in FINAL_STATUSES:
-                f = Path(path) / TABLE_FILES[view]
-                try:
-                    table = pq.ParquetFile(f).read() if f.exists() else None
-                except Exception:
-                    table = None
-            if table is not None and table.num_rows:
-                tables.append(_with_run_id(run_id, table))
+        tables = _file_parts(view, cached)
         return _concat(tables).combine_chunks() if tables else None
 
     return build
+
+
+def _file_extension(view: str) -> Any:
+    """How a kept file view takes the rows of runs added since (catalog.Extension); kept as empty, their rows
+    alone are the view."""
+    from tfmoe.harness.store.catalog import Extension
+
+    return Extension(fits=lambda schema, cached: schema is None or _fit(_file_parts(view, cached), schema,
+                                                                        new_columns=True),
+                     append=lambda table, cached: _file_rows(view)(cached) if table is None
+                     else _append(table, _file_parts(view, cached)))
 
 
 def _source(con: Any, name: str, kept: Any) -> str:
@@ -231,7 +305,8 @@ def connect(runs_root: Path, query: str, con: Any = None) -> Any:
         if conn is None:
             _create_view(con, "runs", "SELECT * FROM {source}", runs_schema().empty_table(), None)
         else:
-            kept = catalog.view(conn, runs_root, "run", _every_run)  # reading the runs' tables marks unreadable ones
+            kept = catalog.view(conn, runs_root, "run", _every_run,  # reading the runs' tables marks unreadable ones
+                                extend=_runs_extension())
             unreadable, running = catalog.unreadable(conn, runs_root), _running(conn)
             _create_view(con, "runs", _runs_select(_statuses_now(runs_root, unreadable, running)), kept,
                          lambda: catalog.view(conn, runs_root, "run", _every_run, keep=False))
@@ -242,7 +317,8 @@ def connect(runs_root: Path, query: str, con: Any = None) -> Any:
                 _create_view(con, view, "", None, None)
                 continue
             # a running run's files grow without the catalog's generation moving: such a view is not kept
-            kept = catalog.view(conn, runs_root, view, _file_rows(view), keep=not running)
+            kept = catalog.view(conn, runs_root, view, _file_rows(view), keep=not running,
+                                extend=_file_extension(view))
             _create_view(con, view, "SELECT * FROM {source}", kept,
                          lambda v=view: catalog.view(conn, runs_root, v, _file_rows(v), keep=False))
         for run_id, path, why in unreadable if conn is not None else []:

@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tfmoe.harness.store.rundir import RUN_FILE, TABLE_FILES, atomic_replace, python_values, read_parquet
 
@@ -52,12 +52,28 @@ SQL_TABLES = {"run": RUN_FILE, "metrics": TABLE_FILES["metrics"], "checks": TABL
               "timings": TABLE_FILES["timings"]}
 LIST_COLUMNS = ["run_id", "experiment", "status", "started_at", "wall_s", "device", "dtype", "overrides"]
 
-_BUMP_GENERATION = "BEGIN UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'generation'; END;"
+# meta's generation counts every change to what views show; versions holds, for each run, the generation of its last
+# such change, so a view kept at generation G is extended by the runs changed after G (catalog.view), not rebuilt.
+_GENERATION = "(SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'generation')"
+_BUMP_GENERATION = "UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'generation';"
 # A run's settled signature replacing its racy one, the row unchanged, is no change to what views show.
-RUNS_UPDATE_TRIGGER = ("CREATE TRIGGER IF NOT EXISTS runs_update AFTER UPDATE ON runs WHEN " + " OR ".join(
+_RUNS_UPDATE_WHEN = "WHEN " + " OR ".join(
     f"OLD.{c} IS NOT NEW.{c}" for c in ("path", "parent", "run_id", "experiment", "status", "started_at", "wall_s",
                                         "device", "dtype", "overrides", "checks_passed", "checks_total", "row"))
-    + " " + _BUMP_GENERATION)
+_TRIGGER_BODIES = {
+    ("runs", "INSERT"): f"INSERT OR REPLACE INTO versions SELECT NEW.path, {_GENERATION};",
+    ("runs", "UPDATE"): f"INSERT OR REPLACE INTO versions SELECT NEW.path, {_GENERATION};",
+    ("runs", "DELETE"): "DELETE FROM versions WHERE path = OLD.path;",
+    ("tables", "INSERT"): f"INSERT OR REPLACE INTO versions SELECT NEW.path, {_GENERATION};",
+    ("tables", "UPDATE"): f"INSERT OR REPLACE INTO versions SELECT NEW.path, {_GENERATION};",
+    ("tables", "DELETE"): f"INSERT OR REPLACE INTO versions SELECT OLD.path, {_GENERATION} "
+                          "WHERE EXISTS (SELECT 1 FROM runs WHERE path = OLD.path);",
+}
+TRIGGERS = {  # name: its CREATE statement, as SQLite keeps it in sqlite_master (see _stale_triggers)
+    f"{table}_{event.lower()}": f"CREATE TRIGGER {table}_{event.lower()} AFTER {event} ON {table} "
+                                f"{_RUNS_UPDATE_WHEN + ' ' if (table, event) == ('runs', 'UPDATE') else ''}"
+                                f"BEGIN {_BUMP_GENERATION} {body} END"
+    for (table, event), body in _TRIGGER_BODIES.items()}
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS containers (path TEXT PRIMARY KEY, parent TEXT, sig TEXT);
@@ -67,19 +83,18 @@ CREATE TABLE IF NOT EXISTS runs (
 -- each run's run/metrics/checks/timings tables as Arrow IPC streams, cached by the first `tfmoe sql` that needs
 -- them (one SQLite read, not 40,000 parquet files), dropped whenever the run is re-read
 CREATE TABLE IF NOT EXISTS tables (path TEXT PRIMARY KEY, run BLOB, metrics BLOB, checks BLOB, timings BLOB);
--- meta's generation: the triggers below count every change to runs and tables, so no writer can forget to, and a
--- view kept under VIEWS_DIR names the generation it was built at (views kept in SQLite before are dropped)
-DROP TABLE IF EXISTS views;
+-- each run's generation when what views show of it last changed (TRIGGERS count every change to runs and tables,
+-- so no writer can forget to; a view kept under VIEWS_DIR names the generation it was built at)
+CREATE TABLE IF NOT EXISTS versions (path TEXT PRIMARY KEY, version INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS versions_version ON versions (version);
+DROP TABLE IF EXISTS views;  -- views kept in SQLite by an older tfmoe
 CREATE INDEX IF NOT EXISTS runs_run_id ON runs (run_id);
 CREATE INDEX IF NOT EXISTS runs_started ON runs (started_at);
 CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent);
 CREATE INDEX IF NOT EXISTS runs_unsettled ON runs (path) WHERE """ + UNSETTLED + """;
 CREATE INDEX IF NOT EXISTS runs_unreadable ON runs (path) WHERE """ + UNREADABLE + """;
 CREATE INDEX IF NOT EXISTS containers_parent ON containers (parent);
-""" + "".join(
-    RUNS_UPDATE_TRIGGER + "\n" if (table, event) == ("runs", "UPDATE") else
-    f"CREATE TRIGGER IF NOT EXISTS {table}_{event.lower()} AFTER {event} ON {table} {_BUMP_GENERATION}\n"
-    for table in ("runs", "tables") for event in ("INSERT", "UPDATE", "DELETE"))
+"""
 
 
 # --------------------------------------------------------------------------------------------- opening
@@ -96,10 +111,33 @@ def _connect(db: str) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")
     conn.executescript(_DDL)
-    trigger = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = 'runs_update'").fetchone()
-    if trigger is not None and " WHEN " not in trigger[0]:  # a catalog made before RUNS_UPDATE_WHEN: once
-        conn.executescript(f"BEGIN IMMEDIATE; DROP TRIGGER IF EXISTS runs_update; {RUNS_UPDATE_TRIGGER} COMMIT;")
+    if _stale_triggers(conn):
+        _replace_triggers(conn)
     return conn
+
+
+def _stale_triggers(conn: sqlite3.Connection) -> bool:
+    """Whether the catalog's triggers differ from TRIGGERS: a new catalog, or one an older tfmoe made."""
+    have = {name: " ".join(sql.split()) for name, sql in conn.execute(
+        "SELECT name, sql FROM sqlite_master WHERE type = 'trigger'")}
+    return have != {name: " ".join(sql.split()) for name, sql in TRIGGERS.items()}
+
+
+def _replace_triggers(conn: sqlite3.Connection) -> None:
+    """Put TRIGGERS in place of whatever triggers the catalog has, once, without a rebuild. Every run counts as
+    changed now (its version is the current generation), so a view kept before is built again, not extended."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        if _stale_triggers(conn):  # another process may have replaced them while this one waited for the lock
+            for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'").fetchall():
+                conn.execute(f'DROP TRIGGER "{name}"')
+            for sql in TRIGGERS.values():
+                conn.execute(sql)
+            conn.execute(f"INSERT OR REPLACE INTO versions SELECT path, coalesce({_GENERATION}, 0) FROM runs")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
 
 
 def _fresh(conn: sqlite3.Connection, root: Path) -> bool:
@@ -114,6 +152,7 @@ def _reset(conn: sqlite3.Connection, root: Path) -> None:
             conn.execute("DELETE FROM runs")
             conn.execute("DELETE FROM tables")
             conn.execute("DELETE FROM containers")
+            conn.execute("DELETE FROM versions")
             conn.execute("DELETE FROM meta")
             conn.executemany("INSERT INTO meta VALUES (?, ?)",  # epoch: kept views of a catalog before are not its
                              [("version", SCHEMA_VERSION), ("identity", _identity(root)), ("generation", "0"),
@@ -541,15 +580,30 @@ def arrow_tables(conn: sqlite3.Connection, runs_root: Path, name: str) -> list[t
     return _arrow_tables(conn, runs_root, name)
 
 
+class Extension(NamedTuple):
+    """How a view kept at an older generation takes the runs added since (catalog.view), instead of a rebuild.
+    ``fits(schema, rows)``: whether appending those runs' rows (arrow_tables' tuples) to a kept view of that
+    pyarrow schema (None: kept as empty) gives exactly the table ``build`` would make from every run;
+    ``append(table, rows)``: that table (``table`` None for a view kept as empty)."""
+
+    fits: Callable[[Any, list[Any]], bool]
+    append: Callable[[Any, list[Any]], Any]
+
+
+VIEW_RUNS_KEY = b"tfmoe.view_runs"  # a kept view's schema metadata: how many runs it was built from
+
+
 def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[list[Any]], Any],
-         keep: bool = True) -> Any:
+         keep: bool = True, extend: Extension | None = None) -> Any:
     """One table made by ``build`` from every run's ``name`` table (:func:`arrow_tables`' tuples), kept as a
     parquet file under the runs root (``VIEWS_DIR``) until a run changes: at 10,000 runs `tfmoe sql` reads it with
     DuckDB alone, not pyarrow (0.1 s of start-up) and 10,000 IPC reads. The file's name holds the generation it
     was built from, read in the same snapshot as its runs; meta's generation moves on every change to runs or
-    tables (triggers), so a view built from older rows is never read back. Returns that file, or what ``build``
-    made when no file can be kept (``keep`` false, an in-memory catalog, a read-only runs root, a full disk) or
-    when it made None (no rows)."""
+    tables (triggers), so a view built from older rows is never read back. When the only change since the newest
+    kept file is runs added after all of its runs (versions, in the views' order) and ``extend`` says their rows
+    fit, that file is extended with theirs (a run just made: 0.1 s at 10,000 runs, not a 2 s rebuild). Returns
+    the file, or what ``build`` made when no file can be kept (``keep`` false, an in-memory catalog, a read-only
+    runs root, a full disk) or when it made None (no rows)."""
     fill_tables(conn, runs_root)
     root = Path(runs_root)
     stem = f"{name}-{hashlib.sha1(str(root).encode()).hexdigest()[:12]}-"  # its paths are spelt from runs_root
@@ -557,30 +611,103 @@ def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[
     try:
         meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('generation', 'epoch')").fetchall())
         generation = int(meta["generation"]) if "generation" in meta else None
-        kept = root / VIEWS_DIR / f"{stem}{meta.get('epoch', '0')}-{generation}.parquet"
-        empty = kept.with_suffix(".empty")  # what build made was None: kept as a mark, no file
+        epoch = f"{stem}{meta.get('epoch', '0')}-"
+        kept = root / VIEWS_DIR / f"{epoch}{generation}.parquet"
+        empty = kept.with_suffix(".empty")  # what build made was None: kept as a mark (its run count), no file
         on_disk = keep and generation is not None and _on_disk(conn)
         found = on_disk and (kept.exists() or empty.exists())
-        rows = None if found else _arrow_tables(conn, runs_root, name)
+        rows = base = None
+        if not found:
+            base = _extensible(conn, root, name, epoch, generation, extend) if on_disk and extend else None
+            rows = base[2] if base is not None else _arrow_tables(conn, runs_root, name)
     finally:
         conn.execute("COMMIT")
     if rows is None:
         return kept if kept.exists() else None
-    table = build(rows)
+    if base is not None and extend is not None:
+        before, runs_before, _ = base
+        try:
+            table = extend.append(_read_kept(before), rows)
+        except OSError:  # deleted or damaged since its footer was read (a cache): build from every run instead
+            before.unlink(missing_ok=True)
+            return view(conn, runs_root, name, build, keep, extend)
+        runs = runs_before + len(rows)
+    else:
+        table, runs = build(rows), len(rows)
     if not on_disk:
         return table
     try:
         if table is None:
-            kept.parent.mkdir(exist_ok=True)
-            empty.touch()
+            atomic_replace(empty, lambda tmp: Path(tmp).write_text(str(runs)))
         else:
             import pyarrow.parquet as pq
 
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), VIEW_RUNS_KEY: str(runs).encode()})
             atomic_replace(kept, lambda tmp: pq.write_table(table, tmp))
     except OSError:  # read-only, full: the view is only a cache, built again next time
         return table
     _drop_stale_views(kept, stem)
     return None if table is None else kept
+
+
+def _extensible(conn: sqlite3.Connection, root: Path, name: str, epoch: str, generation: int,
+                extend: Extension) -> tuple[Path, int, list[Any]] | None:
+    """(the newest kept file of this view at an older generation, how many runs it holds, the rows of the runs
+    added since) when appending those rows gives this generation's view; None when it must be built from every
+    run. In the caller's snapshot. Exact by construction: every run whose version (the generation of its last
+    change) is at most the file's was in it unchanged; they must number what the file holds (none changed or
+    deleted), and in the views' order (started_at, path) every newer run must come after all of them."""
+    older = []
+    try:
+        for f in (root / VIEWS_DIR).iterdir():
+            gen = f.name[len(epoch):].rsplit(".", 1)[0] if f.name.startswith(epoch) else ""
+            if f.suffix in (".parquet", ".empty") and gen.isdigit() and int(gen) < generation:
+                older.append((int(gen), f))
+    except OSError:
+        return None
+    if not older:
+        return None
+    gen, before = max(older)
+    try:
+        if before.suffix == ".empty":
+            schema, held = None, int(before.read_text() or "-1")
+        else:
+            import pyarrow.parquet as pq
+
+            schema = pq.read_schema(before)
+            held = int((schema.metadata or {}).get(VIEW_RUNS_KEY, b"-1"))
+    except Exception:  # vanished, damaged, or kept by a tfmoe that did not count its runs: built from every run
+        return None
+    ordered = [v for (v,) in conn.execute("SELECT v.version FROM runs r LEFT JOIN versions v USING (path) "
+                                          "ORDER BY r.started_at, r.path")]
+    if not _only_appended(ordered, gen, held):
+        return None
+    rows = _arrow_tables(conn, root, name, newer_than=gen)
+    return (before, held, rows) if extend.fits(schema, rows) else None
+
+
+def _only_appended(versions: list[int | None], gen: int, held: int) -> bool:
+    """Whether runs with these versions (in the views' order) are the ``held`` runs of a view kept at generation
+    ``gen``, unchanged, then only runs added since: as many unchanged runs as it holds (none changed, none
+    deleted), and every one of them before every newer run. A run with no version (none the triggers set) is
+    never taken for either."""
+    if None in versions:
+        return False
+    old = [v <= gen for v in versions]  # type: ignore[operator]
+    return sum(old) == held and all(old[:held])
+
+
+def _read_kept(path: Path) -> Any:
+    """A kept view file as a table (None for an empty mark); OSError when it cannot be read."""
+    if path.suffix == ".empty":
+        return None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).read()  # not pq.read_table: its pyarrow.dataset imports pandas (0.25 s)
+    except (pa.ArrowException, ValueError) as exc:
+        raise OSError(f"{path}: {exc}") from exc
 
 
 def _on_disk(conn: sqlite3.Connection) -> bool:
@@ -589,10 +716,10 @@ def _on_disk(conn: sqlite3.Connection) -> bool:
 
 def _drop_stale_views(kept: Path, stem: str) -> None:
     """Delete this view's other files (older generations or catalogs, interrupted writes) once they are a minute
-    old: a reader that looked one up a moment ago still finds it."""
+    old: a reader that looked one up a moment ago still finds it. ``kept`` (or its empty mark) stays."""
     old = time.time() - STALE_VIEW_S
     for f in kept.parent.iterdir():
-        if f != kept and (f.name.startswith(stem) or f.name.startswith(f".{stem}")):
+        if f not in (kept, kept.with_suffix(".empty")) and (f.name.startswith(stem) or f.name.startswith(f".{stem}")):
             try:
                 if f.stat().st_mtime < old:
                     f.unlink()
@@ -600,14 +727,19 @@ def _drop_stale_views(kept: Path, stem: str) -> None:
                 pass
 
 
-def _arrow_tables(conn: sqlite3.Connection, runs_root: Path, name: str) -> list[tuple[str, str, str, Any, int, int]]:
+def _arrow_tables(conn: sqlite3.Connection, runs_root: Path, name: str,
+                  newer_than: int | None = None) -> list[tuple[str, str, str, Any, int, int]]:
+    """arrow_tables' tuples in the views' order (started_at, path); ``newer_than``: only runs whose version is
+    above that generation."""
     import pyarrow as pa
 
     root = str(Path(runs_root))
     out = []
+    newer = ("JOIN versions v USING (path) ", f"WHERE v.version > {int(newer_than)} ") if newer_than is not None \
+        else ("", "")
     for run_id, path, status, passed, total, blob in conn.execute(
             f"SELECT r.run_id, r.path, r.status, r.checks_passed, r.checks_total, t.{name} FROM runs r "
-            "LEFT JOIN tables t USING (path) ORDER BY r.started_at, r.path"):
+            f"{newer[0]}LEFT JOIN tables t USING (path) {newer[1]}ORDER BY r.started_at, r.path"):
         table = pa.ipc.open_stream(blob).read_all() if blob is not None else None
         out.append((run_id, f"{root}/{path}", status, table, passed, total))
     return out
