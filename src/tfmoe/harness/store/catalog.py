@@ -601,8 +601,8 @@ def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[
     was built from, read in the same snapshot as its runs; meta's generation moves on every change to runs or
     tables (triggers), so a view built from older rows is never read back. When the only change since the newest
     kept file is runs added after all of its runs (versions, in the views' order) and ``extend`` says their rows
-    fit, that file is extended with theirs (a run just made: 0.1 s at 10,000 runs, not a 2 s rebuild). Returns
-    the file, or what ``build`` made when no file can be kept (``keep`` false, an in-memory catalog, a read-only
+    fit, that file is extended with theirs (the first join after a new run at 10,000 runs: 0.6 s, not a 2.3 s
+    rebuild). Returns the file, or what ``build`` made when no file can be kept (``keep`` false, an in-memory catalog, a read-only
     runs root, a full disk) or when it made None (no rows)."""
     fill_tables(conn, runs_root)
     root = Path(runs_root)
