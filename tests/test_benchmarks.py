@@ -37,4 +37,4 @@ def test_the_catalog_benchmark_times_every_command() -> None:
     for label in ("runs --last 5", "show latest", "diff A B", "failures add ID", "sql join", "replay ID"):
         assert any(line.startswith(label) for line in out.splitlines()), (label, out)
     assert "sql join over 12 runs" in out
-    assert "(views rebuilt)" in out and "(views extended)" in out
+    assert "(views rebuilt)" in out and "new run arrived (views extended)" in out and "ended (views extended)" in out

@@ -151,14 +151,20 @@ def _fit(parts: list[Any], schema: Any, new_columns: bool) -> bool:
     return True
 
 
-def _append(table: Any, tables: list[Any]) -> Any:
+def _append(table: Any, tables: list[Any], replaced: int = 0) -> Any:
+    """``table`` without its last ``replaced`` rows, then ``tables``' rows."""
     import pyarrow as pa
 
+    if replaced:
+        table = table.slice(0, table.num_rows - replaced)
     return pa.concat_tables([table, *tables], promote_options="default").combine_chunks() if tables else table
 
 
-def _runs_fit(schema: Any, cached: list[Any]) -> bool:
-    """The runs view (schema: the runs' own columns, then _ADDED_COLUMNS, then ``error`` when no run had one)."""
+def _runs_fit(schema: Any, cached: list[Any], replaced: int = 0) -> bool:
+    """The runs view (schema: the runs' own columns, then _ADDED_COLUMNS, then ``error`` when no run had one).
+    A changed run that replaces one of the kept runs must have the kept own columns exactly, in their order
+    (_same_columns): then a rebuild has the kept columns whatever the run had before, where a column only it had
+    would otherwise stay (tests/test_sql_extended_views.py)."""
     if schema is None:
         return False  # never kept as empty: a runs root with no runs has an empty table
     names = schema.names
@@ -167,17 +173,33 @@ def _runs_fit(schema: Any, cached: list[Any]) -> bool:
         return False
     import pyarrow as pa
 
-    # the runs' own columns as the kept ones, and the columns _every_run adds (an error column it adds) as well
+    own_schema = pa.schema(list(schema)[:own])
+    parts = _run_parts(cached)
+    if not _same_columns(parts[:replaced], own_schema):
+        return False
     # a new column of the runs' own would go before path in a rebuild: none is allowed
-    return _fit(_run_parts(cached), pa.schema(list(schema)[:own]), new_columns=False) and (
+    return _fit(parts, own_schema, new_columns=False) and (
         not cached or _fit([_every_run(cached)], schema, new_columns=False))
+
+
+def _same_columns(parts: list[Any], schema: Any) -> bool:
+    """Whether every table in ``parts`` has exactly ``schema``'s columns, names, types and order."""
+    return all(part.schema.equals(schema) for part in parts)
+
+
+def _kept_run_paths(kept: Path) -> list[str]:
+    """The spelt paths of a kept runs view's runs, in order (one row per run)."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(kept).read(columns=["path"]).column("path").to_pylist()
 
 
 def _runs_extension() -> Any:
     from tfmoe.harness.store.catalog import Extension
 
-    return Extension(fits=_runs_fit,
-                     append=lambda table, cached: _append(table, [_every_run(cached)] if cached else []))
+    return Extension(fits=_runs_fit, paths=_kept_run_paths,
+                     append=lambda table, cached, replaced: _append(table, [_every_run(cached)] if cached else [],
+                                                                    replaced))
 
 
 def _sql_text(value: str) -> str:
@@ -258,9 +280,9 @@ def _file_extension(view: str) -> Any:
     alone are the view."""
     from tfmoe.harness.store.catalog import Extension
 
-    return Extension(fits=lambda schema, cached: schema is None or _fit(_file_parts(view, cached), schema,
-                                                                        new_columns=True),
-                     append=lambda table, cached: _file_rows(view)(cached) if table is None
+    return Extension(fits=lambda schema, cached, replaced: schema is None or _fit(_file_parts(view, cached), schema,
+                                                                                  new_columns=True),
+                     append=lambda table, cached, replaced: _file_rows(view)(cached) if table is None
                      else _append(table, _file_parts(view, cached)))
 
 

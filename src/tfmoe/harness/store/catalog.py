@@ -581,13 +581,17 @@ def arrow_tables(conn: sqlite3.Connection, runs_root: Path, name: str) -> list[t
 
 
 class Extension(NamedTuple):
-    """How a view kept at an older generation takes the runs added since (catalog.view), instead of a rebuild.
-    ``fits(schema, rows)``: whether appending those runs' rows (arrow_tables' tuples) to a kept view of that
-    pyarrow schema (None: kept as empty) gives exactly the table ``build`` would make from every run;
-    ``append(table, rows)``: that table (``table`` None for a view kept as empty)."""
+    """How a view kept at an older generation takes the runs changed since (catalog.view), instead of a rebuild.
+    ``rows`` are arrow_tables' tuples of the runs changed since, in the views' order; the first ``replaced`` of them
+    replace the kept view's last ``replaced`` runs (they changed), the others are new.
+    ``fits(schema, rows, replaced)``: whether that gives, from a kept view of this pyarrow schema (None: kept as
+    empty), exactly the table ``build`` would make from every run. ``append(table, rows, replaced)``: that table
+    (``table`` None for a view kept as empty). ``paths(file)``: the spelt paths of a kept file's runs, in order,
+    for a view with one row per run (None: its changed runs cannot be replaced, only new ones appended)."""
 
-    fits: Callable[[Any, list[Any]], bool]
-    append: Callable[[Any, list[Any]], Any]
+    fits: Callable[[Any, list[Any], int], bool]
+    append: Callable[[Any, list[Any], int], Any]
+    paths: Callable[[Path], list[str]] | None = None
 
 
 VIEW_RUNS_KEY = b"tfmoe.view_runs"  # a kept view's schema metadata: how many runs it was built from
@@ -600,9 +604,9 @@ def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[
     DuckDB alone, not pyarrow (0.1 s of start-up) and 10,000 IPC reads. The file's name holds the generation it
     was built from, read in the same snapshot as its runs; meta's generation moves on every change to runs or
     tables (triggers), so a view built from older rows is never read back. When the only change since the newest
-    kept file is runs added after all of its runs (versions, in the views' order) and ``extend`` says their rows
-    fit, that file is extended with theirs (the first join after a new run at 10,000 runs: 0.6 s, not a 2.3 s
-    rebuild). Returns the file, or what ``build`` made when no file can be kept (``keep`` false, an in-memory catalog, a read-only
+    kept file is runs added after all of its runs (versions, in the views' order), or runs at its end that changed
+    (a view whose ``extend`` names its runs' paths), and ``extend`` says their rows fit, that file is extended
+    with theirs (the first join after a new run at 10,000 runs: 0.6 s, not a 2.3 s rebuild). Returns the file, or what ``build`` made when no file can be kept (``keep`` false, an in-memory catalog, a read-only
     runs root, a full disk) or when it made None (no rows)."""
     fill_tables(conn, runs_root)
     root = Path(runs_root)
@@ -625,13 +629,13 @@ def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[
     if rows is None:
         return kept if kept.exists() else None
     if base is not None and extend is not None:
-        before, runs_before, _ = base
+        before, runs_before, _, replaced = base
         try:
-            table = extend.append(_read_kept(before), rows)
+            table = extend.append(_read_kept(before), rows, replaced)
         except OSError:  # deleted or damaged since its footer was read (a cache): build from every run instead
             before.unlink(missing_ok=True)
             return view(conn, runs_root, name, build, keep, extend)
-        runs = runs_before + len(rows)
+        runs = runs_before - replaced + len(rows)
     else:
         table, runs = build(rows), len(rows)
     if not on_disk:
@@ -651,12 +655,14 @@ def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[
 
 
 def _extensible(conn: sqlite3.Connection, root: Path, name: str, epoch: str, generation: int,
-                extend: Extension) -> tuple[Path, int, list[Any]] | None:
+                extend: Extension) -> tuple[Path, int, list[Any], int] | None:
     """(the newest kept file of this view at an older generation, how many runs it holds, the rows of the runs
-    added since) when appending those rows gives this generation's view; None when it must be built from every
-    run. In the caller's snapshot. Exact by construction: every run whose version (the generation of its last
-    change) is at most the file's was in it unchanged; they must number what the file holds (none changed or
-    deleted), and in the views' order (started_at, path) every newer run must come after all of them."""
+    changed since, how many of those replace its last runs) when that gives this generation's view; None when it
+    must be built from every run. In the caller's snapshot. Exact by construction: every run whose version (the
+    generation of its last change) is at most the file's was in it unchanged, and they must all come first in the
+    views' order (started_at, path). Then either they are all the file holds (the newer runs are new:
+    _only_appended), or the file's other runs are, by path, the first newer ones (changed at its end, none
+    deleted: _replaced_at_end)."""
     older = []
     try:
         for f in (root / VIEWS_DIR).iterdir():
@@ -678,12 +684,19 @@ def _extensible(conn: sqlite3.Connection, root: Path, name: str, epoch: str, gen
             held = int((schema.metadata or {}).get(VIEW_RUNS_KEY, b"-1"))
     except Exception:  # vanished, damaged, or kept by a tfmoe that did not count its runs: built from every run
         return None
-    ordered = [v for (v,) in conn.execute("SELECT v.version FROM runs r LEFT JOIN versions v USING (path) "
-                                          "ORDER BY r.started_at, r.path")]
-    if not _only_appended(ordered, gen, held):
-        return None
+    ordered = conn.execute("SELECT r.path, v.version FROM runs r LEFT JOIN versions v USING (path) "
+                           "ORDER BY r.started_at, r.path").fetchall()
+    versions = [v for _, v in ordered]
+    if _only_appended(versions, gen, held):
+        replaced = 0
+    else:
+        spelt = [f"{root}/{p}" for p, _ in ordered]  # as _arrow_tables spells a view's paths
+        found = _replaced_at_end(versions, gen, held, spelt, extend.paths, before)
+        if found is None:
+            return None
+        replaced = found
     rows = _arrow_tables(conn, root, name, newer_than=gen)
-    return (before, held, rows) if extend.fits(schema, rows) else None
+    return (before, held, rows, replaced) if extend.fits(schema, rows, replaced) else None
 
 
 def _only_appended(versions: list[int | None], gen: int, held: int) -> bool:
@@ -695,6 +708,26 @@ def _only_appended(versions: list[int | None], gen: int, held: int) -> bool:
         return False
     old = [v <= gen for v in versions]  # type: ignore[operator]
     return sum(old) == held and all(old[:held])
+
+
+def _replaced_at_end(versions: list[int | None], gen: int, held: int, spelt: list[str],
+                     kept_paths: Callable[[Path], list[str]] | None, kept: Path) -> int | None:
+    """How many of the ``held`` runs of the view kept in ``kept`` (at generation ``gen``) changed since, where they
+    are its last runs and, in the views' order, the first of the newer ones (``versions``, with the ``spelt`` paths
+    of every run now), so that replacing its last rows with theirs, then appending the rest, gives this
+    generation's view; None otherwise (a run deleted or moved, a view that cannot tell its runs' paths)."""
+    if kept_paths is None or None in versions:
+        return None
+    old = [v <= gen for v in versions]  # type: ignore[operator]
+    unchanged = sum(old)
+    changed = held - unchanged
+    if changed <= 0 or not all(old[:unchanged]):
+        return None
+    try:
+        paths = kept_paths(kept)
+    except Exception:  # vanished or damaged: built from every run
+        return None
+    return changed if len(paths) == held and paths[unchanged:] == spelt[unchanged:unchanged + changed] else None
 
 
 def _read_kept(path: Path) -> Any:
