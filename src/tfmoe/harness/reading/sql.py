@@ -151,35 +151,31 @@ def _fit(parts: list[Any], schema: Any, new_columns: bool) -> bool:
     return True
 
 
-def _append(table: Any, tables: list[Any], replaced: int = 0) -> Any:
-    """``table`` without its last ``replaced`` rows, then ``tables``' rows."""
-    import pyarrow as pa
-
-    if replaced:
-        table = table.slice(0, table.num_rows - replaced)
-    return pa.concat_tables([table, *tables], promote_options="default").combine_chunks() if tables else table
-
-
-def _runs_fit(schema: Any, cached: list[Any], replaced: int = 0) -> bool:
-    """The runs view (schema: the runs' own columns, then _ADDED_COLUMNS, then ``error`` when no run had one).
-    A changed run that replaces one of the kept runs must have the kept own columns exactly, in their order
-    (_same_columns): then a rebuild has the kept columns whatever the run had before, where a column only it had
-    would otherwise stay (tests/test_sql_extended_views.py)."""
+def _runs_tables(schema: Any, cached: list[Any], replaced: int) -> list[Any] | None:
+    """The runs view's Extension.tables (schema: the runs' own columns, then _ADDED_COLUMNS, then ``error`` when no
+    run had one): the changed runs' rows as _every_run makes them, where they fit. A changed run that replaces one
+    of the kept runs must have the kept own columns exactly, in their order (_same_columns): then a rebuild has the
+    kept columns whatever the run had before, where a column only it had would otherwise stay
+    (tests/test_sql_extended_views.py)."""
     if schema is None:
-        return False  # never kept as empty: a runs root with no runs has an empty table
+        return None  # never kept as empty: a runs root with no runs has an empty table
     names = schema.names
     own = len(names) - len(_ADDED_COLUMNS) - (names[-1:] == ["error"])
     if names[own:own + len(_ADDED_COLUMNS)] != _ADDED_COLUMNS:
-        return False
+        return None
+    if not cached:
+        return []
     import pyarrow as pa
 
     own_schema = pa.schema(list(schema)[:own])
     parts = _run_parts(cached)
     if not _same_columns(parts[:replaced], own_schema):
-        return False
+        return None
     # a new column of the runs' own would go before path in a rebuild: none is allowed
-    return _fit(parts, own_schema, new_columns=False) and (
-        not cached or _fit([_every_run(cached)], schema, new_columns=False))
+    if not _fit(parts, own_schema, new_columns=False):
+        return None
+    table = _every_run(cached)
+    return [table] if _fit([table], schema, new_columns=False) else None
 
 
 def _same_columns(parts: list[Any], schema: Any) -> bool:
@@ -197,9 +193,7 @@ def _kept_run_paths(kept: Path) -> list[str]:
 def _runs_extension() -> Any:
     from tfmoe.harness.store.catalog import Extension
 
-    return Extension(fits=_runs_fit, paths=_kept_run_paths,
-                     append=lambda table, cached, replaced: _append(table, [_every_run(cached)] if cached else [],
-                                                                    replaced))
+    return Extension(tables=_runs_tables, paths=_kept_run_paths)
 
 
 def _sql_text(value: str) -> str:
@@ -276,14 +270,18 @@ def _file_rows(view: str) -> Any:
 
 
 def _file_extension(view: str) -> Any:
-    """How a kept file view takes the rows of runs added since (catalog.Extension); kept as empty, their rows
-    alone are the view."""
+    """How a kept file view takes the rows of runs added since (catalog.Extension): theirs, where they fit; kept
+    as empty, their rows alone are the view."""
     from tfmoe.harness.store.catalog import Extension
 
-    return Extension(fits=lambda schema, cached, replaced: schema is None or _fit(_file_parts(view, cached), schema,
-                                                                                  new_columns=True),
-                     append=lambda table, cached, replaced: _file_rows(view)(cached) if table is None
-                     else _append(table, _file_parts(view, cached)))
+    def tables(schema: Any, cached: list[Any], replaced: int) -> list[Any] | None:
+        if schema is None:
+            built = _file_rows(view)(cached)
+            return [] if built is None else [built]
+        parts = _file_parts(view, cached)
+        return parts if _fit(parts, schema, new_columns=True) else None
+
+    return Extension(tables=tables)
 
 
 def _source(con: Any, name: str, kept: Any) -> str:

@@ -584,14 +584,24 @@ class Extension(NamedTuple):
     """How a view kept at an older generation takes the runs changed since (catalog.view), instead of a rebuild.
     ``rows`` are arrow_tables' tuples of the runs changed since, in the views' order; the first ``replaced`` of them
     replace the kept view's last ``replaced`` runs (they changed), the others are new.
-    ``fits(schema, rows, replaced)``: whether that gives, from a kept view of this pyarrow schema (None: kept as
-    empty), exactly the table ``build`` would make from every run. ``append(table, rows, replaced)``: that table
-    (``table`` None for a view kept as empty). ``paths(file)``: the spelt paths of a kept file's runs, in order,
-    for a view with one row per run (None: its changed runs cannot be replaced, only new ones appended)."""
+    ``tables(schema, rows, replaced)``: the tables whose rows, after the kept view's (of this pyarrow schema; None:
+    kept as empty) without its last ``replaced`` rows, give exactly the table ``build`` would make from every run;
+    None when no such tables exist (then the view is rebuilt). ``paths(file)``: the spelt paths of a kept file's
+    runs, in order, for a view with one row per run (None: its changed runs cannot be replaced, only new ones
+    appended)."""
 
-    fits: Callable[[Any, list[Any], int], bool]
-    append: Callable[[Any, list[Any], int], Any]
+    tables: Callable[[Any, list[Any], int], list[Any] | None]
     paths: Callable[[Path], list[str]] | None = None
+
+
+class _Base(NamedTuple):
+    """A kept view file to extend (catalog._extensible)."""
+
+    file: Path
+    held: int  # how many runs it holds
+    tables: list[Any]  # what Extension.tables gave: appended after its rows
+    replaced: int  # how many of its last runs those tables replace
+    rows: list[Any]  # arrow_tables' tuples of the runs changed since it was kept
 
 
 VIEW_RUNS_KEY = b"tfmoe.view_runs"  # a kept view's schema metadata: how many runs it was built from
@@ -605,8 +615,8 @@ def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[
     was built from, read in the same snapshot as its runs; meta's generation moves on every change to runs or
     tables (triggers), so a view built from older rows is never read back. When the only change since the newest
     kept file is runs added after all of its runs (versions, in the views' order), or runs at its end that changed
-    (a view whose ``extend`` names its runs' paths), and ``extend`` says their rows fit, that file is extended
-    with theirs (the first join after a new run at 10,000 runs: 0.6 s, not a 2.1 s rebuild). Returns the file,
+    (a view whose ``extend`` names its runs' paths), and ``extend`` gives their rows as tables that fit, that file
+    is extended with them (the first join after a new run at 10,000 runs: 0.6 s, not a 2.1 s rebuild). Returns the file,
     or what ``build`` made when no file can be kept (``keep`` false, an in-memory catalog, a read-only runs root,
     a full disk) or when it made None (no rows)."""
     fill_tables(conn, runs_root)
@@ -624,19 +634,18 @@ def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[
         rows = base = None
         if not found:
             base = _extensible(conn, root, name, epoch, generation, extend) if on_disk and extend else None
-            rows = base[2] if base is not None else _arrow_tables(conn, runs_root, name)
+            rows = base.rows if base is not None else _arrow_tables(conn, runs_root, name)
     finally:
         conn.execute("COMMIT")
     if rows is None:
         return kept if kept.exists() else None
-    if base is not None and extend is not None:
-        before, runs_before, _, replaced = base
+    if base is not None:
         try:
-            table = extend.append(_read_kept(before), rows, replaced)
+            table = _appended(_read_kept(base.file), base.tables, base.replaced)
         except OSError:  # deleted or damaged since its footer was read (a cache): build from every run instead
-            before.unlink(missing_ok=True)
+            base.file.unlink(missing_ok=True)
             return view(conn, runs_root, name, build, keep, extend)
-        runs = runs_before - replaced + len(rows)
+        runs = base.held - base.replaced + len(rows)
     else:
         table, runs = build(rows), len(rows)
     if not on_disk:
@@ -656,9 +665,9 @@ def view(conn: sqlite3.Connection, runs_root: Path, name: str, build: Callable[[
 
 
 def _extensible(conn: sqlite3.Connection, root: Path, name: str, epoch: str, generation: int,
-                extend: Extension) -> tuple[Path, int, list[Any], int] | None:
-    """(the newest kept file of this view at an older generation, how many runs it holds, the rows of the runs
-    changed since, how many of those replace its last runs) when that gives this generation's view; None when it
+                extend: Extension) -> _Base | None:
+    """The newest kept file of this view at an older generation and what extends it, when that gives this
+    generation's view; None when it
     must be built from every run. In the caller's snapshot. Exact by construction: every run whose version (the
     generation of its last change) is at most the file's was in it unchanged, and they must all come first in the
     views' order (started_at, path). Then either they are all the file holds (the newer runs are new:
@@ -697,7 +706,8 @@ def _extensible(conn: sqlite3.Connection, root: Path, name: str, epoch: str, gen
             return None
         replaced = found
     rows = _arrow_tables(conn, root, name, newer_than=gen)
-    return (before, held, rows, replaced) if extend.fits(schema, rows, replaced) else None
+    tables = extend.tables(schema, rows, replaced)
+    return None if tables is None else _Base(before, held, tables, replaced, rows)
 
 
 def _only_appended(versions: list[int | None], gen: int, held: int) -> bool:
@@ -729,6 +739,18 @@ def _replaced_at_end(versions: list[int | None], gen: int, held: int, spelt: lis
     except Exception:  # vanished or damaged: built from every run
         return None
     return changed if len(paths) == held and paths[unchanged:] == spelt[unchanged:unchanged + changed] else None
+
+
+def _appended(kept: Any, tables: list[Any], replaced: int) -> Any:
+    """The kept view (None: kept as empty) without its last ``replaced`` rows, then ``tables``' rows (None when
+    there are none at all)."""
+    import pyarrow as pa
+
+    if kept is not None:
+        tables = [kept.slice(0, kept.num_rows - replaced), *tables]
+    if not tables:
+        return None
+    return pa.concat_tables(tables, promote_options="default").combine_chunks() if len(tables) > 1 else tables[0]
 
 
 def _read_kept(path: Path) -> Any:
