@@ -26,6 +26,12 @@ class CheckRow:
     observed: float | None
     threshold: float | None
     detail: str
+    applicable: bool = True  # False: the check could not be judged here (a declared lack, a NotImplementedError)
+
+    @property
+    def outcome(self) -> str:
+        """passed | failed | n/a"""
+        return "n/a" if not self.applicable else ("passed" if self.passed else "failed")
 
 
 @dataclass
@@ -87,6 +93,11 @@ class Recorder:
             for key, t in evidence.items():
                 self.tensor(f"failing.{name}.{key}", t)
         return passed
+
+    def not_applicable(self, name: str, detail: str) -> None:
+        """Record a check that is not applicable to this layer (tfmoe.capabilities): listed with ``detail``
+        ("not applicable: ..."), never counted as a failure."""
+        self.checks_rows.append(CheckRow(name, True, None, None, detail, applicable=False))
 
     def check_le(self, name: str, observed: float, threshold: float, detail: str = "",
                  evidence: dict[str, torch.Tensor] | None = None) -> bool:
