@@ -20,12 +20,16 @@ The rules, the same in every mode:
    applicable*, with the exception's message (:func:`not_implemented_detail`). It is listed in the table and the
    verdict, never counted as a failure, never silent. Any other exception keeps its rule (the user's error leads
    the check's detail; tfmoe's or a shipped adapter's error is ``crashed``).
-4. Precision: a declared lower compute precision is judged against that precision's yardstick, and the verdict
-   says so. An undeclared one is *detected* when the error exceeds the run dtype's limit but is within the limit
-   of a lower precision measured the same way as the plain yardstick (:func:`explaining_precision`): the check is
-   then judged at that precision, and passes or fails there, and the verdict names the detection with both numbers
-   ("experts compute in bfloat16 (detected, not declared): error 1.0e-02, plain bfloat16 9.8e-03"). Checks that do
-   not depend on precision (routing selection, weights, loads, masks read exactly) are judged as they are.
+4. Precision: a declared lower compute precision is judged against that precision's yardstick (the plain
+   computation at that precision, measured the way the run dtype's plain yardstick is), and the verdict says so.
+   An undeclared one is *detected* when the error exceeds the run dtype's limit but is within the limit of a lower
+   precision (:func:`explaining_precision`): the check **fails**, and its detail names the cause with both numbers
+   and the declaration that would make it pass ("experts compute in bfloat16 (detected, not declared): error
+   1.0e-02, plain bfloat16 9.8e-03; declare expert_dtype=bf16 if that is by design"). An undeclared lower precision
+   is a failure because from the outside a ``.float()`` downcast in an fp64 layer or a bf16 core "for speed" cannot
+   be told from a design choice; the declaration is the layer's word that it is one. Checks that do not depend on
+   precision (routing selection, weights, loads, masks read exactly) are judged as they are, whatever the
+   precision.
 """
 
 from __future__ import annotations
@@ -181,11 +185,15 @@ def explaining_precision(error: float, run_precision: str, limits: Mapping[str, 
     return None
 
 
-def precision_note(part: str, precision: str, error: float, plain: float, *, detected: bool) -> str:
-    """The verdict's words for a part that computes in another precision."""
+def precision_note(part: str, precision: str, error: float, plain: float, *, detected: bool,
+                   declaration: str = "compute_dtype") -> str:
+    """The verdict's words for a part that computes in another precision (rule 4); ``declaration`` is the key
+    that declares it (``compute_dtype``, ``router_dtype``, ``expert_dtype``)."""
     how = "detected, not declared" if detected else "declared"
-    return (f"{part} compute{'s' if not part.endswith('s') else ''} in {_long(precision)} ({how}): "
-            f"error {error:.2g}, plain {_long(precision)} {plain:.2g}")
+    verb = "compute" if part.endswith("s") else "computes"
+    text = (f"{part} {verb} in {_long(precision)} ({how}): error {error:.2g}, plain {_long(precision)} "
+            f"{plain:.2g}")
+    return text + (f"; declare {declaration}={precision} if that is by design" if detected else "")
 
 
 def _long(precision: str) -> str:
