@@ -381,3 +381,58 @@ class NoQkvLayer(nn.Module):
 
     def forward(self, x, padding_mask=None):
         return self.out(self.q(x)), None
+
+
+class IgnoresPaddingMask(PlainMHA):
+    """the chapter's listing without its padding line: takes padding_mask and never applies it. With causal
+    attention and right padding no real query sees a padded key, so only a probe whose real queries follow padded
+    keys (left padding) can tell (the default run has one: left_padding_match)."""
+
+    def visible(self, T_q: int, T_k: int, padding_mask: torch.Tensor | None, offset: int) -> torch.Tensor:
+        return super().visible(T_q, T_k, None, offset)
+
+
+class RaisesOnPadding(PlainMHA):
+    """raises a plain error (not NotImplementedError) when given a padding mask: the user's error, its checks fail."""
+
+    def forward(self, x, padding_mask=None, cache=None):
+        if padding_mask is not None:
+            raise ValueError("padding is broken here")
+        return super().forward(x, None, cache)
+
+
+class CausalOnlyNoPadding(PlainMHA):
+    """a training library's causal-only attention: declares it has no padding mask (tfmoe.capabilities)."""
+
+    tfmoe_lacks = ("padding_mask",)
+
+    def forward(self, x, padding_mask=None, cache=None):
+        if padding_mask is not None:
+            raise NotImplementedError("this attention is causal-only and takes no padding mask")
+        return super().forward(x, None, cache)
+
+
+class CausalOnlyIgnoringDeclaredPadding(CausalOnlyNoPadding):
+    """declares it lacks padding, and also has a real bug (softmax scaled by sqrt(d_model)): still caught."""
+
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.d_model)
+
+
+class NoGqaDeclared(PlainMHA):
+    """a course-interface class that says it has no GQA (its class attribute, read by the capability model)."""
+
+    tfmoe_lacks = ("gqa",)
+
+
+class Bf16Declared(Bf16Internal):
+    """computes its attention core in bf16 by design and declares it (compute_dtype): judged at bf16."""
+
+    tfmoe_compute_dtype = "bf16"
+
+
+class Bf16DeclaredWrongScale(Bf16Declared):
+    """declared bf16, and a real bug on top (scores / sqrt(d_model)): caught at the declared precision too."""
+
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.d_model)

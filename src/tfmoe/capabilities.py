@@ -114,12 +114,20 @@ class Declared:
     def why(self, feature: str) -> str:
         """The detail of a check made not applicable by a declaration."""
         source = self.sources.get(feature, "impl")
+        if source.startswith("raised "):  # detected: the layer raised NotImplementedError for it (rule 3)
+            return (f"not applicable: the layer raised NotImplementedError for {feature} ({FEATURES[feature]}): "
+                    f"{source.removeprefix('raised ')}")
         how = "the config's lacks=" if source == "config" else (
             f"its {source.removeprefix('flag ')} = False" if source.startswith("flag ") else "its lacks")
         return f"not applicable: the layer declares it lacks {feature} ({FEATURES[feature]}; {how})"
 
+    def with_lack(self, feature: str, exc: NotImplementedError) -> Declared:
+        """These declarations plus ``feature``, found lacking because the layer raised ``exc`` for it (rule 3)."""
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else "(no message)"
+        return Declared(self.lacks | {feature}, {**self.sources, feature: f"raised {message}"}, self.precisions)
 
-def declared(*objects: Any, config_lacks: Iterable[str] | None = None,
+
+def declared(*objects: Any, config_lacks: Iterable[str] | str | None = None,
              config_precisions: Mapping[str, Any] | None = None) -> Declared:
     """Read every declaration of the given objects (an adapter, a user's class, a kernel function) and the config.
 
@@ -143,7 +151,7 @@ def declared(*objects: Any, config_lacks: Iterable[str] | None = None,
                 value = getattr(obj, name, None)
                 if value is not None and not callable(value):
                     precisions[part] = precision_name(value, f"{_label(obj)}.{name}")
-    for name in _names(list(config_lacks or ()), "lacks"):
+    for name in _names(config_lacks, "lacks"):
         lacks[name] = "config"
     for attr, value in (config_precisions or {}).items():
         if value is not None:

@@ -36,6 +36,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from tfmoe.capabilities import declared, precision_name
 from tfmoe.components.reference_attention import CAUSAL_ALIGNS
 from tfmoe.errors import BadInput
 from tfmoe.experiments.attn_check.checks import GROUPS
@@ -75,6 +76,7 @@ def module_settings(cfg: DictConfig) -> ModuleSettings:
     if not isinstance(causal, bool):
         raise BadInput(f"causal={causal!r} is not true/false: pass causal=true or causal=false")
     lengths = cfg.get("lengths")
+    lengths_given = lengths is not None
     if lengths is None:
         lengths = [T] * (B - 1) + [max(1, T - T // 4)]
     else:
@@ -143,8 +145,15 @@ def module_settings(cfg: DictConfig) -> ModuleSettings:
         probe_block_size=require_int(cfg, "chunked.probe_block_size", 1), memory_ratio_max=float(ratio),
         timing_repeats=require_int(cfg, "chunked.timing_repeats", 1), groups=tuple(groups),
         n_kv_heads=n_kv or n_heads, hf_attn_implementation=hf_impl, fully_masked_policy=policy,
-        padded_query_policy=padded,
+        padded_query_policy=padded, lacks=config_lacks(cfg), compute_dtype=precision_name(
+            OmegaConf.select(cfg, "compute_dtype", default=None), "compute_dtype"), lengths_given=lengths_given,
     )
+
+
+def config_lacks(cfg: DictConfig) -> tuple[str, ...]:
+    """The config's ``lacks=[...]``, validated against tfmoe.capabilities.FEATURES (shared by both batteries)."""
+    value = _list(OmegaConf.select(cfg, "lacks", default=None))
+    return tuple(sorted(declared(config_lacks=[] if value is None else value).lacks))
 
 
 def _int_list(value: Any, key: str) -> list[int]:

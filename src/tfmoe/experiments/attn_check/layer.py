@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from tfmoe.adapters import AttentionAdapter
+from tfmoe.capabilities import Declared
 from tfmoe.components.comparison import COARSER, Comparison, compare
 from tfmoe.components.references import (
     Projections,
@@ -49,6 +50,7 @@ class LayerUnderTest:
     device: torch.device
     dtype: torch.dtype
     chunked_fn: Callable[..., torch.Tensor]
+    declared: Declared  # what the layer declares it lacks and computes in (tfmoe.capabilities)
     # the main forward, written by the shapes check (which always runs first); None if the layer raised there
     out: torch.Tensor | None = None
     attn: torch.Tensor | None = None  # also None when the layer returns no weights
@@ -59,7 +61,7 @@ class LayerUnderTest:
 
     @classmethod
     def start(cls, s: ModuleSettings, rec: Recorder, adapter: AttentionAdapter,
-              chunked_fn: Callable[..., torch.Tensor]) -> LayerUnderTest:
+              chunked_fn: Callable[..., torch.Tensor], declared: Declared | None = None) -> LayerUnderTest:
         """Build the layer (random weights from the run's seed) and draw the main case: x (B,T,D), the key
         padding of ``s.lengths`` and the reference's own visibility mask."""
         device, dtype = rec.device, rec.dtype
@@ -89,7 +91,8 @@ class LayerUnderTest:
             rec.note(f"{padded} padded query rows of the main case (padding_mask False) are excluded from every "
                      f"comparison (padded_query_policy={s.padded_query_policy}: their output is don't-care in a "
                      "loss, as in FlashAttention's tests; padded_query_policy=attend judges them, zeros requires 0)")
-        return cls(s, rec, adapter, module, x, padding_mask, mask, valid, device, dtype, chunked_fn)
+        return cls(s, rec, adapter, module, x, padding_mask, mask, valid, device, dtype, chunked_fn,
+                   Declared() if declared is None else declared)
 
     @property
     def pm_arg(self) -> torch.Tensor | None:

@@ -9,11 +9,13 @@ runs only the chunked path's probe (no layer is built).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from tfmoe import capabilities as caps
 from tfmoe.adapters import AttentionAdapter, load_adapter
 from tfmoe.components.chunked_attention import naive_attention_bytes
 from tfmoe.components.references import reference_dtype
@@ -60,6 +62,52 @@ def refuse_if_too_big(s: ModuleSettings, device: torch.device, dtype: torch.dtyp
 
 READS_MAIN_FORWARD = ("masks", "sdpa")  # the groups that judge the shapes check's forward instead of calling the layer
 
+# What each module-mode check needs beyond the main case (tfmoe.capabilities.FEATURES): a feature the layer declares
+# it lacks makes the check not applicable (listed, never failed). fully_masked_rows also needs left_padding when causal.
+CHECK_NEEDS: dict[str, tuple[str, ...]] = {
+    "row_sums": ("attention_weights",),
+    "causal_zero": ("attention_weights",),
+    "padding_zero": ("attention_weights", "padding_mask"),
+    "left_padding_match": ("padding_mask", "left_padding"),
+    "padded_query_rows": ("padding_mask",),
+    "fully_masked_rows": ("padding_mask",),
+    "gradcheck": ("backward",),
+    "grad_match": ("backward",),
+    "kv_cache_decode": ("kv_cache",),
+    "dropout_eval_identity": ("dropout",),
+    "dropout_rate": ("dropout",),
+    "dropout_scale": ("dropout",),
+    "dropout_seed": ("dropout",),
+}
+# The checks of tfmoe's own chunked kernel (chunked.impl): reported apart from the layer's (they do not judge it).
+TFMOE_CHUNKED_CHECKS = ("chunked_match", "chunked_match_large", "chunked_memory")
+
+
+def needs(check: str, s: ModuleSettings) -> tuple[str, ...]:
+    """The features ``check`` needs on this run's settings."""
+    extra = ("left_padding",) if check == "fully_masked_rows" and s.causal else ()
+    return CHECK_NEEDS.get(check, ()) + extra
+
+
+def declarations(s: ModuleSettings, adapter: AttentionAdapter, dtype: torch.dtype) -> caps.Declared:
+    """Every declaration of the layer (its adapter, its class, the config), and rule 1: exit 2 when the run's own
+    settings need a feature it declares it lacks."""
+    decl = caps.declared(adapter, getattr(adapter, "cls", None), config_lacks=s.lacks,
+                         config_precisions={"compute_dtype": s.compute_dtype})
+    main: dict[str, str] = {}
+    if s.n_kv_heads != s.n_heads:
+        main["gqa"] = "set n_kv_heads=null (= n_heads)"
+    main["causal" if s.causal else "non_causal"] = "set causal=false" if s.causal else "set causal=true"
+    for name, tag in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+        if dtype == name:
+            main[tag] = "set dtype=fp32"
+    if s.lengths_given and any(n < s.T for n in s.lengths):
+        main["padding_mask"] = "set lengths=null (a layer without a padding mask then runs on full rows)"
+    refused = caps.refusal(decl, main, s.impl)
+    if refused is not None:
+        raise refused
+    return decl
+
 
 def unmet_prerequisite(layer: LayerUnderTest, group: str) -> str:
     """Why a group cannot judge this module ('' if it can): every group reads the module's output, so a wrong
@@ -103,9 +151,21 @@ def guarded(rec: Recorder, names: list[str], run: Callable[[], None],
     return None
 
 
+def not_applicable(rec: Recorder, names: list[str], detail: str) -> None:
+    """The checks ``names`` are not applicable to this layer (a declaration, or its NotImplementedError)."""
+    for name in names:
+        rec.not_applicable(name, detail)
+
+
 def fail_raised(rec: Recorder, names: list[str], exc: Exception,
                 evidence: Callable[[], dict[str, torch.Tensor]] = dict) -> None:
-    """The checks ``names`` fail with the user's exception: observed None, the detail led by its type and message."""
+    """The checks ``names`` fail with the user's exception: observed None, the detail led by its type and message.
+    An undeclared NotImplementedError makes them not applicable instead (tfmoe.capabilities, rule 3)."""
+    if isinstance(exc, NotImplementedError):
+        detail = caps.not_implemented_detail(exc)
+        not_applicable(rec, names, detail)
+        rec.note(f"{', '.join(names)} {detail}")
+        return
     detail = raised_detail(exc)
     for name in names:
         rec.check(name, False, None, None, detail, evidence=evidence())
@@ -129,7 +189,19 @@ def run_module_battery(s: ModuleSettings, rec: Recorder) -> None:
                                               s.probe_block_size, measure_naive=False))
         summarize(rec, s, dtype)
         return
-    layer = LayerUnderTest.start(s, rec, load_adapter(s.impl, s.hf_attn_implementation), chunked_fn)
+    adapter = load_adapter(s.impl, s.hf_attn_implementation)
+    decl = declarations(s, adapter, dtype)
+    if "padding_mask" in decl.lacks and any(n < s.T for n in s.lengths):
+        s = dataclasses.replace(s, lengths=(s.T,) * s.B)
+        rec.note(f"{adapter.name} lacks padding_mask: the main case runs on full rows (lengths={list(s.lengths)})")
+    layer = LayerUnderTest.start(s, rec, adapter, chunked_fn, decl)
+    refused = refuses_padding(layer)
+    if refused is not None:  # rule 3 on the main case: judge the rest on full rows, the padding checks n/a
+        s = dataclasses.replace(s, lengths=(s.T,) * s.B)
+        rec.note(f"{adapter.name} raised NotImplementedError for a padding mask ({refused}): the main case runs on "
+                 f"full rows (lengths={list(s.lengths)}), the checks that need padding are not applicable "
+                 "(declare lacks=[padding_mask] to say so up front)")
+        layer = LayerUnderTest.start(s, rec, adapter, chunked_fn, decl.with_lack("padding_mask", refused))
     run_groups(layer)
     if layer.attn is not None and layer.attn.dim() == 4:
         b = _padded_row(layer.padding_mask)
@@ -140,6 +212,23 @@ def run_module_battery(s: ModuleSettings, rec: Recorder) -> None:
     summarize(rec, s, dtype)
 
 
+def refuses_padding(layer: LayerUnderTest) -> NotImplementedError | None:
+    """The NotImplementedError the layer raises for the main case's padding mask (None if it takes it, if nothing
+    is padded, or if lengths= was set: then the shapes check reports it). Any other outcome is the shapes check's
+    to judge; the RNG is left as it was."""
+    if layer.pm_arg is None or layer.s.lengths_given:
+        return None
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            layer.call(layer.module, layer.x, layer.pm_arg)
+    except NotImplementedError as exc:
+        if tfmoe_fault(exc, "tfmoe", getattr(layer.adapter, "library", None), "") is None:
+            return exc
+    except Exception:
+        return None
+    return None
+
+
 def run_groups(layer: LayerUnderTest) -> None:
     """Every asked-for group, in the battery's order (see the module docstring)."""
     s, rec, adapter = layer.s, layer.rec, layer.adapter
@@ -147,6 +236,13 @@ def run_groups(layer: LayerUnderTest) -> None:
     main_error: list[Exception] = []  # what the main forward (the shapes check) raised, if it did
 
     def group(name: str, checks: list[str], fn: Callable[[LayerUnderTest], None]) -> None:
+        for check in list(checks):
+            lacking = [f for f in needs(check, s) if f in layer.declared.lacks]
+            if lacking:
+                rec.not_applicable(check, layer.declared.why(lacking[0]))
+                checks.remove(check)
+        if not checks:
+            return
         if main_error and name in READS_MAIN_FORWARD:  # their input is that forward: the same exception, not a
             fail_raised(rec, checks, main_error[0], layer.evidence)  # shape complaint about its missing output
             return
@@ -156,29 +252,26 @@ def run_groups(layer: LayerUnderTest) -> None:
 
     group("shapes", ["shapes"], shapes.check_shapes)  # always: it runs the main forward the other checks read
     asked = set(s.groups)
-    if "masks" in asked and not adapter.returns_weights:
-        rec.note(f"row_sums, causal_zero, padding_zero not applicable: {adapter.name} returns no attention weights")
-    elif "masks" in asked:
+    if "masks" in asked:
         group("masks", ["row_sums"] + (["causal_zero"] if s.causal else [])
               + (["padding_zero"] if not bool(layer.padding_mask.all()) else []), masks.check_rows_and_masks)
     if "sdpa" in asked:
         group("sdpa", ["sdpa_match"] + (["padded_query_rows"] if s.padded_query_policy == "zeros" else []),
               sdpa.check_sdpa)
+        if s.T >= 2:
+            group("sdpa", ["left_padding_match"], sdpa.check_left_padding)
     if "fully_masked" in asked:
         group("fully_masked", ["fully_masked_rows"], fully_masked.check_fully_masked)
     if "gradients" in asked:
         group("gradients", ["gradcheck", "grad_match"], gradients.check_gradients)
     if "kv_cache" in asked:
-        if adapter.takes_cache:
-            group("kv_cache", ["kv_cache_decode"], kv_cache.check_kv_cache)
-        else:
-            rec.note(f"kv_cache_decode not run: {adapter.name}'s forward takes no tfmoe KVCache (`cache` argument)")
+        group("kv_cache", ["kv_cache_decode"], kv_cache.check_kv_cache)
     if "chunked" in asked:
         group("chunked", ["chunked_match", "chunked_match_large", "chunked_memory"], chunked.check_chunked)
     if "invariances" in asked:
         group("invariances", ["batch_independence", "batch_sizes", "head_counts"], invariances.check_invariances)
     if "dropout" in asked:
-        why = dropout.dropout_not_applicable(s, adapter)
+        why = "" if "dropout" in layer.declared.lacks else dropout.dropout_not_applicable(s, adapter)
         if why:
             rec.note(f"dropout checks not run: {why}")
         else:
@@ -195,17 +288,27 @@ def _padded_row(pm: torch.Tensor) -> int:
 
 
 def summarize(rec: Recorder, s: ModuleSettings, dtype: torch.dtype) -> None:
-    """The checks table on the terminal; in summary.md (which already holds passed / observed / threshold) the
-    case and each check's detail."""
+    """The checks tables on the terminal: the layer's, then tfmoe's own chunked kernel's (they judge
+    ``chunked.impl``, not the layer); in summary.md (which already holds passed / observed / threshold) the case
+    and each check's detail, in the same two parts."""
     tag = str(dtype).removeprefix("torch.")
-    table = Rows(f"attn-check: {s.impl if s.mode == 'full' else 'chunked path'} ({tag})",
-                 ["check", "passed", "observed", "threshold"])
-    details = Rows("", ["check", "detail"])
-    for c in rec.checks_rows:
-        table.add(c.check, "yes" if c.passed else "NO", "" if c.observed is None else f"{c.observed:.3g}",
-                  "" if c.threshold is None else f"{c.threshold:.3g}", style=None if c.passed else "red")
-        details.add(c.check if c.passed else f"**{c.check}**", c.detail)
-    table.print_to(rec.console)
+    own = [c for c in rec.checks_rows if c.check not in TFMOE_CHUNKED_CHECKS]
+    kernel = [c for c in rec.checks_rows if c.check in TFMOE_CHUNKED_CHECKS]
+    titles = [(f"attn-check: {s.impl} ({tag})", own)] if s.mode == "full" else []
+    if kernel:
+        titles.append((f"attn-check: tfmoe's own chunked kernel {s.chunked_impl} ({tag}), not the layer", kernel))
+    markdown = []
+    for title, rows in titles:
+        table = Rows(title, ["check", "passed", "observed", "threshold"])
+        details = Rows("", ["check", "detail"])
+        for c in rows:
+            shown = {"passed": "yes", "failed": "NO", "n/a": "n/a"}[c.outcome]
+            table.add(c.check, shown, "" if c.observed is None else f"{c.observed:.3g}",
+                      "" if c.threshold is None else f"{c.threshold:.3g}",
+                      style="red" if c.outcome == "failed" else ("dim" if c.outcome == "n/a" else None))
+            details.add(c.check if c.passed else f"**{c.check}**", c.detail)
+        table.print_to(rec.console)
+        markdown.append(f"#### {title}\n\n" + details.markdown())
     rec.summary(f"### attn-check: `{s.impl}`, mode={s.mode}, {tag}, B={s.B}, T={s.T}, D={s.d_model}, "
                 f"H={s.n_heads}, causal={s.causal}, lengths={list(s.lengths)}, dropout={s.dropout}\n\n"
-                + details.markdown())
+                + "\n\n".join(markdown))

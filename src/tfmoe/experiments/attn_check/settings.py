@@ -37,6 +37,9 @@ class ModuleSettings:
     hf_attn_implementation: str  # eager | sdpa
     fully_masked_policy: str  # one of FULLY_MASKED_POLICIES
     padded_query_policy: str = "any"  # one of PADDED_QUERY_POLICIES: what padded query rows must give
+    lacks: tuple[str, ...] = ()  # the config's lacks=[...] (tfmoe.capabilities.FEATURES)
+    compute_dtype: str | None = None  # the config's compute_dtype (a tfmoe.capabilities.PRECISIONS name)
+    lengths_given: bool = False  # lengths= was set (else the default padding, dropped for a layer without padding)
 
     @property
     def d_head(self) -> int:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from tfmoe.adapters import ContractError
 from tfmoe.components.chunked_attention import naive_attention, naive_attention_bytes
 from tfmoe.components.comparison import compare, max_abs_err
+from tfmoe.components.reference_attention import plain_attention as independent_plain_attention
 from tfmoe.components.references import project, reference_dtype, rows_with_a_key
 from tfmoe.experiments.attn_check.layer import LayerUnderTest, record_comparison
 from tfmoe.memory import peak_memory_bytes
@@ -88,7 +89,10 @@ def check_chunked(layer: LayerUnderTest) -> None:
         out = layer.chunked_fn(q, k, v, causal=s.causal, key_padding_mask=layer.pm_arg, block_size=s.block_size)
         rd = reference_dtype(layer.dtype)
         ref = F.scaled_dot_product_attention(q.to(rd), k.to(rd), v.to(rd), attn_mask=layer.mask)
-        plain = naive_attention(q, k, v, causal=s.causal, key_padding_mask=layer.pm_arg)
+        # the yardstick shares nothing with the kernel under test: not its file's naive path, not tfmoe's masks
+        # helpers (the reference's own visibility mask, the kernel battery's first-principles plain attention)
+        visible = None if layer.mask is None else layer.mask.to(torch.bool)
+        plain = independent_plain_attention(q, k, v, visible, scale=1.0 / math.sqrt(q.shape[-1]))
     if out.shape != ref.shape:
         raise ContractError(f"chunked output shape {tuple(out.shape)} != {tuple(ref.shape)}")
     # every query that sees a key: the chunked path is a kernel, padded queries included (padded_query_policy is

@@ -18,6 +18,7 @@ from tfmoe.components.references import (
     sdpa_attention,
     visibility,
 )
+from tfmoe.experiments.attn_check.checks.sdpa import declared_precision
 from tfmoe.experiments.attn_check.layer import LayerUnderTest, judged_rows, precision_diagnosis
 
 # Backward rule: a fused kernel's gradients (PyTorch's own SDPA backward, via nn.MultiheadAttention or HF's sdpa)
@@ -67,8 +68,15 @@ def check_gradients(layer: LayerUnderTest) -> None:
     gradients of a different function cannot judge the backward)."""
     s, rec = layer.s, layer.rec
     Tg = s.gradcheck_T
+    declared = layer.declared.precisions.get("attention")
+    if declared not in (None, "fp64"):  # fp64 finite differences cannot judge a layer that computes coarser
+        rec.not_applicable("gradcheck", f"not applicable: the layer declares compute_dtype={declared}, and fp64 "
+                           "finite differences cannot judge a layer that computes coarser (grad_match judges its "
+                           "gradients at the declared precision)")
+        return _grad_match(layer)
     module64 = layer.build(dtype=torch.float64, state=layer.state())
-    pm_g = lengths_to_key_padding([Tg, max(1, Tg - 1)], Tg, device=layer.device)
+    padded = "padding_mask" not in layer.declared.lacks  # a layer without a padding mask: full rows
+    pm_g = lengths_to_key_padding([Tg, max(1, Tg - 1) if padded else Tg], Tg, device=layer.device)
     pm_arg = None if bool(pm_g.all()) else pm_g
     f64, names = _functional(layer, module64, pm_arg)
     params64 = [t.detach().clone().requires_grad_(True) for t in layer.adapter.parameters(module64).values()]
@@ -107,6 +115,12 @@ def check_gradients(layer: LayerUnderTest) -> None:
                   evidence={"x": x64, "padding_mask": pm_g,
                             **{f"param.{n}": t.detach() for n, t in zip(names, params64, strict=True)}})
 
+    _grad_match(layer)
+
+
+def _grad_match(layer: LayerUnderTest) -> None:
+    """grad_match: the module's gradients (x and every parameter the adapter names) vs the reference's."""
+    s, rec = layer.s, layer.rec
     rows_ok = rows_with_a_key(layer.mask, s.B, s.T).all(dim=1)  # batch rows without fully masked queries
     if not bool(rows_ok.any()):
         rec.note("grad_match skipped: every batch row has a fully masked query")
@@ -118,8 +132,11 @@ def check_gradients(layer: LayerUnderTest) -> None:
     valid0 = judged_rows(s.padded_query_policy, mask0, pm0_arg, x0.shape[0], s.T)
     f_mod, names = _functional(layer, layer.module, pm0_arg)
     params = [t.detach() for t in layer.adapter.parameters(layer.module).values()]
+    yard = declared_precision(layer) or layer.dtype  # the declared compute_dtype's yardstick (capabilities rule 4)
     with torch.no_grad():
-        c0 = compare(f_mod(x0, *params), layer.reference(x0, mask0), layer.plain(x0, mask0), layer.dtype, valid0)
+        p0 = layer.proj()
+        c0 = compare(f_mod(x0, *params), layer.reference(x0, mask0), plain_attention(x0.to(yard), p0.to(yard), mask0),
+                     yard, valid0)
     if not c0.passed:
         rec.note(f"grad_match not judged: the module's forward is off the reference on its case (err {c0.err:.3g} > "
                  f"limit {c0.threshold:.3g}; sdpa_match judges that), so its gradients cannot be compared with the "
@@ -135,18 +152,33 @@ def check_gradients(layer: LayerUnderTest) -> None:
 
     rd = reference_dtype(layer.dtype)
     ref = grads(_reference_fn(layer, names, mask0, sdpa_attention), rd)
-    plain = grads(_reference_fn(layer, names, mask0, plain_attention), layer.dtype)
+    plain = grads(_reference_fn(layer, names, mask0, plain_attention), yard)
     mod = grads(f_mod, layer.dtype)
     worst, parts, evidence = 0.0, [], {"x": x0, "padding_mask": pm0}
-    for name, gm, gr, gp in zip(("x", *names), mod, ref, plain, strict=True):
-        c = Comparison(math.inf, 0.0, 0.0, 1.0) if gm is None else compare(gm, gr, gp, layer.dtype, factor=GRAD_FACTOR)
+    unused = []  # parameters that neither the layer nor the reference gives a gradient: listed, not judged
+    for name, gm, gr, gp, leaf in zip(("x", *names), mod, ref, plain, (x0, *params), strict=True):
+        if gm is None and gr is None:
+            unused.append(name)
+            continue
+        if gm is None:  # the reference says this parameter shapes the output, the layer left it without a gradient
+            c = Comparison(math.inf, 0.0, 0.0, 1.0)
+        else:  # a gradient the reference does not give (a parameter it does not read) must be zero
+            gr = torch.zeros_like(leaf, dtype=rd) if gr is None else gr
+            gp = torch.zeros_like(leaf, dtype=yard) if gp is None else gp
+            c = compare(gm, gr, gp, yard, factor=GRAD_FACTOR)
         rec.metric("max_abs_err", c.err, comparison=f"grad_{name}_vs_sdpa", dtype=str(layer.dtype).removeprefix("torch."))
         rec.metric("plain_max_abs_err", c.plain_err, comparison=f"grad_{name}_vs_sdpa",
                    dtype=str(layer.dtype).removeprefix("torch."))
-        parts.append(f"d{name}: {c.err:.3g} (limit {c.threshold:.3g})")
+        parts.append(f"d{name}: " + ("no gradient from the layer, the reference gives one (detached?)"
+                                     if gm is None else f"{c.err:.3g} (limit {c.threshold:.3g})"))
         worst = max(worst, c.ratio)
         if gm is not None:
             evidence[f"grad_{name}"] = gm
+    if unused:
+        parts.append(f"not judged (no gradient from the layer nor the reference: the output does not read them): "
+                     f"{', '.join(unused)}")
+        rec.note(f"grad_match: {len(unused)} parameter(s) get no gradient from the layer nor the reference, listed "
+                 f"and not judged: {', '.join(unused)}")
     rec.check_le("grad_match", worst, 1.0, f"max over dx, {', '.join('d' + n for n in names)} of err/limit, "
                  f"limit = {GRAD_FACTOR:g}·plain + rounding: " + "; ".join(parts), evidence=evidence)
 
