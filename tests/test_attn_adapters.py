@@ -62,8 +62,9 @@ def test_hugging_face_layers_pass(spec, extra, attn):
     weight_checks = {"row_sums", "causal_zero", "padding_zero"} & set(checks)
     if attn == "eager":
         assert "row_sums" in weight_checks
-    else:  # sdpa returns no weights: those checks are not applicable, and said so
-        assert not weight_checks and any("not applicable" in n for n in rec.notes)
+    else:  # sdpa returns no weights: those checks are n/a rows (tfmoe.capabilities), never failed
+        assert "row_sums" in weight_checks and all(checks[n].outcome == "n/a" for n in weight_checks)
+        assert "attention_weights" in checks["row_sums"].detail
 
 
 def test_qwen2_biases_and_gqa_reach_the_reference():
@@ -102,7 +103,7 @@ def test_bug_in_transformers_rotary_is_caught(monkeypatch):
     checks, rec = battery("impl=hf:llama", "checks=[sdpa,gradients]")
     # only sdpa_match: the wrong forward hides HF's fp32 softmax from the precision probe, and gradcheck's
     # fine-step failure (rounding) is recognised by its agreement at a coarse step instead of being blamed
-    assert failed(checks) == {"sdpa_match"}, {n: checks[n].detail for n in failed(checks)}
+    assert failed(checks) == {"sdpa_match", "left_padding_match"}, {n: checks[n].detail for n in failed(checks)}
     assert any("gradcheck not judged" in n for n in rec.notes)
 
 
@@ -157,9 +158,11 @@ def test_user_adapter_catches_a_bug_in_its_layer():
     # causal + right padding: the bug's only effect is on padded query rows, don't-care unless required
     checks, _ = battery("impl=adapted_attention:BuggyEinsumAdapter", "checks=[sdpa,fully_masked]",
                         "padded_query_policy=attend")
-    assert failed(checks) == {"sdpa_match"}
+    assert failed(checks) == {"sdpa_match", "left_padding_match"}
     checks, _ = battery("impl=adapted_attention:BuggyEinsumAdapter", "checks=[sdpa,fully_masked]", "causal=false")
-    assert failed(checks) == {"sdpa_match"}  # real queries see the padded keys
+    assert failed(checks) == {"sdpa_match", "left_padding_match"}  # real queries see the padded keys
+    checks, _ = battery("impl=adapted_attention:BuggyEinsumAdapter", "checks=[sdpa]")  # the defaults: left padding
+    assert failed(checks) == {"left_padding_match"}
 
 
 def test_user_module_in_the_current_directory_needs_no_pythonpath(tmp_path, monkeypatch):
@@ -179,7 +182,8 @@ def test_cli_runs_hf_llama_sdpa_exit_0(tmp_path):
     res = run_cli(["attn-check", "impl=hf:llama", "hf.attn_implementation=sdpa", *SMALL], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr
     checks = load_run(res.run_dir).checks
-    assert checks["passed"].all() and "sdpa_match" in set(checks["check"]) and "row_sums" not in set(checks["check"])
+    assert checks["passed"].all() and "sdpa_match" in set(checks["check"])
+    assert checks.set_index("check").loc["row_sums", "detail"].startswith("not applicable")  # no weights: n/a
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -190,3 +190,22 @@ def test_not_implemented_detail_keeps_the_first_line():
     detail = caps.not_implemented_detail(NotImplementedError("no padding\nsecond line"), "padding_mask")
     assert detail.startswith("not applicable:") and "no padding" in detail and "second line" not in detail
     assert "(no message)" in caps.not_implemented_detail(NotImplementedError())
+
+
+# ----------------------------------------------------------------------- chunked_match's yardstick (F-163)
+def test_chunked_match_yardstick_does_not_come_from_the_kernels_own_file(monkeypatch):
+    """A broken naive path in the chunked kernel's own file cannot move chunked_match's limit any more."""
+    import torch
+
+    from tfmoe.components import chunked_attention
+    from tfmoe.experiments.attn_check.checks import chunked
+
+    def broken(q, k, v, **kwargs):
+        return torch.full_like(q, float("nan"))
+
+    monkeypatch.setattr(chunked_attention, "naive_attention", broken)
+    monkeypatch.setattr(chunked, "naive_attention", broken)
+    rec = run_recorded("attn-check", ["checks=[chunked]", "chunked.probe_T=128", "chunked.timing_repeats=1",
+                                      "chunked.memory_ratio_max=1"])
+    checks = {c.check: c for c in rec.checks_rows}
+    assert checks["chunked_match"].passed and checks["chunked_match"].observed < 1e-5

@@ -79,6 +79,16 @@ CHECK_NEEDS: dict[str, tuple[str, ...]] = {
     "dropout_scale": ("dropout",),
     "dropout_seed": ("dropout",),
 }
+# Each check's group (checks=[...]); shapes always runs.
+CHECK_GROUPS: dict[str, str] = {
+    "shapes": "masks", "row_sums": "masks", "causal_zero": "masks", "padding_zero": "masks",
+    "sdpa_match": "sdpa", "padded_query_rows": "sdpa", "left_padding_match": "sdpa",
+    "fully_masked_rows": "fully_masked", "gradcheck": "gradients", "grad_match": "gradients",
+    "kv_cache_decode": "kv_cache", "chunked_match": "chunked", "chunked_match_large": "chunked",
+    "chunked_memory": "chunked", "batch_independence": "invariances", "batch_sizes": "invariances",
+    "head_counts": "invariances", "dropout_eval_identity": "dropout", "dropout_rate": "dropout",
+    "dropout_scale": "dropout", "dropout_seed": "dropout",
+}
 # The checks of tfmoe's own chunked kernel (chunked.impl): reported apart from the layer's (they do not judge it).
 TFMOE_CHUNKED_CHECKS = ("chunked_match", "chunked_match_large", "chunked_memory")
 
