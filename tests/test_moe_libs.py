@@ -46,8 +46,8 @@ def test_st_moe_correct_configurations_pass(overrides):
     rec = battery("impl=lib:st_moe_pytorch", "layer.seq=12", *overrides)
     assert not failed(rec), [c for c in rec.checks_rows if not c.passed]
     assert {"finite.fp16", "finite.bf16", "permutation_equivariance"} <= not_applicable(rec)
-    notes = " ".join(rec.notes)
-    assert "the fp16 copy raised RuntimeError" in notes
+    detail = next(c.detail for c in rec.checks_rows if c.check == "layer.finite.fp16")
+    assert detail.startswith("not applicable: the layer declares it lacks fp16") and "one_hot" in detail
 
 
 def test_st_moe_capacity_is_exercised():
@@ -138,7 +138,7 @@ def test_mixture_of_experts_planted_bug_capacity_overflow_not_dropped(monkeypatc
     (["impl=lib:nothing"], "no shipped MoE adapter 'nothing'"),
     (["impl=adapted_moe:NeedsArgumentsAdapter"], "must build with no arguments"),
     (["impl=adapted_moe:WrongShapeAdapter"], "must return the layer's output shaped like x"),
-    (["impl=lib:st_moe_pytorch", "dtype=fp16"], "cannot run in float16"),
+    (["impl=lib:st_moe_pytorch", "dtype=fp16"], r"cannot run in float16 \(it declares it lacks fp16\)"),
     (["impl=lib:st_moe_pytorch", "layer.capacity_factor=0"], "layer.capacity_factor=0"),
     (["impl=lib:st_moe_pytorch", "layer.straight_through=maybe"], "layer.straight_through"),
 ])
