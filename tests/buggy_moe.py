@@ -267,3 +267,34 @@ class NoHalfNotImplemented(Correct):
         if x.dtype in (torch.float16, torch.bfloat16):
             raise NotImplementedError(f"this layer has no {x.dtype} kernel")
         return super().forward(x)
+
+
+class NoFp64NotImplemented(Correct):
+    """Raises NotImplementedError for float64 inputs, undeclared: in an fp64 run every check is n/a, none fails."""
+
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            raise NotImplementedError("no float64 path")
+        return super().forward(x)
+
+
+# The planted bugs above, each with the checks it must fail under route-sim's *default* config
+# (`tfmoe route-sim impl=buggy_moe:<Class>`, no other option); tests/planted_moe.py generates a test from each.
+PLANTED: dict[str, frozenset[str]] = {
+    "SoftmaxOverTokens": frozenset({"probs_sum_to_one", "batch_independence", "output_vs_reference"}),
+    "NotRenormalised": frozenset({"routing_weights", "topk_weights_sum", "output_vs_reference"}),
+    "UnstableSoftmax": frozenset({"finite.fp16"}),
+    "FirstComeCapacity": frozenset({"permutation_equivariance", "output_vs_reference", "loads_sum"}),
+    "ArgminRouting": frozenset({"routing_selection", "output_vs_reference"}),
+    "DenseArgmin": frozenset({"routing_selection", "output_vs_reference"}),
+    "ExpertOutputScaled": frozenset({"output_vs_reference"}),
+    "Bf16ExpertsNoBias": frozenset({"output_vs_reference"}),
+    "Bf16ExpertsNoBiasDeclared": frozenset({"output_vs_reference"}),
+    "Bf16ExpertOutputScaled": frozenset({"output_vs_reference"}),
+}
+# correct layers (every check passes or is n/a), and layers that are bad input (exit 2)
+CORRECT = ("Correct", "DenseZeroGates", "StraightThrough", "OwnExpertLayout", "Bf16Experts", "Bf16ExpertsDeclared",
+           "NoHalfDeclared", "NoHalfNotImplemented", "NoFp64NotImplemented")
+RAISES = ("FloatRouter",)  # correct in fp32/fp64, raises in half precision (finite.* fail with the exception)
+BAD_INPUT = ("NoRouter", "ReturnsTensor", "OwnExpertLayoutUndeclared")
+HELPERS = ("ScaledFFN", "GatedFFN")  # building blocks, not layers
