@@ -190,3 +190,12 @@ def test_refusal_through_the_cli_exit_2_one_line(tmp_path):
     assert res.exit_code == 2, res.stdout + res.stderr
     lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "declares it lacks bf16" in lines[0]
+
+
+def test_declared_router_precision_in_the_config_is_read():
+    """layer.router_dtype: the precision the combine weights carry widens the routing-weight limit, nothing else."""
+    plain = default_battery("buggy_moe:Correct")
+    rec = default_battery_with("buggy_moe:Correct", "layer.router_dtype=bf16")
+    assert check_row(rec, "routing_weights").threshold > 1000 * check_row(plain, "routing_weights").threshold
+    assert check_row(rec, "batch_independence").threshold == check_row(plain, "batch_independence").threshold
+    assert not [c for c in rec.checks_rows if not c.passed]
