@@ -154,9 +154,11 @@ def default_battery_with(impl: str, *overrides: str):
 
 
 def test_config_lacks_is_read():
-    rec = default_battery_with("buggy_moe:Correct", "lacks=[bf16]")
+    rec = default_battery_with("buggy_moe:Correct", "lacks=[bf16,gqa]")
     row = check_row(rec, "finite.bf16")
     assert not row.applicable and "the config's lacks=" in row.detail and check_row(rec, "finite.fp16").applicable
+    assert any(n.startswith("declared: the layer lacks gqa") and "no layer-battery check needs it" in n
+               for n in rec.notes)
 
 
 def test_undeclared_not_implemented_error_is_not_applicable_never_a_failure():

@@ -46,6 +46,7 @@ from tfmoe.tables import Rows
 
 PREFIX = "layer."
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+MOE_FEATURES = ("fp16", "bf16")  # the capabilities.FEATURES a layer-battery check needs (finite.fp16 / .bf16)
 LOGIT_TARGET = 16.0  # half-precision probe: scale tokens until the largest router logit is about this
 
 
@@ -448,6 +449,8 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
             raise BadInput(f"impl={lut.label} cannot run in {str(rec.dtype).removeprefix('torch.')} (it declares it "
                            f"lacks {run_name}): {lut.half_precision_unsupported}: {fix}")
         raise caps.refusal(decl, {run_name: fix}, lut.label)
+    for feature in sorted(decl.lacks - set(MOE_FEATURES)):  # every declaration is read, and its use said
+        rec.note(f"declared: the layer lacks {feature} ({caps.FEATURES[feature]}): no layer-battery check needs it")
     if "router" in decl.precisions:  # the precision the combine weights carry, declared
         lut.router_precision = _coarsest(lut.router_precision, DTYPES[decl.precisions["router"]])
     module = lut.build(rec.seed).to(rec.device, rec.dtype)
