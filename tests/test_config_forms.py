@@ -44,7 +44,8 @@ DOCUMENTED_FORMS = {
         "capacity_factor=null,2,1.25", "score_func=sigmoid,softmax", "dispatch=loop,sorted",
         "strategies=[none,aux_free],[aux_loss]", "steps=0", "top_k=1",
         "impl=null,hf:mixtral,hf:deepseek_v3,mypackage.module:ToyMoE", "layer.norm_topk_prob=false",
-        "layer.routed_scaling_factor=1", "layer.bias_scale=0",
+        "layer.routed_scaling_factor=1", "layer.bias_scale=0", "lacks=[],[fp16,bf16]",
+        "layer.expert_dtype=null,bf16", "layer.router_dtype=null,fp32",
     ],
     "tokenize": [
         "input=/tmp/text.txt,null", "tokenizers=[cl100k_base,bytes],[file:/tmp/tokenizer.json]", "extras=[]",

@@ -1,7 +1,7 @@
 """MoE adapters (issue 22): the MoEAdapter protocol (a user's layout through `impl=pkg.module:Adapter`) and the
 shipped adapters of st-moe-pytorch 0.1.8 and mixture-of-experts 0.2.3 (`impl=lib:...`), with their
 straight-through and capacity options: zero false alarms on correct configurations, and bugs planted inside each
-library's real module caught."""
+library's real module caught (those now live in tests/planted_moe.py)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def test_st_moe_correct_configurations_pass(overrides):
     rec = battery("impl=lib:st_moe_pytorch", "layer.seq=12", *overrides)
     assert not failed(rec), [c for c in rec.checks_rows if not c.passed]
     assert {"finite.fp16", "finite.bf16", "permutation_equivariance"} <= not_applicable(rec)
-    notes = " ".join(rec.notes)
-    assert "the fp16 copy raised RuntimeError" in notes
+    detail = next(c.detail for c in rec.checks_rows if c.check == "layer.finite.fp16")
+    assert detail.startswith("not applicable: the layer declares it lacks fp16") and "one_hot" in detail
 
 
 def test_st_moe_capacity_is_exercised():
@@ -58,77 +58,14 @@ def test_st_moe_capacity_is_exercised():
     assert metric(rec, "alt.dropless (capacity ignored)") > 100 * metric(rec, "design.output_error")
 
 
-def test_st_moe_planted_bug_topk_of_the_smallest(monkeypatch):
-    m = st_moe()
-    real = m.maybe_differentiable_topk
-
-    def smallest(x, k, **kw):
-        r = real(-x, k=k, **kw)
-        return r._replace(values=-r.values)
-
-    monkeypatch.setattr(m, "maybe_differentiable_topk", smallest)
-    bad = failed(battery("impl=lib:st_moe_pytorch"))
-    assert {"routing_selection", "output_vs_reference"} <= bad
-
-
-def test_st_moe_planted_bug_gates_not_renormalised(monkeypatch):
-    m = st_moe()
-    real = m.reduce
-
-    def reduce(t, pattern, op):  # the top-n gates' denominator: 1 instead of their sum
-        out = real(t, pattern, op)
-        return out.new_ones(out.shape) if pattern == "k ... -> 1 ..." else out
-
-    monkeypatch.setattr(m, "reduce", reduce)
-    bad = failed(battery("impl=lib:st_moe_pytorch"))
-    assert {"routing_weights", "topk_weights_sum", "output_vs_reference"} <= bad
-    assert "routing_selection" not in bad
-
-
-def test_st_moe_planted_bug_capacity_overflow_not_dropped(monkeypatch):
-    m = st_moe()
-    monkeypatch.setattr(m, "MIN_EXPERT_CAPACITY", 1000)  # every assignment fits: nothing is dropped
-    bad = failed(battery("impl=lib:st_moe_pytorch"))
-    assert {"routing_selection", "loads_sum", "output_vs_reference"} <= bad
-
-
 # ------------------------------------------------------------------ mixture-of-experts 0.2.3
+# (both libraries' planted bugs, inside their own code, are in tests/planted_moe.py: run by tests/test_moe_planted.py
+# under the default config)
 @pytest.mark.parametrize("overrides", [[], ["layer.capacity_factor=8.0"], ["seed=2"], ["dtype=fp64"]])
 def test_mixture_of_experts_correct_configurations_pass(overrides):
     moe_lib()
     rec = battery("impl=lib:mixture_of_experts", *overrides)
     assert not failed(rec), [c for c in rec.checks_rows if not c.passed]
-
-
-def test_mixture_of_experts_planted_bug_top1_picks_the_smallest(monkeypatch):
-    m = moe_lib()
-
-    def top1(t):  # the library's top1 with largest=False
-        values, index = t.topk(k=1, dim=-1, largest=False)
-        return values.squeeze(-1), index.squeeze(-1)
-
-    monkeypatch.setattr(m, "top1", top1)
-    assert {"routing_selection", "output_vs_reference"} <= failed(battery("impl=lib:mixture_of_experts"))
-
-
-def test_mixture_of_experts_planted_bug_gates_not_renormalised(monkeypatch):
-    m = moe_lib()
-    real_init = m.Top2Gating.__init__
-
-    def init(self, *args, **kwargs):  # eps=1: gates divided by g1 + g2 + 1, not g1 + g2
-        real_init(self, *args, **kwargs)
-        self.eps = 1.0
-
-    monkeypatch.setattr(m.Top2Gating, "__init__", init)
-    bad = failed(battery("impl=lib:mixture_of_experts"))
-    assert {"routing_weights", "topk_weights_sum", "output_vs_reference"} <= bad
-
-
-def test_mixture_of_experts_planted_bug_capacity_overflow_not_dropped(monkeypatch):
-    m = moe_lib()
-    monkeypatch.setattr(m, "MIN_EXPERT_CAPACITY", 1000)
-    bad = failed(battery("impl=lib:mixture_of_experts"))
-    assert {"routing_selection", "loads_sum", "output_vs_reference"} <= bad
 
 
 # --------------------------------------------------------------------------- bad input
@@ -138,7 +75,7 @@ def test_mixture_of_experts_planted_bug_capacity_overflow_not_dropped(monkeypatc
     (["impl=lib:nothing"], "no shipped MoE adapter 'nothing'"),
     (["impl=adapted_moe:NeedsArgumentsAdapter"], "must build with no arguments"),
     (["impl=adapted_moe:WrongShapeAdapter"], "must return the layer's output shaped like x"),
-    (["impl=lib:st_moe_pytorch", "dtype=fp16"], "cannot run in float16"),
+    (["impl=lib:st_moe_pytorch", "dtype=fp16"], r"cannot run in float16 \(it declares it lacks fp16\)"),
     (["impl=lib:st_moe_pytorch", "layer.capacity_factor=0"], "layer.capacity_factor=0"),
     (["impl=lib:st_moe_pytorch", "layer.straight_through=maybe"], "layer.straight_through"),
 ])

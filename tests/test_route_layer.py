@@ -46,7 +46,10 @@ def failed(rec) -> set[str]:
 
 
 def not_applicable(rec) -> set[str]:
-    return {n.removeprefix("n/a: layer.").split(" (")[0] for n in rec.notes if n.startswith("n/a: layer.")}
+    """Checks not defined for the design (notes) and checks made n/a by a declaration or a NotImplementedError
+    (rows with applicable=False, tfmoe.capabilities)."""
+    return {n.removeprefix("n/a: layer.").split(" (")[0] for n in rec.notes if n.startswith("n/a: layer.")} | {
+        c.check.removeprefix("layer.") for c in rec.checks_rows if not c.applicable}
 
 
 def metric(rec, name: str) -> float:

@@ -123,6 +123,10 @@ class AdaptedLayer(LayerUnderTest):
         self.half_precision_unsupported = adapter.half_precision_unsupported
         self.exposes_probs = type(adapter).router_probs is not MoEAdapter.router_probs
 
+    @property
+    def declaring(self) -> tuple[object, ...]:
+        return (self.adapter,)
+
     def build(self, seed: int) -> nn.Module:
         return self.adapter.build(self.sizes, seed).eval()
 

@@ -10,7 +10,6 @@ any class in the course's ToyMoE interface (``impl=pkg.module:Class``); Hugging 
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 from collections.abc import Callable
@@ -170,6 +169,13 @@ class LayerUnderTest:
     router_precision: torch.dtype | None = torch.float32
     logits_in_fp32: bool = True  # router logits computed in fp32 (the package, DeepSeek-V3) or in the run's dtype
 
+    @property
+    def declaring(self) -> tuple[object, ...]:
+        """The objects whose declarations (``lacks`` / ``tfmoe_lacks``, ``router_dtype`` / ``expert_dtype``, with or
+        without ``tfmoe_``) :func:`tfmoe.capabilities.declared` reads: a user's class or adapter; none for the
+        package's own layer and transformers' blocks."""
+        return ()
+
     def build(self, seed: int) -> nn.Module:
         raise NotImplementedError
 
@@ -270,6 +276,45 @@ def load_class(spec: str) -> type:
     return obj
 
 
+# the activation modules an expert may use, read as the reference's own functions (never the module's forward)
+ACTIVATION_MODULES: dict[type[nn.Module], Callable[[nn.Module], str]] = {
+    nn.GELU: lambda m: "gelu_pytorch_tanh" if m.approximate == "tanh" else "gelu",
+    nn.ReLU: lambda m: "relu", nn.SiLU: lambda m: "silu",
+}
+EXPERT_LAYOUT = ("nn.Sequential(nn.Linear(d_model, hidden), an activation (nn.GELU, nn.ReLU, nn.SiLU), "
+                 "nn.Linear(hidden, d_model))")
+EXPERT_HOOK = "tfmoe_expert_ffn"
+
+
+def course_expert(module: nn.Module, index: int, label: str) -> ref.Expert:
+    """Expert ``index`` of a course-interface layer rebuilt from its weights, so the reference never runs the
+    layer's own expert module (a bug inside it, say its output scaled, shows in output_vs_reference).
+
+    The course's layout, :data:`EXPERT_LAYOUT` (nn.Dropout / nn.Identity between are skipped: identities in eval),
+    is read from the module's children; any other expert is read through the layer's ``tfmoe_expert_ffn(i)``,
+    which returns that expert's FFN as weights (``tfmoe.components.moe_reference.MlpExpert``, ``GluExpert`` or
+    ``ChunkedGluExpert``). Else BadInput naming both ways."""
+    hook = getattr(module, EXPERT_HOOK, None)
+    if callable(hook):
+        expert = hook(index)
+        if not isinstance(expert, (ref.MlpExpert, ref.GluExpert, ref.ChunkedGluExpert)):
+            raise BadInput(f"impl {label}: {EXPERT_HOOK}({index}) returned {type(expert).__name__}: return the "
+                           "expert's FFN as weights, a tfmoe.components.moe_reference.MlpExpert, GluExpert or "
+                           "ChunkedGluExpert")
+        return expert.to(torch.float64)
+    ex = module.experts[index]
+    parts = [m for m in ex.children() if not isinstance(m, (nn.Dropout, nn.Identity))] \
+        if isinstance(ex, nn.Sequential) else []
+    if len(parts) == 3 and isinstance(parts[0], nn.Linear) and isinstance(parts[2], nn.Linear) \
+            and type(parts[1]) in ACTIVATION_MODULES:
+        (w1, b1), (w2, b2) = _linear64(parts[0]), _linear64(parts[2])
+        return ref.MlpExpert(w1, w2, ACTIVATION_MODULES[type(parts[1])](parts[1]), b1, b2)
+    raise BadInput(f"impl {label}: experts[{index}] is {type(ex).__name__}, not the course's {EXPERT_LAYOUT}: the "
+                   f"reference rebuilds each expert from its weights; write the expert so, or give the class a "
+                   f"method {EXPERT_HOOK}(self, i) returning expert i's weights as a tfmoe.components.moe_reference."
+                   "MlpExpert / GluExpert / ChunkedGluExpert")
+
+
 class ToyInterfaceLayer(LayerUnderTest):
     """Any class in the course's ToyMoE interface. The course's semantics: softmax router, top-k,
     weights renormalised over the k, out = sum_k w_k expert_k(x) (no residual, no shared expert).
@@ -285,6 +330,10 @@ class ToyInterfaceLayer(LayerUnderTest):
     def __init__(self, spec: str, sizes: LayerSizes):
         self.cls, self.sizes, self.label = load_class(spec), sizes, spec
         self.semantics = ref.RoutingSemantics("softmax", sizes.top_k, normalize=True)
+
+    @property
+    def declaring(self) -> tuple[object, ...]:
+        return (self.cls,)
 
     def build(self, seed: int) -> nn.Module:
         s = self.sizes
@@ -341,8 +390,9 @@ class ToyInterfaceLayer(LayerUnderTest):
                              zero_tol)
 
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
+        """The router's weights and every expert rebuilt from its weights (:func:`course_expert`)."""
         w, b = _linear64(module.router)
-        return ref.LayerWeights(w, [ref.ModuleExpert(copy.deepcopy(ex).double()) for ex in module.experts], b)
+        return ref.LayerWeights(w, [course_expert(module, i, self.label) for i in range(len(module.experts))], b)
 
     def alternatives(self) -> dict[str, ref.RoutingSemantics]:
         return {"not renormalised": self.semantics.variant(normalize=False)}

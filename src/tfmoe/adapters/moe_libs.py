@@ -7,7 +7,9 @@ the optional extra ``moe-libs``). Their semantics are read from the libraries' s
   deterministic (the battery builds it so; a positive threshold is a random eval forward, refused). Capacity per
   sequence: ``max(min(n, int(n * capacity_factor / E)), 4)``; 1st choices in sequence order, then 2nd, ...; an
   assignment past capacity gets gate 0, the others are not renormalised. Dispatch by einsum with the dispatch
-  tensor, straight-through ``1 + c - c.detach()`` by default (``layer.straight_through``). No residual.
+  tensor, straight-through ``1 + c - c.detach()`` by default (``layer.straight_through``). No residual. Each
+  ``Expert`` is rebuilt from its weights: Linear(D, 2H), GEGLU (value, gate = the two halves; gelu(gate) * value *
+  ``mult_bias``), Linear(H, D), biases on both.
 - mixture-of-experts 0.2.3 ``MoE`` (``Top2Gating``, tensor2tensor's): softmax, top-2, gates divided by
   (g1 + g2 + 1e-9); ``second_policy_eval='all'`` keeps every 2nd choice (the battery builds it so: 'random' is
   random, 'threshold' and 'none' are not modelled); the same capacity rule and order; experts ``w1`` (E, D, H),
@@ -19,7 +21,6 @@ the half-precision checks are n/a with that exception, and a half-precision run 
 
 from __future__ import annotations
 
-import copy
 import importlib
 from importlib import metadata
 
@@ -90,8 +91,25 @@ class StMoE(MoEAdapter):
         return super().probe_targets(module.experts)
 
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
-        experts: list[ref.Expert] = [ref.ModuleExpert(copy.deepcopy(ex).double()) for ex in module.experts.experts]
-        return ref.LayerWeights(module.gate.to_gates.weight.detach().double().clone(), experts)
+        return ref.LayerWeights(module.gate.to_gates.weight.detach().double().clone(),
+                                [self.expert_weights(ex) for ex in module.experts.experts])
+
+    def expert_weights(self, expert: nn.Module) -> ref.Expert:
+        """st-moe-pytorch 0.1.8's ``Expert`` rebuilt from its weights (never run): ``net`` = [Linear(D, 2H),
+        GEGLU (value, gate = chunk(2); gelu(gate) * value * mult_bias), Linear(H, D)] (an RMSNorm first with
+        prenorm=True, which the adapter does not build)."""
+        parts = list(expert.net)
+        if len(parts) != 3 or type(parts[1]).__name__ != "GEGLU":
+            raise BadInput(f"impl={self.spec}: an Expert with prenorm=True or without GEGLU is not the layout this "
+                           "adapter reads (the MoE it builds has neither)")
+        w_in, geglu, w_down = parts
+        mult = geglu.mult_bias
+        mult = mult.detach().double().clone() if isinstance(mult, torch.Tensor) else None
+
+        def d(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().double().clone()
+
+        return ref.ChunkedGluExpert(d(w_in.weight), d(w_down.weight), "gelu", d(w_in.bias), mult, d(w_down.bias))
 
     def notes(self, module: nn.Module | None = None) -> list[str]:
         return [f"{self.spec}: st-moe-pytorch {metadata.version('st-moe-pytorch')} MoE, threshold_eval=0 (every "

@@ -17,7 +17,9 @@ computes, densely, for every token:
            assignment past its expert's ``capacity`` is dropped (weight 0, the others not renormalised)
   out    = sum_e weight_e * expert_e(x)  (+ [sigmoid(x g)] * shared(x))  (+ x for a residual layer)
 
-Selection uses a descending sort, not topk, and every expert runs on every token (no dispatch).
+Selection uses a descending sort, not topk, and every expert runs on every token (no dispatch). Every expert
+(routed and shared) is rebuilt from its weights (:class:`MlpExpert`, :class:`GluExpert`, :class:`ChunkedGluExpert`,
+with the activation its layer documents): the layer's own expert modules never run here.
 
 The course case's bookkeeping is recomputed here too, without the package's statistics: loads, CV and MaxVio and
 the Switch aux loss in numpy float64 from saved assignments (:func:`recompute_cv_maxvio`,
@@ -103,20 +105,32 @@ class MlpExpert:
 
 
 @dataclass
-class ModuleExpert:
-    """An expert whose structure the interface does not fix (a user's ``experts[i]``): a float64 copy of
-    the module itself. The FFN inside an expert is not what the battery judges; routing and combine are."""
+class ChunkedGluExpert:
+    """down(act(gate) * value * mult) + b_down, where [value; gate] = x w_in^T + b_in is one (2H, D) projection split
+    in halves, value first (st-moe-pytorch's ``Expert``: Linear(D, 2H), GEGLU with its learned ``mult_bias`` (H,),
+    Linear(H, D))."""
 
-    module: torch.nn.Module
+    w_in: torch.Tensor  # (2H,D)
+    w_down: torch.Tensor  # (D,H)
+    act: str
+    b_in: torch.Tensor | None = None  # (2H,)
+    mult: torch.Tensor | None = None  # (H,)
+    b_down: torch.Tensor | None = None  # (D,)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
+        h = x @ self.w_in.T + (0 if self.b_in is None else self.b_in)  # (N,2H)
+        value, gate = h.chunk(2, dim=-1)
+        h = ACTIVATIONS[self.act](gate) * value * (1 if self.mult is None else self.mult)
+        return h @ self.w_down.T + (0 if self.b_down is None else self.b_down)
 
-    def to(self, dtype: torch.dtype) -> ModuleExpert:
-        return ModuleExpert(copy.deepcopy(self.module).to(dtype))
+    def to(self, dtype: torch.dtype) -> ChunkedGluExpert:
+        return ChunkedGluExpert(self.w_in.to(dtype), self.w_down.to(dtype), self.act, _to(self.b_in, dtype),
+                                _to(self.mult, dtype), _to(self.b_down, dtype))
 
 
-Expert = GluExpert | MlpExpert | ModuleExpert
+# Every expert is rebuilt from its weights: the reference never runs the layer's own expert modules, so a bug
+# inside an expert's code (its activation, a scale, a dropped bias) shows in layer.output_vs_reference.
+Expert = GluExpert | MlpExpert | ChunkedGluExpert
 
 
 @dataclass
@@ -213,14 +227,23 @@ def within_capacity(order: torch.Tensor, n_experts: int, capacity: int, group: i
     return kept
 
 
-def combine(x: torch.Tensor, weights: torch.Tensor, sem: RoutingSemantics, w: LayerWeights) -> torch.Tensor:
+def combine(x: torch.Tensor, weights: torch.Tensor, sem: RoutingSemantics, w: LayerWeights,
+            expert_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Dense combine: every expert on every token, out = sum_e weights[:, e] * expert_e(x) (+ shared, + x).
-    Runs in x's dtype (float64 for the reference; the run's dtype for a plain same-dtype baseline)."""
+    Runs in x's dtype (float64 for the reference; the run's dtype for a plain same-dtype baseline); with
+    ``expert_dtype`` every expert (routed and shared) computes in that dtype, its output cast back to x's (the
+    plain yardstick of a layer whose experts compute in a fixed lower precision)."""
+
+    def run(expert: Expert) -> torch.Tensor:
+        if expert_dtype is None or expert_dtype == x.dtype:
+            return expert(x)
+        return expert.to(expert_dtype)(x.to(expert_dtype)).to(x.dtype)
+
     out = torch.zeros_like(x)
     for e, expert in enumerate(w.experts):
-        out = out + weights[:, e, None].to(x.dtype) * expert(x)
+        out = out + weights[:, e, None].to(x.dtype) * run(expert)
     if w.shared is not None:
-        shared = w.shared(x)
+        shared = run(w.shared)
         if w.shared_gate is not None and sem.shared_gated:
             shared = torch.sigmoid(x @ w.shared_gate.T) * shared  # (N,1) * (N,D)
         out = out + shared

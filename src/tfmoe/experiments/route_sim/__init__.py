@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from tfmoe import capabilities
 from tfmoe.adapters.moe_layers import LayerSizes
 from tfmoe.components import moe
 from tfmoe.errors import BadInput
@@ -151,8 +152,19 @@ def layer_settings(cfg: DictConfig, n_experts: int, top_k: int, score_func: str)
         bias_scale=require_number(cfg, "layer.bias_scale", minimum=0.0), capacity_factor=cf,
         straight_through=straight,
     )
+    lacks = cfg.get("lacks") or ()
+    if isinstance(lacks, str):
+        lacks = [lacks]
+    if not isinstance(lacks, (list, tuple, ListConfig)):
+        raise BadInput(f"lacks={lacks!r} is not a list: pass e.g. lacks=[fp16] (or lacks=[] for none)")
+    precisions = {key: OmegaConf.select(cfg, f"layer.{key}", default=None) for key in ("router_dtype", "expert_dtype")}
+    decl = capabilities.declared(config_lacks=[str(v) for v in lacks],
+                                 config_precisions={k: v for k, v in precisions.items()})  # validates, one line
+    names = {"router_dtype": "router", "expert_dtype": "experts"}
     return LayerSettings(impl=None if impl is None else impl.strip(), sizes=sizes,
-                         batch=require_int(cfg, "layer.batch", 2), seq=require_int(cfg, "layer.seq", 1))
+                         batch=require_int(cfg, "layer.batch", 2), seq=require_int(cfg, "layer.seq", 1),
+                         lacks=tuple(sorted(decl.lacks)), router_dtype=decl.precisions.get(names["router_dtype"]),
+                         expert_dtype=decl.precisions.get(names["expert_dtype"]))
 
 
 def run(s: Settings, rec: Recorder) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from tfmoe import capabilities as caps
 from tfmoe.adapters import load_layer
 from tfmoe.adapters.moe_layers import Captured, LayerRaised, LayerUnderTest, OwnLayer
 from tfmoe.components import moe
@@ -45,6 +46,7 @@ from tfmoe.tables import Rows
 
 PREFIX = "layer."
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+MOE_FEATURES = ("fp16", "bf16")  # the capabilities.FEATURES a layer-battery check needs (finite.fp16 / .bf16)
 LOGIT_TARGET = 16.0  # half-precision probe: scale tokens until the largest router logit is about this
 
 
@@ -59,6 +61,16 @@ def _router_ulps(lut: LayerUnderTest, o: Observation) -> float:
     precision the design routes in (fp32 for HF's and the package's routers, even in an fp64 run)."""
     extra = (lut.router_precision,) if lut.router_precision is not None else ()
     return _ulps(o.x.dtype, o.cap.weights.dtype, *extra)
+
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PRECISION_OF = {v: k for k, v in DTYPES.items()}
+LONG = {k: str(v).removeprefix("torch.") for k, v in DTYPES.items()}
+
+
+def _coarsest(*dtypes: torch.dtype | None) -> torch.dtype:
+    """The dtype with the largest epsilon among those given (None skipped)."""
+    return max((d for d in dtypes if d is not None), key=lambda d: torch.finfo(d).eps)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -81,6 +93,7 @@ class Observation:
     ref_out: torch.Tensor  # (N,D) float64
     ref: ref.ReferenceRouting
     clear: torch.Tensor  # (N,) bool: tokens whose decision is not within rounding of a tie
+    expert_dtype: torch.dtype | None = None  # the precision the experts compute in (declared or detected), if coarser
 
 
 def observe(lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights, x: torch.Tensor,
@@ -105,25 +118,67 @@ def score_rounding(lut: LayerUnderTest, sem: ref.RoutingSemantics, weights: ref.
 
 
 # ------------------------------------------------------------------------------- checks
-def check_output(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: ref.LayerWeights) -> bool:
+def check_output(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: ref.LayerWeights,
+                 decl: caps.Declared | None = None) -> bool:
     """FlashAttention's rule: error vs the float64 reference <= 2x the error of the same mixture computed
-    plainly in the run's dtype (the reference's routing, the layer's weights cast), + 4 ulps of the scale."""
+    plainly in the run's dtype (the reference's routing, the layer's weights cast), + 4 ulps of the scale.
+
+    Experts in another precision (capabilities rule 4): a declared ``expert_dtype`` coarser than the run's is judged
+    against the plain mixture with its experts computed in that dtype (measured the same way); undeclared, an error
+    above the run dtype's limit but within a lower precision's limit (fp16, then bf16) is judged at that precision
+    and named, with both numbers. Each limit is 2x its plain error + 4 ulps (of the run's dtype: the output is
+    stored in it) of the output's scale. ``o.expert_dtype`` is set to the precision judged at."""
     dtype = o.out.dtype
     x = _flat(o.x)
-    plain = ref.combine(x.to(dtype), o.ref.weights.to(dtype), lut.semantics, weights.to(dtype)) \
-        if dtype != torch.float64 else o.ref_out
     keep = o.clear
     err = _max_abs((_flat(o.out).double() - o.ref_out)[keep])
-    plain_err = _max_abs((plain.double() - o.ref_out)[keep])
     scale = max(_max_abs(o.ref_out), 1e-30)
-    tol = 2 * plain_err + 4 * _ulps(dtype) * scale
-    if _router_ulps(lut, o) > _ulps(dtype):  # a router that computes its weights coarser than the run (fp32 in fp64)
-        tol += 4 * _router_ulps(lut, o) * scale
+    router_term = 4 * _router_ulps(lut, o) * scale if _router_ulps(lut, o) > _ulps(dtype) else 0.0
+
+    def limit(expert_dtype: torch.dtype | None) -> tuple[float, float]:
+        """(plain error, limit) of the mixture computed plainly in the run's dtype, experts in ``expert_dtype``."""
+        if dtype == torch.float64 and expert_dtype in (None, torch.float64):
+            plain = o.ref_out
+        else:
+            plain = ref.combine(x.to(dtype), o.ref.weights.to(dtype), lut.semantics, weights.to(dtype), expert_dtype)
+        plain_err = _max_abs((plain.double() - o.ref_out)[keep])
+        # the ulps are the output's, stored in the run's dtype whatever the experts compute in (the experts'
+        # own rounding is what plain_err measures); a router that computes its weights coarser than the run
+        # (fp32 in fp64) adds its own rounding
+        return plain_err, 2 * plain_err + 4 * _ulps(dtype) * scale + router_term
+
+    run_name = PRECISION_OF.get(dtype, "fp32")
+    declared = (decl.precisions.get("experts") if decl else None)
+    declared_dtype = DTYPES[declared] if declared and torch.finfo(DTYPES[declared]).eps > _ulps(dtype) else None
+    plain_err, tol = limit(declared_dtype)
     skipped = int((~keep).sum())
-    return rec.check_le(f"{PREFIX}output_vs_reference", err, tol,
-                        f"max |out - float64 reference| over {int(keep.sum())} tokens"
-                        + (f" ({skipped} within rounding of a routing tie left out)" if skipped else "")
-                        + f"; plain {str(dtype).removeprefix('torch.')} mixture error {plain_err:.3g}",
+    detail = (f"max |out - float64 reference| over {int(keep.sum())} tokens"
+              + (f" ({skipped} within rounding of a routing tie left out)" if skipped else ""))
+    note = ""
+    if declared_dtype is not None:
+        o.expert_dtype = declared_dtype
+        note = caps.precision_note("experts", declared, err, plain_err, detected=False)
+        rec.metric(f"{PREFIX}output.plain_{declared}_error", plain_err)
+    elif not err <= tol:  # NaN never explained
+        limits, plains = {}, {}
+        for name in caps.LOWER_PRECISIONS.get(run_name, ()):
+            plains[name], limits[name] = limit(DTYPES[name])
+            rec.metric(f"{PREFIX}output.plain_{name}_error", plains[name])
+        found = caps.explaining_precision(err, run_name, limits)
+        if found is not None:
+            o.expert_dtype = DTYPES[found]
+            note = caps.precision_note("experts", found, err, plains[found], detected=True)
+            detail += f"; plain {str(dtype).removeprefix('torch.')} mixture error {plain_err:.3g}, limit {tol:.3g}"
+            plain_err, tol = plains[found], limits[found]
+        elif limits:
+            detail += ("; no lower expert precision explains it (" + ", ".join(
+                f"plain {LONG[n]} {plains[n]:.2g}, limit {limits[n]:.2g}" for n in limits) + ")")
+    if note:
+        rec.note(f"precision: {note}")
+        detail = f"{note}; " + detail
+    else:
+        detail += f"; plain {str(dtype).removeprefix('torch.')} mixture error {plain_err:.3g}"
+    return rec.check_le(f"{PREFIX}output_vs_reference", err, tol, detail,
                         evidence={"out": o.out, "reference": o.ref_out})
 
 
@@ -218,7 +273,7 @@ def check_permutation(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: 
     x_perm = _flat(o.x)[perm].view(b, t, d)
     out_perm = lut.forward(module, x_perm)
     err = _max_abs(_flat(out_perm).double() - _flat(o.out).double()[perm])
-    tol = 8 * _ulps(o.out.dtype) * max(_max_abs(o.out.double()), 1e-30)
+    tol = 8 * _ulps(_coarsest(o.out.dtype, o.expert_dtype)) * max(_max_abs(o.out.double()), 1e-30)
     rec.check_le(f"{PREFIX}permutation_equivariance", err, tol,
                  f"max |layer(permuted tokens) - permuted layer(tokens)| over {b * t} tokens",
                  evidence={"out": o.out, "out_of_permuted": out_perm})
@@ -231,27 +286,30 @@ def check_batch(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: Observ
         err = _max_abs(alone[0].double() - o.out[i].double())
         if err > worst or not math.isfinite(err):
             worst, where = err, i
-    tol = 8 * _ulps(o.out.dtype) * max(_max_abs(o.out.double()), 1e-30)
+    tol = 8 * _ulps(_coarsest(o.out.dtype, o.expert_dtype)) * max(_max_abs(o.out.double()), 1e-30)
     rec.check_le(f"{PREFIX}batch_independence", worst, tol,
                  f"max over the {o.x.shape[0]} sequences of |layer(sequence alone) - its row of layer(batch)| "
                  f"(worst: sequence {where})")
 
 
 def check_low_precision(rec: Recorder, lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights,
-                        x: torch.Tensor) -> None:
-    """fp16 and bf16 copies of the layer on tokens scaled so the largest router logit is ~LOGIT_TARGET."""
+                        x: torch.Tensor, decl: caps.Declared) -> None:
+    """fp16 and bf16 copies of the layer on tokens scaled so the largest router logit is ~LOGIT_TARGET. A dtype
+    the layer declares it lacks is not run (n/a, rule 2); a NotImplementedError from a copy makes it n/a (rule 3)."""
     logits = _flat(x).double() @ weights.router.T
     scale = LOGIT_TARGET / max(_max_abs(logits), 1e-30)
     for dtype in LOW_PRECISION:
-        name = str(dtype).removeprefix("torch.").replace("float", "fp").replace("bfp16", "bf16")
+        name = PRECISION_OF[dtype]
+        if name in decl.lacks:
+            rec.not_applicable(f"{PREFIX}finite.{name}", lack_detail(decl, name, lut))
+            continue
         low = _cast(module, dtype)
         xs = (x.double() * scale).to(x.device, dtype)
         try:
             out = lut.forward(low, xs)
         except LayerRaised as exc:
-            if lut.half_precision_unsupported:
-                rec.note(f"n/a: {PREFIX}finite.{name} ({lut.label}: {lut.half_precision_unsupported}; the {name} copy "
-                         f"raised {exc})")
+            if isinstance(exc.exc, NotImplementedError):
+                rec.not_applicable(f"{PREFIX}finite.{name}", caps.not_implemented_detail(exc.exc, name))
             else:
                 rec.check(f"{PREFIX}finite.{name}", False, None, None,
                           f"{RAISED}{exc} (the {name} copy of the layer, on tokens scaled x{scale:.3g})")
@@ -325,20 +383,37 @@ ALL_CHECKS = ("output_vs_reference", "routing_selection", "routing_weights", "pr
               "finite.bf16", "aux_loss_vs_switch", "bias_exercised")
 
 
-def guarded(rec: Recorder, names: tuple[str, ...], run: Callable[[], object]) -> str:
+def lack_detail(decl: caps.Declared, feature: str, lut: LayerUnderTest) -> str:
+    """The n/a detail of a check whose feature the layer declares it lacks."""
+    if decl.sources.get(feature) == "half_precision_unsupported":
+        return (f"not applicable: the layer declares it lacks {feature} ({caps.FEATURES[feature]}; its "
+                f"half_precision_unsupported: {lut.half_precision_unsupported})")
+    return decl.why(feature)
+
+
+def raised_in_run(rec: Recorder, names: tuple[str, ...] | list[str], exc: LayerRaised, suffix: str = "") -> None:
+    """Checks the layer's exception left unjudged: n/a for a NotImplementedError (capabilities rule 3), else
+    failed with the exception leading their detail."""
+    for name in names:
+        if isinstance(exc.exc, NotImplementedError):
+            rec.not_applicable(f"{PREFIX}{name}", caps.not_implemented_detail(exc.exc))
+        else:
+            rec.check(f"{PREFIX}{name}", False, None, None, f"{RAISED}{exc}{suffix}")
+
+
+def guarded(rec: Recorder, names: tuple[str, ...], run: Callable[[], object]) -> LayerRaised | None:
     """Run checks that call the layer; if the layer raises, those not yet recorded fail, the exception leading
-    their detail (the battery goes on). Returns the exception ("" when none)."""
+    their detail (or are n/a for a NotImplementedError); the battery goes on. Returns the exception, if any."""
     before = {c.check for c in rec.checks_rows}
     try:
         run()
-        return ""
+        return None
     except LayerRaised as exc:
         done = {c.check for c in rec.checks_rows} - before
-        for name in names:
-            if f"{PREFIX}{name}" not in done:
-                rec.check(f"{PREFIX}{name}", False, None, None, f"{RAISED}{exc}")
-        rec.note(f"{', '.join(n for n in names if PREFIX + n not in done)}: the layer raised {exc}")
-        return str(exc)
+        left = [n for n in names if f"{PREFIX}{n}" not in done]
+        raised_in_run(rec, left, exc)
+        rec.note(f"{', '.join(left)}: the layer raised {exc}")
+        return exc
 
 
 def observe_dispatch(rec: Recorder, o: Observation) -> None:
@@ -366,9 +441,18 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     that raises fails the checks that called it, with its exception; the others still run."""
     t0 = time.perf_counter()
     lut = load_layer(p.impl, p.sizes, p.seq)
-    if lut.half_precision_unsupported and rec.dtype in LOW_PRECISION:
-        raise BadInput(f"impl={lut.label} cannot run in {str(rec.dtype).removeprefix('torch.')}: "
-                       f"{lut.half_precision_unsupported}: run it with dtype=fp32 or dtype=fp64")
+    decl = declarations(p, lut)
+    run_name = PRECISION_OF.get(rec.dtype)
+    if run_name in decl.lacks:  # rule 1: the run's own dtype is declared lacking
+        fix = "run it with dtype=fp32 or dtype=fp64"
+        if decl.sources.get(run_name) == "half_precision_unsupported":
+            raise BadInput(f"impl={lut.label} cannot run in {str(rec.dtype).removeprefix('torch.')} (it declares it "
+                           f"lacks {run_name}): {lut.half_precision_unsupported}: {fix}")
+        raise caps.refusal(decl, {run_name: fix}, lut.label)
+    for feature in sorted(decl.lacks - set(MOE_FEATURES)):  # every declaration is read, and its use said
+        rec.note(f"declared: the layer lacks {feature} ({caps.FEATURES[feature]}): no layer-battery check needs it")
+    if "router" in decl.precisions:  # the precision the combine weights carry, declared
+        lut.router_precision = _coarsest(lut.router_precision, DTYPES[decl.precisions["router"]])
     module = lut.build(rec.seed).to(rec.device, rec.dtype)
     weights = lut.reference_weights(module)
     gen = torch.Generator().manual_seed(rec.seed + 11)
@@ -378,14 +462,14 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     na: list[str] = []
     seen: list[Observation] = []
     raised = guarded(rec, ROUTING_CHECKS, lambda: seen.append(observe(lut, module, weights, x)))
-    if not raised:
+    if raised is None:
         o = seen[0]
         rec.tensor(f"{PREFIX}out", o.out)
         rec.tensor(f"{PREFIX}reference_out", o.ref_out)
         rec.tensor(f"{PREFIX}captured_weights", o.cap.weights)
         rec.tensor(f"{PREFIX}reference_weights", o.ref.weights)
         rec.metric(f"{PREFIX}tokens_near_tie", int((~o.clear).sum()))
-        check_output(rec, lut, o, weights)
+        check_output(rec, lut, o, weights, decl)
         check_routing(rec, lut, o, weights)
         na += check_sums(rec, lut, o)
         check_loads(rec, lut, o)
@@ -408,11 +492,9 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
         needs = ["permutation_equivariance", "batch_independence"]
         needs += ["aux_loss_vs_switch"] if lut.aux_loss_name else []
         needs += ["bias_exercised"] if lut.draws_correction_bias else []
-        for name in needs:
-            rec.check(f"{PREFIX}{name}", False, None, None, f"{RAISED}{raised} (the layer, on the run's tokens: "
-                      "not judged)")
+        raised_in_run(rec, needs, raised, " (the layer, on the run's tokens: not judged)")
         na += [n for n in ("aux_loss_vs_switch", "bias_exercised") if n not in needs]
-    check_low_precision(rec, lut, module, weights, x)
+    check_low_precision(rec, lut, module, weights, x, decl)
     for note in lut.notes():
         rec.note(note)
     for name in na:
@@ -423,6 +505,21 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     return lut
 
 
+def declarations(p: LayerSettings, lut: LayerUnderTest) -> caps.Declared:
+    """Everything the layer declares about itself (:mod:`tfmoe.capabilities`): ``lacks`` / ``tfmoe_lacks`` and
+    ``router_dtype`` / ``expert_dtype`` on the adapter or the course-interface class, the config's ``lacks`` and
+    ``layer.router_dtype`` / ``layer.expert_dtype`` (which win), and ``half_precision_unsupported`` (lacks fp16
+    and bf16)."""
+    decl = caps.declared(*lut.declaring, config_lacks=p.lacks,
+                         config_precisions={"router_dtype": p.router_dtype, "expert_dtype": p.expert_dtype})
+    if lut.half_precision_unsupported:
+        sources = dict(decl.sources)
+        for feature in ("fp16", "bf16"):
+            sources.setdefault(feature, "half_precision_unsupported")
+        decl = caps.Declared(frozenset(sources), sources, decl.precisions)
+    return decl
+
+
 # ------------------------------------------------------------------------------ reporting
 def battery_rows(rec: Recorder, label: str) -> Rows:
     """(check, pass/FAIL/n/a, detail) for every battery check, in ALL_CHECKS order."""
@@ -430,7 +527,9 @@ def battery_rows(rec: Recorder, label: str) -> Rows:
     na = {n.removeprefix("n/a: " + PREFIX).split(" (")[0]: n for n in rec.notes if n.startswith("n/a: " + PREFIX)}
     rows = Rows(f"layer battery: {label}", ("check", "result", "detail"))
     for name in ALL_CHECKS:
-        if name in got:
+        if name in got and not got[name].applicable:
+            rows.add(name, "n/a", got[name].detail)
+        elif name in got:
             rows.add(name, "pass" if got[name].passed else "FAIL", got[name].detail)
         elif name in na:
             why = na[name].partition(" (")[2].removesuffix(")")
@@ -440,6 +539,14 @@ def battery_rows(rec: Recorder, label: str) -> Rows:
 
 def battery_summary(rec: Recorder, lut: LayerUnderTest) -> str:
     lines = [f"## Layer battery: {lut.label}", "", battery_rows(rec, lut.label).markdown()]
+    for note in rec.notes:
+        if note.startswith("precision: "):  # capabilities rule 4: a precision declared or detected, named
+            lines += ["", "Precision: " + note.removeprefix("precision: ") + "."]
+    inapplicable = [c for c in rec.checks_rows if c.check.startswith(PREFIX) and not c.applicable]
+    if inapplicable:
+        lines += ["", f"Not applicable ({len(inapplicable)}, never failures): "
+                  + "; ".join(f"{c.check.removeprefix(PREFIX)}: {c.detail.removeprefix('not applicable: ')}"
+                              for c in inapplicable) + "."]
     for note in rec.notes:
         if note.startswith("dispatch: "):  # an observation, not a check
             lines += ["", "Dispatch: " + note.removeprefix("dispatch: ") + "."]

@@ -15,6 +15,9 @@ class LayerSettings:
     sizes: LayerSizes
     batch: int
     seq: int
+    lacks: tuple[str, ...] = ()  # config `lacks`: features the layer declares it lacks (tfmoe.capabilities)
+    router_dtype: str | None = None  # config `layer.router_dtype`: the precision its combine weights carry
+    expert_dtype: str | None = None  # config `layer.expert_dtype`: the precision its experts compute in
 
 
 @dataclass(frozen=True)
