@@ -12,7 +12,7 @@ NOT_A_FUNCTION = 42
 
 def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *, dropout_p=0.0, kv_head=None,
             causal_offset=None, use_bool=True, use_float=True, fill_empty=True, mask_view=None, use_dropout=True,
-            rescale=True, uniform_causal_empty=False):
+            rescale=True, uniform_causal_empty=False, rescale_by=None):
     """A plain (B,Hq,Tq,D) attention, written without SDPA (dropout on the weights, torch's RNG, 1/(1-p));
     the keyword switches plant the bugs."""
     B, Hq, Tq, D = q.shape
@@ -45,6 +45,8 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
     if dropout_p and use_dropout:
         keep = torch.rand(w.shape, device=w.device) >= dropout_p  # (B,Hq,Tq,Tk), torch's RNG
         w = w * keep / (1.0 - dropout_p) if rescale else w * keep
+        if rescale_by is not None:
+            w = w * rescale_by
     return w @ v
 
 
@@ -187,6 +189,13 @@ def kernel_dropout_own_generator(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
 
 
 _OWN = torch.Generator().manual_seed(1234)
+
+
+def kernel_dropout_rescale_off(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                               enable_gqa=False):
+    """Bug (dropout): kept weights rescaled by 1/(1-p)·(1 + 1e-5), a rescale that prints as 1.25 at 3 digits."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   rescale_by=1.0 + 1e-5 if dropout_p else None)
 
 
 def kernel_no_gqa_no_scale(q, k, v, attn_mask=None, is_causal=False):

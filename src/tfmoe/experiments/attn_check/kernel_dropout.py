@@ -36,6 +36,14 @@ def keep_rate_bound(p: float, n: int, alpha: float = FALSE_ALARM) -> float:
     return z * math.sqrt(p * (1.0 - p) / n)
 
 
+def _digits(x: float, other: float) -> str:
+    """x with enough significant digits to differ from ``other`` in print (3 at least, 17 at most)."""
+    for n in range(3, 18):
+        if f"{x:.{n}g}" != f"{other:.{n}g}":
+            return f"{x:.{n}g}"
+    return f"{x:.17g}"
+
+
 def run_dropout_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, seed: int, seeds: int,
                      rec: Recorder) -> Outcome:
     """Call the kernel with ``dropout_p`` on the one-hot probe under ``seeds`` torch seeds (and the first seed
@@ -83,8 +91,8 @@ def run_dropout_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.d
         problems.append(f"weights are neither dropped nor kept and rescaled by 1/(1-p): max |out·(1-p)/P - "
                         f"{{0, 1}}| = {rescale:.3g} vs limit {tol:.3g}" + (f", out[..., Tk:] up to {tail:.3g}"
                                                                               if tail > tol else "")
-                        + (f" (kept weights come out P × {float(r[kept].median()) / (1 - p):.3g}: rescaled by "
-                           f"{float(r[kept].median()) / (1 - p):.3g}, not 1/(1-p) = {1 / (1 - p):.3g})"
+                        + (f" (kept weights come out rescaled by {_digits(float(r[kept].median()) / (1 - p), 1 / (1 - p))}"
+                           f", not 1/(1-p) = {_digits(1 / (1 - p), float(r[kept].median()) / (1 - p))})"
                            if finite and bool(kept.any()) and rescale > tol else ""))
     if not same:
         problems.append("the same torch seed gave a different output (the mask does not follow torch's RNG)")
