@@ -12,7 +12,7 @@ NOT_A_FUNCTION = 42
 
 def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *, dropout_p=0.0, kv_head=None,
             causal_offset=None, use_bool=True, use_float=True, fill_empty=True, mask_view=None, use_dropout=True,
-            rescale=True, uniform_causal_empty=False):
+            rescale=True, uniform_causal_empty=False, rescale_by=None, hide_in_long_rows=False):
     """A plain (B,Hq,Tq,D) attention, written without SDPA (dropout on the weights, torch's RNG, 1/(1-p));
     the keyword switches plant the bugs."""
     B, Hq, Tq, D = q.shape
@@ -35,6 +35,11 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
     if attn_mask is not None and attn_mask.dtype != torch.bool and use_float:
         s = s + attn_mask
     s = s.masked_fill(~allowed, float("-inf"))
+    if hide_in_long_rows:  # the bug: each row that sees >= 128 keys loses its lowest-scored visible key
+        vis = ~torch.isinf(s)
+        n = vis.sum(dim=-1, keepdim=True)
+        lowest = torch.nn.functional.one_hot(s.masked_fill(~vis, float("inf")).argmin(dim=-1), s.shape[-1]).bool()
+        s = s.masked_fill(lowest & (n >= 128), float("-inf"))
     if fill_empty:
         empty = torch.isinf(s).all(dim=-1, keepdim=True)
         w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1)
@@ -45,6 +50,8 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
     if dropout_p and use_dropout:
         keep = torch.rand(w.shape, device=w.device) >= dropout_p  # (B,Hq,Tq,Tk), torch's RNG
         w = w * keep / (1.0 - dropout_p) if rescale else w * keep
+        if rescale_by is not None:
+            w = w * rescale_by
     return w @ v
 
 
@@ -189,6 +196,13 @@ def kernel_dropout_own_generator(q, k, v, attn_mask=None, dropout_p=0.0, is_caus
 _OWN = torch.Generator().manual_seed(1234)
 
 
+def kernel_dropout_rescale_off(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                               enable_gqa=False):
+    """Bug (dropout): kept weights rescaled by 1/(1-p)·(1 + 1e-5), a rescale that prints as 1.25 at 3 digits."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   rescale_by=1.0 + 1e-5 if dropout_p else None)
+
+
 def kernel_no_gqa_no_scale(q, k, v, attn_mask=None, is_causal=False):
     """Correct, but its signature has neither `scale` nor `enable_gqa`: those cases are skipped."""
     return _attend(q, k, v, attn_mask, is_causal)
@@ -247,3 +261,91 @@ def kernel_backward_raises(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
 
 
 native_matmul = torch.matmul  # a native function as the "kernel": what it raises is its own (no Python frame)
+
+
+def kernel_hides_a_key_in_long_rows(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                    enable_gqa=False):
+    """Bug (weights): a row that sees >= 128 keys loses its lowest-scored visible key (as a kernel would that takes
+    the row's minimum for a padding sentinel). That weight is far below 1/128 of the row: in bf16 the output moves
+    by less than the output rule's limit; in fp32 the output families see it."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p, hide_in_long_rows=True)
+
+
+class _RedrawDropout(torch.autograd.Function):
+    """A dropout forward right to the bit; a backward that draws a fresh mask instead of reusing the forward's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p):
+        ctx.save_for_backward(q, k, v)
+        ctx.args = (attn_mask, is_causal, scale, enable_gqa, dropout_p)
+        return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        attn_mask, is_causal, scale, enable_gqa, dropout_p = ctx.args
+        with torch.enable_grad():
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out = _attend(qq, kk, vv, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)  # a new mask
+            dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), grad_out)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def kernel_dropout_redraws_in_backward(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                       enable_gqa=False):
+    """Bug (backward, dropout cases only): the forward is plain_kernel's to the bit; the backward redraws the
+    dropout mask, so dq, dk, dv belong to another mask."""
+    return _RedrawDropout.apply(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p)
+
+
+def kernel_fp16_online_softmax(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                               enable_gqa=False):
+    """Bug (long_rows in fp16; everywhere in fp32): an online softmax over blocks of 64 keys that keeps its
+    running max, denominator and output in float16 (the scores and each block's products in fp32). In fp16 its
+    error grows with the number of blocks: only rows of thousands of keys show it."""
+    if dropout_p:
+        return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if Hkv != Hq:
+        heads = torch.arange(Hq) // (Hq // Hkv)
+        k, v = k[:, heads], v[:, heads]
+    s = (q.float() @ k.float().transpose(-2, -1)) * (1.0 / math.sqrt(D) if scale is None else scale)
+    if is_causal:
+        s = s.masked_fill(torch.arange(Tk)[None, :] > torch.arange(Tq)[:, None], float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
+    acc = torch.float16
+    m = torch.full((B, Hq, Tq, 1), float("-inf"), dtype=acc)
+    denom = torch.zeros(B, Hq, Tq, 1, dtype=acc)
+    o = torch.zeros(B, Hq, Tq, D, dtype=acc)
+    for c in range(0, Tk, 64):
+        sb = s[..., c:c + 64]
+        m_new = torch.maximum(m, sb.amax(dim=-1, keepdim=True).to(acc))
+        m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0).float()
+        p = torch.exp(sb - m_safe)
+        alpha = torch.exp(m.float() - m_safe)
+        denom = (denom.float() * alpha + p.sum(dim=-1, keepdim=True)).to(acc)
+        o = (o.float() * alpha + p @ v[:, :, c:c + 64].float()).to(acc)
+        m = m_new
+    seen = denom > 0
+    return torch.where(seen, o.float() / denom.float().clamp_min(1e-30), 0.0).to(q.dtype)
+
+
+def kernel_declares_no_gqa_no_dropout(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                      enable_gqa=False):
+    """Correct for Hkv = Hq without dropout; declares the rest lacking (and would fail it: it ignores both)."""
+    if k.shape[1] != q.shape[1]:
+        raise ValueError("this kernel has no grouped kv heads")  # an ordinary error: a failure if it were called
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+
+
+kernel_declares_no_gqa_no_dropout.tfmoe_lacks = ("gqa", "dropout")
+
+
+def kernel_declares_no_bf16(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Correct; declares it takes no bfloat16 inputs."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
+
+
+kernel_declares_no_bf16.tfmoe_lacks = ["bf16"]

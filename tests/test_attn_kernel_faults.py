@@ -18,7 +18,7 @@ from tfmoe.harness.store.notebook import load_run
 from tfmoe.testing import caught, run_cli, run_recorded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-SMALL = ["cases.shapes=[[5,7,12],[7,5,8],[1,6,16]]"]  # tests/test_attn_kernels.py's reduced matrix
+SMALL = ["cases.shapes=[[5,7,12],[7,5,8],[1,6,16]]", "kernel_checks.long_row=null"]  # test_attn_kernels.py's
 USER = Kernel("my_attn:attend", F.scaled_dot_product_attention, None, "top_left")
 BUILTIN = Kernel("torch:sdpa", F.scaled_dot_product_attention, None, "top_left")
 

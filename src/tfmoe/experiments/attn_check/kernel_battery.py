@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tfmoe import capabilities
 from tfmoe.errors import AdapterError, BadInput
-from tfmoe.experiments.attn_check.kernel_cases import FAMILIES, Case, make_inputs
-from tfmoe.experiments.attn_check.kernel_dropout import run_dropout_case
+from tfmoe.experiments.attn_check.kernel_cases import ADDITIVE, FAMILIES, PROBES, Case, make_inputs
+from tfmoe.experiments.attn_check.kernel_dropout import run_dropout_backward, run_dropout_case
 from tfmoe.experiments.attn_check.kernel_judging import Outcome, battery_fault, missing_params, run_case
+from tfmoe.experiments.attn_check.kernel_weights import run_weights_probe
 from tfmoe.experiments.attn_check.kernels import Kernel, load_kernel
 from tfmoe.memory import available_memory_bytes
 from tfmoe.recorder import Recorder
@@ -29,7 +31,39 @@ PREREQ_TEXT = {"scale": "kernel_scale (plain attention)", "gqa": "kernel_gqa (Hk
                "mask_additive": "kernel_mask_additive ((B,1,Tq,Tk) float masks)"}
 
 
-UNMET = ("fail", "not judged")  # a prerequisite family with this verdict blocks the cases resting on it
+UNMET = ("fail", "not judged")
+DTYPE_FEATURES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def case_features(case: Case, Hq: int) -> list[str]:
+    """The capabilities (tfmoe.capabilities.FEATURES) a case's forward needs."""
+    needs = ["gqa"] if case.Hkv != Hq else []
+    if case.mask == "causal":
+        needs.append("causal")
+    elif case.mask in ADDITIVE:
+        needs.append("additive_mask")
+    elif case.mask != "none":
+        needs.append("bool_mask")
+    if case.mask.startswith("per_head"):
+        needs.append("per_head_mask")
+    if case.dropout_p:
+        needs.append("dropout")
+    return needs
+
+
+def kernel_declarations(s: KernelSettings, kernel: Kernel, dtype: torch.dtype) -> capabilities.Declared:
+    """What the kernel function declares it lacks (``tfmoe_lacks``), the config's ``lacks``, and
+    ``kernel_checks.backward=false`` read as a declared lack of ``backward``; a declared lack of the run's
+    dtype is the one main setting of kernel mode: exit 2 (tfmoe.capabilities rule 1)."""
+    config = [*s.lacks, *(() if s.backward else ("backward",))]
+    decl = capabilities.declared(kernel.fn, config_lacks=config)
+    if dtype in DTYPE_FEATURES:
+        name = DTYPE_FEATURES[dtype]
+        refused = capabilities.refusal(decl, {name: f"run it in fp32 (drop dtype={name}), or remove {name} from "
+                                                    "its lacks"}, s.spec)
+        if refused is not None:
+            raise refused
+    return decl  # a prerequisite family with this verdict blocks the cases resting on it
 
 
 def prerequisites(case: Case, Hq: int) -> list[str]:
@@ -71,6 +105,8 @@ def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_bl
             rec.note(f"{name}: {len(by['blocked'])} cases not judged: {reason_blocked}")
     if not by["pass"] and not by["fail"]:
         rec.note(f"{name} n/a ({counts or 'no cases'}): " + "; ".join(extras))
+        if by["n/a"] and not by["blocked"]:  # declared lacking, or NotImplementedError: listed, never failed
+            rec.not_applicable(name, f"{counts}: " + "; ".join(extras))
         return "not judged" if by["blocked"] else "n/a"  # not judged: what rests on it is not judged either
     failed = sorted(by["fail"], key=lambda o: -o.ratio)
     measured = [o for o in failed if not o.raised]
@@ -126,6 +162,7 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
                        f"{kernel.causal_align.replace('_', '-')} aligned: drop causal_align or pass "
                        f"causal_align={kernel.causal_align}")
     align = s.causal_align or kernel.causal_align or "top_left"
+    decl = kernel_declarations(s, kernel, dtype)
     need = max(8 * s.B * s.Hq * c.Tq * c.Tk * 6 for c in s.cases)  # fp64 scores, weights and their grads
     if need > available_memory_bytes(device):
         raise BadInput(f"the largest case needs about {need / 2**30:.1f} GiB for the fp64 reference: "
@@ -145,7 +182,10 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
     policies: dict[str, set[str]] = {}
     t0 = time.perf_counter()
     backward_outcomes: dict[int, Outcome] = {}
-    for family in FAMILIES[:-1]:
+    weights_outcomes: dict[int, Outcome] = {}
+    for family in FAMILIES:
+        if family in PROBES:
+            continue
         idx = [i for i, c in enumerate(s.cases) if c.family == family]
         if not idx:
             continue
@@ -153,7 +193,8 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
             for i in idx:
                 case = s.cases[i]
                 try:
-                    o = _judge_case(s, rec, kernel, align, case, i, verdict, policies, backward_outcomes)
+                    o = _judge_case(s, rec, kernel, align, case, i, verdict, policies, backward_outcomes,
+                                    weights_outcomes, decl)
                 except (BadInput, AdapterError):
                     raise
                 except Exception as exc:  # outside the kernel's call: the battery's own error, never the kernel's
@@ -164,13 +205,14 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
         verdict[family] = record_family(rec, family, outcomes[family],
                                         "prerequisite " + ", ".join(f"{PREREQ_TEXT[p]} {verdict[p]}"
                                                                     for p in blocked_by) + ": fix that first")
-    if s.backward:
-        outcomes["backward"] = [backward_outcomes[i] for i in sorted(backward_outcomes)]
-        verdict["backward"] = record_family(rec, "backward", outcomes["backward"],
-                                            "the backward of a case whose forward did not pass is not judged")
-    else:
-        rec.note("kernel_backward not run: kernel_checks.backward=false")
-        verdict["backward"] = "n/a"
+    outcomes["weights"] = [weights_outcomes[i] for i in sorted(weights_outcomes)]
+    verdict["weights"] = record_family(rec, "weights", outcomes["weights"],
+                                       "the weights of a case whose forward did not pass are not read")
+    outcomes["backward"] = [backward_outcomes[i] for i in sorted(backward_outcomes)]
+    verdict["backward"] = record_family(rec, "backward", outcomes["backward"],
+                                        "the backward of a case whose forward did not pass is not judged")
+    if not s.backward:
+        rec.note("kernel_backward not run: kernel_checks.backward=false (read as lacks=[backward])")
     wall = time.perf_counter() - t0
     rec.metric("matrix_wall_s", wall, measured=True)
     for mask, kinds in sorted(policies.items()):
@@ -182,30 +224,44 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
 
 
 def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, case: Case, i: int,
-                verdict: dict[str, str], policies: dict[str, set[str]], backward_outcomes: dict[int, Outcome]
-                ) -> Outcome:
-    """One case of the matrix: blocked, skipped, or run and judged (its backward too, into backward_outcomes)."""
+                verdict: dict[str, str], policies: dict[str, set[str]], backward_outcomes: dict[int, Outcome],
+                weights_outcomes: dict[int, Outcome], decl: capabilities.Declared) -> Outcome:
+    """One case of the matrix: blocked, skipped, not applicable (declared), or run and judged; then its probes
+    (the backward, and the weights read through a one-hot v) into backward_outcomes and weights_outcomes."""
     family, device, dtype = case.family, rec.device, rec.dtype
     blocked = [p for p in prerequisites(case, s.Hq) if verdict.get(p) in UNMET]
     inp = make_inputs(case, s.B, s.Hq, align, rec.seed, i, device, dtype)
     missing = missing_params(kernel, inp.kwargs)
+    lacked = [f for f in case_features(case, s.Hq) if f in decl.lacks]
+    backward = "backward" not in decl.lacks
+    bwd = None
     if blocked:
         o = Outcome(case, "blocked", f"{case.label()}: needs {', '.join(blocked)}")
+    elif lacked:
+        o = Outcome(case, "n/a", f"{case.label()}: {decl.why(lacked[0])}")
     elif missing:
         o = Outcome(case, "skipped", f"{case.label()}: the kernel's signature has no {', '.join(missing)}")
     elif family == "dropout":
-        o = run_dropout_case(kernel, case, inp, dtype, rec.seed * 1_000_003 + i, s.dropout_seeds, rec)
+        seed = rec.seed * 1_000_003 + i
+        o = run_dropout_case(kernel, case, inp, dtype, seed, s.dropout_seeds, rec)
         rec.metric("case_passed", float(o.status == "pass"), status=o.status, **case.tags())
+        if backward and o.status == "pass":
+            bwd = run_dropout_backward(kernel, case, inp, dtype, seed, s.grad_factor, rec)
     else:
-        o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, s.backward, s.grad_factor, rec)
+        o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, backward, s.grad_factor, rec)
         if o.policy != "none":
             policies.setdefault(case.mask, set()).add(o.policy)
         rec.metric("case_passed", float(o.status == "pass"), status=o.status, policy=o.policy, **case.tags())
-        if bwd is not None:
-            backward_outcomes[i] = bwd
-    if s.backward and family != "dropout":  # the backward of a dropout case is not judged
-        backward_outcomes.setdefault(i, Outcome(case, o.status, o.detail) if o.status in (
-            "n/a", "skipped") else Outcome(case, "blocked", f"{case.label()}: its forward did not pass"))
+    not_run = Outcome(case, o.status, o.detail) if o.status in ("n/a", "skipped") else None
+    if bwd is not None:
+        backward_outcomes[i] = bwd
+    elif not backward:
+        backward_outcomes[i] = not_run or Outcome(case, "n/a", f"{case.label()}: {decl.why('backward')}")
+    else:
+        backward_outcomes[i] = not_run or Outcome(case, "blocked", f"{case.label()}: its forward did not pass")
+    if family not in ("dropout", "long_rows"):  # dropout reads its own weights; long rows: ceil(Tk/D) calls
+        weights_outcomes[i] = (not_run or Outcome(case, "blocked", f"{case.label()}: its forward did not pass")
+                               if o.status != "pass" else run_weights_probe(kernel, case, inp, dtype, rec))
     return o
 
 

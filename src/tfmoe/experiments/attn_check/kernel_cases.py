@@ -15,7 +15,12 @@ MASKS = ("none", "causal", "pad_bool", "pad_additive", "fully_masked", "fully_ma
          "bool_structured", "additive_random", "additive_structured", "per_head_bool", "per_head_additive")
 # In the order the battery runs them: a family runs after the families its cases rest on (kernel_battery).
 FAMILIES = ("scale", "gqa", "causal", "padding_bool", "padding_additive", "fully_masked", "mask_bool",
-            "mask_additive", "per_head", "dropout", "backward")
+            "mask_additive", "per_head", "long_rows", "dropout", "weights", "backward")
+# Families judged on every case of the others (a probe per case), recorded after the matrix: the weights read
+# exactly through a one-hot v (kernel_weights), and dq, dk, dv.
+PROBES = ("weights", "backward")
+LONG_ROW_OFFSET = 4.0  # the long_rows case's v is randn + this: O ~ 4, so the rounding of a running output or
+#                        denominator (relative, per key block) shows beside the plain output's one rounding
 MASK_FAMILY = {"causal": "causal", "pad_bool": "padding_bool", "pad_additive": "padding_additive",
                "fully_masked": "fully_masked", "fully_masked_additive": "fully_masked",
                "bool_random": "mask_bool", "bool_structured": "mask_bool", "additive_random": "mask_additive",
@@ -56,13 +61,15 @@ class Case:
 
 
 def build_cases(shapes: list[list[int]], Hq: int, kv_heads: list[int], masks: list[str],
-                scale: float, dropout_p: float = 0.0, dropout_shape: tuple[int, int, int] = (48, 32, 32)
-                ) -> list[Case]:
+                scale: float, dropout_p: float = 0.0, dropout_shape: tuple[int, int, int] = (48, 32, 32),
+                long_row: tuple[int, int, int] | None = None) -> list[Case]:
     """The matrix: per shape (Tq, Tk, D), ``scale`` (Hkv = Hq, no mask, the default and an explicit scale),
     ``gqa`` (each Hkv < Hq, no mask), and each other mask of ``masks`` once, its Hkv rotating through
     ``kv_heads`` from shape to shape (so every mask meets MHA, GQA and MQA across the matrix); then, when
     ``dropout_p`` > 0, one ``dropout`` case at ``dropout_shape`` (Hkv = Hq, no mask; Tk <= D: see
-    kernel_judging.run_dropout_case)."""
+    kernel_judging.run_dropout_case); then, when ``long_row`` is given, one ``long_rows`` case (Tq, Tk, D) with
+    thousands of keys per row (Hkv = Hq, no mask, v offset by LONG_ROW_OFFSET): an accumulation in the inputs'
+    half precision, block after block, shows only there."""
     cases: list[Case] = []
     first = [m for m in masks if m in MASKS[:6] and m != "none"]  # the matrix's masks before issue 22
     for n, (Tq, Tk, D) in enumerate(shapes):
@@ -77,6 +84,8 @@ def build_cases(shapes: list[list[int]], Hq: int, kv_heads: list[int], masks: li
         cases += [Case(MASK_FAMILY[m], Tq, Tk, D, kv_heads[(n + j) % len(kv_heads)], m) for j, m in enumerate(later)]
     if dropout_p > 0:
         cases.append(Case("dropout", *dropout_shape, Hq, "none", dropout_p=dropout_p))
+    if long_row is not None:
+        cases.append(Case("long_rows", *long_row, Hq, "none"))
     return cases
 
 
@@ -148,6 +157,8 @@ def make_inputs(case: Case, B: int, Hq: int, align: str, seed: int, index: int, 
         return vis, finite, finite.masked_fill(~vis, float("-inf"))
 
     q, k, v, grad_out = draw(B, Hq, Tq, D), draw(B, Hkv, Tk, D), draw(B, Hkv, Tk, D), draw(B, Hq, Tq, D)
+    if case.family == "long_rows":
+        v = v + LONG_ROW_OFFSET
     kwargs: dict[str, Any] = {}
     visible, bias = None, None
     if case.mask == "causal":

@@ -17,13 +17,22 @@ exactly (one nonzero term per sum), P the fp64 reference's softmax weights. From
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from statistics import NormalDist
 
 import torch
 
-from tfmoe.components.reference_attention import reference_attention
+from tfmoe.capabilities import not_implemented_detail
+from tfmoe.components.comparison import judge
+from tfmoe.components.reference_attention import kv_head_index, reference_attention
 from tfmoe.experiments.attn_check.kernel_cases import Case, CaseInputs
-from tfmoe.experiments.attn_check.kernel_judging import Outcome, _raised, call_kernel, raised_outcome
+from tfmoe.experiments.attn_check.kernel_judging import (
+    Outcome,
+    accumulation_atols,
+    call_kernel,
+    enter_backward,
+    raised_outcome,
+)
 from tfmoe.experiments.attn_check.kernels import Kernel
 from tfmoe.recorder import Recorder
 
@@ -36,13 +45,20 @@ def keep_rate_bound(p: float, n: int, alpha: float = FALSE_ALARM) -> float:
     return z * math.sqrt(p * (1.0 - p) / n)
 
 
+def _digits(x: float, other: float) -> str:
+    """x with enough significant digits to differ from ``other`` in print (3 at least, 17 at most)."""
+    for n in range(3, 18):
+        if f"{x:.{n}g}" != f"{other:.{n}g}":
+            return f"{x:.{n}g}"
+    return f"{x:.17g}"
+
+
 def run_dropout_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, seed: int, seeds: int,
                      rec: Recorder) -> Outcome:
     """Call the kernel with ``dropout_p`` on the one-hot probe under ``seeds`` torch seeds (and the first seed
     twice); judge the keep rate, the rescale and the seed (module docstring)."""
     p, Tk, D = case.dropout_p, case.Tk, case.D
-    q, k = inp.q * 0.5, inp.k  # (B,Hq,Tq,D), (B,Hkv,Tk,D): smaller scores, no weight near 0
-    v = torch.eye(Tk, D, device=q.device, dtype=dtype).expand(k.shape[0], k.shape[1], Tk, D)  # one-hot rows
+    q, k, v = dropout_probe(inp, case, dtype)  # (B,Hq,Tq,D), (B,Hkv,Tk,D): smaller scores, one-hot rows of v
     ones = torch.eye(Tk, dtype=torch.float64, device=q.device).expand(k.shape[0], k.shape[1], Tk, Tk)
     ref = reference_attention(q, k, ones).detach()  # (B,Hq,Tq,Tk) = the fp64 weights P
     plain = torch.softmax((q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-2, -1))
@@ -59,7 +75,7 @@ def run_dropout_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.d
             torch.manual_seed(seed)
             again = call_kernel(kernel, inp, q, k, v)
     except NotImplementedError as exc:
-        return Outcome(case, "n/a", f"{case.label()}: {_raised(exc)}")
+        return Outcome(case, "n/a", f"{case.label()}: {not_implemented_detail(exc, 'dropout')}")
     except Exception as exc:  # the user's kernel raised: this case fails; tfmoe's error crashes the run
         return raised_outcome(kernel, case, exc, "forward with dropout_p", evidence)
     out = torch.stack(outs).double()  # (seeds,B,Hq,Tq,D)
@@ -83,8 +99,8 @@ def run_dropout_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.d
         problems.append(f"weights are neither dropped nor kept and rescaled by 1/(1-p): max |out·(1-p)/P - "
                         f"{{0, 1}}| = {rescale:.3g} vs limit {tol:.3g}" + (f", out[..., Tk:] up to {tail:.3g}"
                                                                               if tail > tol else "")
-                        + (f" (kept weights come out P × {float(r[kept].median()) / (1 - p):.3g}: rescaled by "
-                           f"{float(r[kept].median()) / (1 - p):.3g}, not 1/(1-p) = {1 / (1 - p):.3g})"
+                        + (f" (kept weights come out rescaled by {_digits(float(r[kept].median()) / (1 - p), 1 / (1 - p))}"
+                           f", not 1/(1-p) = {_digits(1 / (1 - p), float(r[kept].median()) / (1 - p))})"
                            if finite and bool(kept.any()) and rescale > tol else ""))
     if not same:
         problems.append("the same torch seed gave a different output (the mask does not follow torch's RNG)")
@@ -97,3 +113,66 @@ def run_dropout_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.d
     ratio = max(abs(rate - (1.0 - p)) / bound, rescale / tol if tol > 0 else 0.0, 0.0 if same and varies else math.inf)
     return Outcome(case, "fail" if problems else "pass", detail, ratio,
                    evidence={**evidence, "out": outs[0], "weights_ref": ref} if problems else {})
+
+
+def dropout_probe(inp: CaseInputs, case: Case, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The probe's q (scores halved: no weight near 0), k and one-hot v (B,Hkv,Tk,D)."""
+    k = inp.k
+    v = torch.eye(case.Tk, case.D, device=k.device, dtype=dtype).expand(k.shape[0], k.shape[1], case.Tk, case.D)
+    return inp.q * 0.5, k, v.contiguous()
+
+
+def run_dropout_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, seed: int,
+                         factor: float, rec: Recorder) -> Outcome:
+    """The dropout case's dq, dk, dv, judged against the fp64 reference *with the kernel's own mask*.
+
+    One call under torch seed ``seed`` with autograd on; its output on the one-hot probe reads that call's mask
+    exactly (out·(1-p)/P is 0 or 1 per weight, as the forward check showed); the reference's gradients are those
+    of (P∘mask/(1-p))·v, the plain same-dtype implementation's likewise, and FlashAttention's rule (``factor``,
+    the accumulation floors) judges the kernel's. A backward that draws a fresh mask, or none, differs by O(1)."""
+    p, Tk = case.dropout_p, case.Tk
+    q0, k0, v0 = dropout_probe(inp, case, dtype)
+    probe = replace(inp, q=q0, k=k0, v=v0)
+    mine = [t.detach().clone().requires_grad_(True) for t in (q0, k0, v0)]
+    evidence = {"q": q0, "k": k0, "v": v0, "grad_out": inp.grad_out}
+    try:
+        devices = [q0.device] if q0.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = call_kernel(kernel, probe, *mine)
+            got = enter_backward(out, mine, inp.grad_out)
+    except NotImplementedError as exc:
+        return Outcome(case, "n/a", f"{case.label()}: backward with dropout_p: {not_implemented_detail(exc)}")
+    except Exception as exc:
+        return raised_outcome(kernel, case, exc, "backward with dropout_p", evidence)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q0, k0, v0)]
+    plain_leaves = [t.detach().clone().requires_grad_(True) for t in (q0, k0, v0)]
+    heads = kv_head_index(q0.shape[1], k0.shape[1], q0.device)
+    ones = torch.eye(Tk, dtype=torch.float64, device=q0.device).expand(k0.shape[0], k0.shape[1], Tk, Tk)
+    with torch.no_grad():
+        weights = reference_attention(q0, k0, ones)  # (B,Hq,Tq,Tk) fp64
+    keep = (out.detach()[..., :Tk].double() * (1.0 - p) / weights) > 0.5  # this call's mask, read exactly
+    scale = 1.0 / math.sqrt(case.D)
+    rq, rk, rv = ref_leaves
+    _, w = reference_attention(rq, rk, rv, return_weights=True)
+    ref = (w * keep / (1.0 - p)) @ rv[:, heads]
+    pq, pk, pv = plain_leaves
+    pw = torch.softmax((pq @ pk[:, heads].transpose(-2, -1)) * scale, dim=-1)
+    plain = (pw * keep.to(dtype) / (1.0 - p)) @ pv[:, heads]
+    ref_g = torch.autograd.grad(ref, ref_leaves, inp.grad_out.double())
+    plain_g = torch.autograd.grad(plain, plain_leaves, inp.grad_out)
+    floors = accumulation_atols(probe, ref.detach(), (w * keep / (1.0 - p)).detach(), scale, dtype)
+    bad, worst = [], (0.0, "")
+    for i, name in enumerate(("dq", "dk", "dv")):
+        j = judge(got[i], ref_g[i], plain_g[i], dtype, factor)
+        j = replace(j, atol=max(j.atol, floors[name]))
+        rec.metric("err", j.err, tensor=name, plain_err=j.plain_err, limit=j.threshold, **case.tags())
+        if not j.passed:
+            bad.append(j.text(name))
+        worst = max(worst, (j.ratio, j.text(name)))
+        evidence[f"{name}_kernel"], evidence[f"{name}_ref"] = got[i], ref_g[i]
+    what = "the gradients of the forward's own dropout mask (read through the one-hot v)"
+    if bad:
+        return Outcome(case, "fail", f"{case.label()}: backward with dropout_p vs {what}: " + "; ".join(bad)
+                       + " (a backward that draws its own mask, or none, is off by O(1))", worst[0], evidence=evidence)
+    return Outcome(case, "pass", f"{case.label()}: backward with dropout_p vs {what}: {worst[1]}", worst[0])

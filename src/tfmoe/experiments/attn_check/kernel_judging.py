@@ -122,7 +122,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, scale: float,
-                       dtype: torch.dtype) -> dict[str, float]:
+                       dtype: torch.dtype, stored_out: torch.Tensor | None = None) -> dict[str, float]:
     """Rounding floors for the gradients, where FlashAttention's "rounding at the reference's scale" is 0 or
     far below what any fp32-accumulating kernel can reach (eps_acc = fp32's eps, fp64's for fp64 runs;
     independent roundings add in quadrature; each floor is twice the estimate):
@@ -132,7 +132,10 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
       from dO·O (FlashAttention's way) reads O as its forward stored it, in the run's dtype, and accumulates in
       fp32: e_i ≈ |Σ_d dO_id·(fl(O_id) - O_id)| + eps_acc·Σ_d|dO_id·O_id|, the first term the reference's own
       δ with its output rounded to the dtype, measured (in bf16 it is most of SDPA's dk error: 1.32x the old
-      limit at seed 28, benchmarks/kernel_seed_sweep.py), reaching dq_i as scale·e_i·(Σ_j P_ij²)^½·max|k| and
+      limit at seed 28, benchmarks/kernel_seed_sweep.py), or with the kernel's own forward output
+      (``stored_out``, which the forward rule has passed): its accumulation error, not only its rounding (SDPA
+      fp32, Tk = 2048, v offset by 4: O off by 7e-6, dq 6.5x the plain implementation's, F-kernel3), propagated
+      exactly (it is linear: dq_i += scale·e_i·Σ_j P_ij·k_j, dk_j += scale·Σ_i P_ij·e_i·q_i); the others reaching dq_i as scale·e_i·(Σ_j P_ij²)^½·max|k| and
       dk_j as scale·(Σ_i (P_ij·e_i)²)^½·max|q|.
     - dv_j = Σ_i P_ij·dO_i sums n = (Hq/Hkv)·Tq terms; a kernel that accumulates them one block after
       another (SDPA's CPU backward) rounds each partial sum: ≈ eps_acc·√n·(Σ_i P_ij²)^½·max|dO|.
@@ -180,6 +183,12 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
     dq_s = scale * float((g @ k_h).abs().max())
     dk_s = scale * float((g.transpose(-2, -1) @ inp.q.double()).reshape(B, Hkv, -1, Tk, D).sum(dim=2).abs().max())
     dv_s = float(((w * score_err).transpose(-2, -1) @ d_o).reshape(B, Hkv, -1, Tk, D).sum(dim=2).abs().max())
+    dq_o = dk_o = 0.0
+    if stored_out is not None:  # δ formed from the kernel's own forward output (rows that see no key: 0)
+        e_own = (d_o * (stored_out.detach().double() - o)).sum(dim=-1, keepdim=True).nan_to_num(nan=0.0)
+        dq_o = scale * float((e_own * (w @ k_h)).abs().max())
+        dk_o = scale * float(((w * e_own).transpose(-2, -1) @ inp.q.double()).reshape(B, Hkv, -1, Tk, D)
+                             .sum(dim=2).abs().max())
     dk_g = dv_g = 0.0
     if Hq > Hkv:  # each query head's dk_h, dv_h rounded to the dtype before the group's sum
         half_eps = torch.finfo(dtype).eps / 2
@@ -187,7 +196,7 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
         dv_heads = w.transpose(-2, -1) @ d_o  # (B,Hq,Tk,D)
         dk_g = half_eps * float(dk_heads.abs().reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
         dv_g = half_eps * float(dv_heads.abs().reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
-    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s), "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g),
+    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s, dq_o), "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g, dk_o),
             "dv": 2.0 * math.hypot(dv, dv_p, dv_s, dv_g)}
 
 
@@ -261,7 +270,7 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
     if not backward or fwd.status != "pass":
         return fwd, None
     floors = accumulation_atols(inp, ref, weights, 1.0 / math.sqrt(case.D) if case.scale is None else case.scale,
-                                dtype)
+                                dtype, stored_out=out.masked_fill(~inp.seen[..., None], 0.0))
     return fwd, run_backward(kernel, case, inp, dtype, grad_factor, ref, plain, leaves, tensors, floors, rec,
                              nan_rows=policy == "nan")
 

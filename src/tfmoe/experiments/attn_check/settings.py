@@ -61,6 +61,7 @@ class KernelSettings:
     module_keys_set: bool  # impl= is set too (kernel mode ignores the module-mode keys: a note says so)
     threads: int | None  # the harness's intra-op threads key: None -> the battery runs on 1 thread on CPU
     dropout_seeds: int = 2  # torch seeds of the dropout family's probe
+    lacks: tuple[str, ...] = ()  # the config's top-level lacks=[...] (tfmoe.capabilities), read in kernel mode too
 
 
 @dataclass(frozen=True)
