@@ -211,16 +211,12 @@ def kernel_settings(cfg: DictConfig) -> KernelSettings:
             isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in long_row)):
         raise BadInput(f"kernel_checks.long_row={long_row!r} must be [Tq, Tk, D] positive integers (or null to "
                        "skip the long_rows family), e.g. kernel_checks.long_row=[2,2048,32]")
-    lacks = _list(cfg.get("lacks"))
-    from tfmoe.capabilities import declared
-
-    declared(config_lacks=lacks if isinstance(lacks, list) else [lacks] if lacks else [])  # BadInput for a typo
+    lacks = config_lacks(cfg)  # BadInput for a typo
     cases = build_cases(raw, Hq, kv_heads, masks, scale, float(dropout_p), tuple(shape),
                         None if long_row is None else tuple(long_row))
     return KernelSettings(spec, align, B, Hq, tuple(cases), expect, backward, factor,
                           module_keys_set=cfg.get("impl") is not None, threads=cfg.get("threads"),
-                          dropout_seeds=seeds, lacks=tuple(lacks if isinstance(lacks, list) else [lacks] if lacks
-                                                           else []))
+                          dropout_seeds=seeds, lacks=lacks)
 
 
 def _policy_name(p: Any) -> Any:  # Hydra's grammar reads the bare word nan as a float
