@@ -26,6 +26,7 @@ import torch.nn as nn
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
+from tfmoe import finite
 from tfmoe.components.attention import MultiHeadSelfAttention
 from tfmoe.components.encdec import DecoderOnly, EncoderDecoder, EncoderOnly
 from tfmoe.components.positions import RoPESelfAttention, sinusoidal_positions
@@ -80,6 +81,10 @@ def settings(cfg: DictConfig) -> Settings:
 
 
 # ------------------------------------------------------------------------------------------- run
+FINITE_QUANTITIES = ("permutation_relative_diff", "visibility_tol", "visibility_min_visible_change",
+                     "visibility_max_invisible_change")
+
+
 def build_models(s: Settings, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, nn.Module]:
     encoder = EncoderOnly(s.vocab_size, s.d_model, s.n_heads, s.n_layers, s.n_classes)
     decoder = DecoderOnly(s.vocab_size, s.d_model, s.n_heads, s.n_layers)
@@ -138,6 +143,9 @@ def run(s: Settings, rec: Recorder) -> None:
     for name, m in mats.items():
         rec.tensor(name, m)
     rec.plot("visibility", draw_visibility(mats))
+
+    finite.check_finite(rec, "finite", FINITE_QUANTITIES, what="the permutation differences and the visibility "
+                        "changes and tolerances: a non-finite output would read as 'no change'")
 
     table = Rows("visibility: wrong entries vs the expected pattern", ("check", "passed", "wrong entries"))
     for c in rec.checks_rows:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig
 
+from tfmoe import finite
 from tfmoe.components import sampling
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
@@ -89,6 +90,7 @@ def settings(cfg: DictConfig) -> Settings:
         top_p_grid=tuple(float(p) for p in grid), chi2_draws=require_int(cfg, "chi2_draws", 100),
         chi2_alpha=require_number(cfg, "chi2_alpha"), logit_tol_eps=require_number(cfg, "logit_tol_eps"),
         timing_lengths=tuple(int(n) for n in lengths), timing_repeats=require_int(cfg, "timing_repeats", 1),
+        expect_divergence=finite.expect_divergence(cfg),
     )
     if s.d_model % s.n_heads:
         raise BadInput(f"d_model={s.d_model} is not divisible by n_heads={s.n_heads}: pick n_heads dividing d_model")
@@ -160,6 +162,13 @@ def run(s: Settings, rec: Recorder) -> None:
               "(the distributions use context, they are not noise)")
     if losses:
         rec.plot("training_loss", loss_figure(losses, val_loss, unigram))
+    if not finite.check_finite(rec, "train.finite", ("train_loss", "val_loss"), what=f"{s.train_steps} steps",
+                               expect_divergence=s.expect_divergence) or s.expect_divergence:
+        why = ("expect_divergence=true: the stress test ends after training" if s.expect_divergence else
+               "training diverged (check train.finite)")
+        rec.note(f"decoding skipped: {why}; a model with non-finite weights has nothing to decode")
+        rec.summary(f"## Training\n\n{len(losses)} steps; held-out loss {val_loss:.4f}. Decoding skipped: {why}.")
+        return
     ref32 = copy.deepcopy(model)
     model = model.to(rec.dtype)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from tfmoe import finite
 from tfmoe.adapters.moe_layers import LayerSizes
 from tfmoe.components import moe
 from tfmoe.errors import BadInput
@@ -90,6 +91,7 @@ def settings(cfg: DictConfig) -> Settings:
         z_loss_coef=require_number(cfg, "z_loss_coef", minimum=0.0, fix=COEF_FIX),
         bias_update_rate=require_number(cfg, "bias_update_rate", minimum=0.0, fix=COEF_FIX),
         layer=layer_settings(cfg, n_experts, top_k, score_func),
+        expect_divergence=finite.expect_divergence(cfg),
     )
     if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before the run starts
         import psutil

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from tfmoe import finite
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
 from tfmoe.experiments.shift_labels import batch as batching
@@ -28,6 +29,9 @@ from tfmoe.experiments.shift_labels.checks import (
 from tfmoe.experiments.shift_labels.settings import Settings
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
+
+FINITE_QUANTITIES = ("loss", "loss_manual_fp64", "sequence_loss", "padding_invariance_max_abs",
+                     "padding_invariance_logits_max_abs", "left_right_max_abs")
 
 
 def settings(cfg: DictConfig) -> Settings:
@@ -129,6 +133,8 @@ def run(s: Settings, rec: Recorder) -> None:
         valid = batch.label_mask.bool()
         for i in range(len(seqs)):
             rec.metric("sequence_loss", tok_loss[i][valid[i].to(tok_loss.device)].double().mean(), sequence=i)
+
+    finite.check_finite(rec, "finite", FINITE_QUANTITIES, what="the losses and the padding-invariance gaps")
 
     rec.tensor("sequences", batch.sequences)
     rec.tensor("inputs", batch.inputs)
