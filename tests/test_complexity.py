@@ -417,7 +417,7 @@ def test_memory_refusal_names_the_estimate():
     s = cx.settings(_cfg(T=4096, D=1024, B=8))
     need = cx.estimated_run_bytes(s.shape(4096, 1024), 4, s.peak_matmul_n)
     assert need > 8 * 4 * 4096 * 4096 * 4  # eight batches of fp32 score matrices at least
-    with pytest.raises(BadInput, match=r"GiB \(estimate\)"):
+    with pytest.raises(BadInput, match=r"GiB for complexity \(group T=4096 D=1024\) \(estimate; .* dominates it\)"):
         cx.refuse_oversized(s, 4, available=int(need))  # 80 % of exactly the need is too little
     cx.refuse_oversized(s, 4, available=int(2 * need))
 

@@ -370,8 +370,9 @@ def test_course_case_all_checks_pass_and_tensors_named(small_cfg):
     assert int(t["expert_load"].sum()) == 200
     names = {c.check for c in rec.checks_rows}
     assert {"dispatch_agree.capacity", "dispatch_agree.dropless", "dispatch_vs_dense.capacity"} <= names
-    cv = [r for r in rec.metrics_rows if r["name"] == "cv"][0]
-    assert cv["strategy"] == "none" and "step" not in cv
+    cv = [r for r in rec.metrics_rows if r["name"] == "course.cv"][0]
+    assert "strategy" not in cv and "step" not in cv
+    assert not [r for r in rec.metrics_rows if r["name"] == "cv"]  # the training simulation's name only
     assert _check(rec, "dispatch_agree.capacity").observed == 0.0
 
 
@@ -637,6 +638,9 @@ def test_sweep_plots():
                        "strategy": ["none", "aux_free"] * 2, "job": [0, 0, 1, 1]})
     assert set(rs.sweep_plots(df)) == {"sweep_final_cv"}
     assert rs.sweep_plots(pd.DataFrame({"name": []})) == {}
+    course_only = pd.DataFrame({"name": ["course.cv"] * 2, "value": [0.2, 0.3], "job": [0, 1]})  # steps=0 sweep
+    fig = rs.sweep_plots(course_only)["sweep_final_cv"]
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["course case"]
 
 
 # ------------------------------------------------------------------------------- CLI
@@ -650,8 +654,9 @@ def test_cli_run_bad_input_and_interrupt(tmp_path, monkeypatch):
     assert {"router_probs", "topk_idx", "topk_weight", "expert_load"} <= set(run.tensors)
     m = run.metrics
     assert {"cv", "maxvio", "dropped_fraction", "balance_loss"} <= set(m["name"])
-    course = m[(m["name"] == "cv") & m["step"].isna()]
-    assert len(course) == 1 and course["strategy"].iloc[0] == "none"
+    course = m[m["name"] == "course.cv"]  # the course case's own address, apart from the training rows
+    assert len(course) == 1 and course["strategy"].isna().all() and course["step"].isna().all()
+    assert m[m["name"] == "cv"]["step"].notna().all()
     assert (res.run_dir / "cv_maxvio.png").exists() and (res.run_dir / "course_loads.png").exists()
     assert "…" not in res.stdout and "aux_loss" in res.stdout and "noisy_topk" in res.stdout, res.stdout
 
@@ -699,3 +704,35 @@ def test_real_ctrl_c_stops_fast(tmp_path):
     run = load_run(tmp_path / find_runs(tmp_path / "runs")[-1])
     assert run.run["status"] == "interrupted"
     assert (run.metrics["name"] == "cv").sum() > 10
+
+
+# ------------------------------------------------------------------ the course case's own address (issue 29, item 8)
+def test_course_case_quantities_have_their_own_address(tmp_path):
+    """`cv[strategy=none]` was judged at the training simulation's last step, the course case's CV (stored as
+    `cv, strategy=none, step=null`) could not be addressed at all; now it is `course.cv` (and its kin)."""
+    from tfmoe.harness.store.notebook import load_run
+
+    res = run_cli(["route-sim", "steps=3", "train_tokens=32", "strategies=[none]",
+                   "--expect", "course.cv ~ 0.3 ± 0.3", "--expect", "course.load[expert=0] >= 0",
+                   "--expect", "max(course.dropped) >= 0", "--expect", "course.maxvio >= 0",
+                   "--expect", "course.dropped_fraction in [0, 1]"], tmp_path)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    run = load_run(res.run_dir)
+    m = run.metrics
+    course_cv = float(m[m["name"] == "course.cv"]["value"].iloc[0])
+    load = m[m["name"] == "course.load"].sort_values("expert")["value"].to_numpy()
+    assert load.sum() == 100 * 2 and len(load) == 8  # tokens * top_k over the 8 experts
+    kept = m[m["name"] == "course.kept"].sort_values("expert")["value"].to_numpy()
+    dropped = m[m["name"] == "course.dropped"].sort_values("expert")["value"].to_numpy()
+    assert (kept + dropped == load).all()
+    exp = pd.read_parquet(res.run_dir / "expectations.parquet").set_index("selector")
+    assert exp.loc["course.cv", "held"] and exp.loc["course.cv", "observed"] == course_cv
+    assert exp["held"].all(), exp
+    # the training simulation's rows keep `cv[strategy=none]`, judged at its last step, never the course case
+    res = run_cli(["route-sim", "steps=3", "train_tokens=32", "strategies=[none]",
+                   "--expect", "cv[strategy=none] >= 0"], tmp_path)
+    exp = pd.read_parquet(res.run_dir / "expectations.parquet")
+    assert "last step (2)" in exp["detail"].iloc[0]
+    # strategy=course is not a strategy: refused before the run, naming the strategies it records
+    res = run_cli(["route-sim", "steps=3", "strategies=[none]", "--expect", "cv[strategy=course] < 1"], tmp_path)
+    assert res.exit_code == 2 and "strategy=none" in res.stdout + res.stderr

@@ -1,4 +1,6 @@
-"""Measured memory, shared by the experiments: peak bytes of a call, and what the device has free."""
+"""Memory, shared by the experiments: peak bytes of a call, what the device has free, and the size guard that
+refuses (exit 2) a size that cannot fit before anything is allocated, naming the knob that dominates the estimate
+and a value of it that fits (:func:`refuse_oversized`)."""
 
 from __future__ import annotations
 
@@ -6,10 +8,12 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tfmoe.errors import BadInput
 from tfmoe.recorder import reset_device_peak
 
 
@@ -67,3 +71,105 @@ def available_memory_bytes(device: torch.device) -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+# ------------------------------------------------------------------------------------------ the size guard
+MEMORY_FRACTION = 0.8  # of the memory available: what a run may plan to use
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One size key of a config, as the guard may lower it: its value, the smallest value the settings accept and
+    the step its values must keep (a d_model that must stay a multiple of n_heads)."""
+
+    value: int
+    minimum: int = 1
+    multiple: int = 1
+
+
+def host_available_bytes() -> int:
+    """The host's available RAM (psutil), what a CPU run's settings are judged against before the run starts."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _largest_fitting(estimate: Callable[[dict[str, int]], int], sizes: dict[str, int], key: str, knob: Knob,
+                     budget: float) -> int | None:
+    """The largest value of ``key`` (a multiple of its step, at least its minimum, below its value) whose estimate
+    fits ``budget`` with the other sizes as given; None when not even the minimum fits."""
+    low = -(-knob.minimum // knob.multiple) * knob.multiple  # smallest accepted multiple
+    if estimate({**sizes, key: low}) > budget:
+        return None
+    lo, hi = low // knob.multiple, max(low, knob.value) // knob.multiple  # in units of the step
+    while lo < hi:  # estimates grow with each size: the largest fitting multiple
+        mid = (lo + hi + 1) // 2
+        if estimate({**sizes, key: mid * knob.multiple}) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * knob.multiple
+
+
+def size_advice(estimate: Callable[[dict[str, int]], int], knobs: dict[str, Knob],
+                budget: float) -> list[tuple[str, int]]:
+    """The knobs to lower, most dominant first, with a value for each, such that the estimate fits ``budget``.
+
+    The dominant knob is the one whose lowering to its minimum shrinks the estimate most. It is lowered to the
+    largest value that fits; only when not even its minimum fits is it set to its minimum and the next knob (by
+    the same rule) lowered as well. Empty when nothing can fit."""
+    sizes = {k: kb.value for k, kb in knobs.items()}
+    advice: list[tuple[str, int]] = []
+    free = dict(knobs)
+    while free:
+        key = min(free, key=lambda k: (estimate({**sizes, k: free[k].minimum}), k))
+        knob = free.pop(key)
+        fits = _largest_fitting(estimate, sizes, key, knob, budget)
+        if fits is not None:
+            return [*advice, (key, fits)]
+        lowest = -(-knob.minimum // knob.multiple) * knob.multiple
+        sizes[key] = lowest
+        advice.append((key, lowest))
+    return []
+
+
+def refuse_oversized(estimate: Callable[[dict[str, int]], int], knobs: dict[str, Knob], available: int, where: str,
+                     what: str, fraction: float = MEMORY_FRACTION, pinned: dict[str, int] | None = None) -> None:
+    """BadInput (exit 2), before anything is allocated, when ``estimate(sizes)`` (bytes) exceeds ``fraction`` of
+    ``available``: one line naming the estimate, the knob that dominates it and a value of it that fits (itself
+    accepted: the estimate of the advised sizes fits). ``pinned`` keys are written into the advised fix with their
+    value where the fix needs them to stand alone (complexity's T with D)."""
+    sizes = {k: kb.value for k, kb in knobs.items()}
+    need, budget = estimate(sizes), fraction * available
+    if need <= budget:
+        return
+    gib = 2 ** 30
+    free = (f"but only {budget / gib:,.1f} GiB ({fraction:.0%} of {where} {available / gib:,.1f} GiB available) "
+            "is free")
+    advice = size_advice(estimate, knobs, budget)
+    if not advice:
+        raise BadInput(f"{what} needs about {need / gib:,.1f} GiB (estimate) even at the smallest sizes {free}: "
+                       "run it on a device with more memory")
+    dominant, lowered = advice[0][0], dict(advice)
+    shown = [*advice, *((k, v) for k, v in (pinned or {}).items() if k not in lowered and set(pinned or {}) & set(lowered))]
+    raise BadInput(f"{dominant}={knobs[dominant].value} needs about {need / gib:,.1f} GiB for {what} (estimate; "
+                   f"{dominant} dominates it) {free}: lower {' and '.join(lowered)} (at most about "
+                   f"{' '.join(f'{k}={v}' for k, v in shown)})")
+
+
+def block_params(d_model: int, d_ff: int | None = None) -> int:
+    """Parameters of one Transformer block (attention 4·D², FFN 2·D·d_ff, d_ff = 4·D by default; biases and
+    norms are below 1 % and counted as 1·D·16): what the size guards' estimates build on."""
+    d_ff = 4 * d_model if d_ff is None else d_ff
+    return 4 * d_model * d_model + 2 * d_model * d_ff + 16 * d_model
+
+
+def block_activation_elements(tokens: int, d_model: int, n_heads: int, seq: int, d_ff: int | None = None) -> int:
+    """Elements one block's forward creates for ``tokens`` tokens in sequences of ``seq``: the D-wide stages (q, k, v,
+    attention out, residuals, norms: ~10·D), the FFN's hidden (2·d_ff) and the H·seq attention scores per token
+    (twice: scores and weights)."""
+    d_ff = 4 * d_model if d_ff is None else d_ff
+    return tokens * (10 * d_model + 2 * d_ff + 2 * n_heads * seq)
+
+
+DTYPE_BYTES = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}  # a config's dtype name -> bytes per element

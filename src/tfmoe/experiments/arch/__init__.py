@@ -20,12 +20,14 @@ data-flow graphs).
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn as nn
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
+from tfmoe import finite, memory
 from tfmoe.components.attention import MultiHeadSelfAttention
 from tfmoe.components.encdec import DecoderOnly, EncoderDecoder, EncoderOnly
 from tfmoe.components.positions import RoPESelfAttention, sinusoidal_positions
@@ -50,6 +52,13 @@ from tfmoe.experiments.arch.trace import (
     record_trace,
     trace_markdown,
     trace_shapes,
+)
+from tfmoe.memory import (
+    DTYPE_BYTES,
+    Knob,
+    available_memory_bytes,
+    block_activation_elements,
+    block_params,
 )
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
@@ -76,10 +85,44 @@ def settings(cfg: DictConfig) -> Settings:
     if s.vocab_size < max(s.seq_len, s.tgt_len):
         raise BadInput(f"vocab_size={s.vocab_size} < sequence length {max(s.seq_len, s.tgt_len)}: the permutation "
                        "test needs distinct tokens; raise vocab_size or shorten seq_len/tgt_len")
+    if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before anything is allocated
+        refuse_oversized(s, str(cfg.get("dtype")), memory.host_available_bytes(), "the host's")
     return s
 
 
+def estimated_bytes(z: dict[str, int], dtype: str) -> int:
+    """Peak bytes of an arch run with sizes ``z``: the three models (encoder, decoder, encoder-decoder: 6 V×D
+    tables and heads, 4·L blocks plus L cross-attentions) in the run's dtype and their fp32/fp64 visibility copies,
+    and the largest forward: the visibility batch (T+1 sequences) or the traced batch, every layer's activations
+    and the V-wide logits."""
+    e = DTYPE_BYTES.get(dtype, 4)
+    d, v, n_layers, t = z["d_model"], z["vocab_size"], z["n_layers"], max(z["seq_len"], z["tgt_len"])
+    params = 6 * v * d + 4 * n_layers * block_params(d) + n_layers * 4 * d * d + d * z["n_classes"]
+    rows = max(z["batch_size"], z["seq_len"] + 1, z["tgt_len"] + 1)
+    acts = 2 * n_layers * block_activation_elements(rows * t, d, z["n_heads"], t) + 2 * rows * t * v
+    return params * (e + 8) + acts * 8
+
+
+def size_knobs(s: Settings) -> dict[str, Knob]:
+    """arch's size keys as the guard may lower them (d_model stays a multiple of 2·n_heads, vocab_size >= T)."""
+    step = s.n_heads * 2 if s.rope else math.lcm(s.n_heads, 2)
+    return {"vocab_size": Knob(s.vocab_size, minimum=max(s.seq_len, s.tgt_len)),
+            "d_model": Knob(s.d_model, minimum=step, multiple=step), "n_layers": Knob(s.n_layers),
+            "n_classes": Knob(s.n_classes, minimum=2), "batch_size": Knob(s.batch_size),
+            "seq_len": Knob(s.seq_len, minimum=2), "tgt_len": Knob(s.tgt_len, minimum=2)}
+
+
+def refuse_oversized(s: Settings, dtype: str, available: int, where: str) -> None:
+    """BadInput (exit 2) naming the size that dominates the estimate and a value of it that fits."""
+    memory.refuse_oversized(lambda z: estimated_bytes({**z, "n_heads": s.n_heads}, dtype), size_knobs(s), available,
+                            where, "arch")
+
+
 # ------------------------------------------------------------------------------------------- run
+FINITE_QUANTITIES = ("permutation_relative_diff", "visibility_tol", "visibility_min_visible_change",
+                     "visibility_max_invisible_change")
+
+
 def build_models(s: Settings, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, nn.Module]:
     encoder = EncoderOnly(s.vocab_size, s.d_model, s.n_heads, s.n_layers, s.n_classes)
     decoder = DecoderOnly(s.vocab_size, s.d_model, s.n_heads, s.n_layers)
@@ -89,6 +132,9 @@ def build_models(s: Settings, device: torch.device, dtype: torch.dtype) -> tuple
 
 def run(s: Settings, rec: Recorder) -> None:
     dev, dt = rec.device, rec.dtype
+    if dev.type != "cpu":  # a CUDA run's memory is not the host's
+        refuse_oversized(s, {torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dt, "fp32"),
+                         available_memory_bytes(dev), f"{dev}'s")
     g = torch.Generator().manual_seed(rec.seed)
     B, T, Tt, D, H = s.batch_size, s.seq_len, s.tgt_len, s.d_model, s.n_heads
     ids = distinct_ids(B, T, s.vocab_size, g).to(dev)  # (B,T)
@@ -138,6 +184,9 @@ def run(s: Settings, rec: Recorder) -> None:
     for name, m in mats.items():
         rec.tensor(name, m)
     rec.plot("visibility", draw_visibility(mats))
+
+    finite.check_finite(rec, "finite", FINITE_QUANTITIES, what="the permutation differences and the visibility "
+                        "changes and tolerances: a non-finite output would read as 'no change'")
 
     table = Rows("visibility: wrong entries vs the expected pattern", ("check", "passed", "wrong entries"))
     for c in rec.checks_rows:

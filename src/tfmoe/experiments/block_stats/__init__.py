@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 from omegaconf import DictConfig, ListConfig
 
+from tfmoe import memory
 from tfmoe.components.block import make_norm
 from tfmoe.errors import BadInput
 from tfmoe.experiments.block_stats.checks import (
@@ -56,6 +57,13 @@ from tfmoe.experiments.block_stats.stacks import (
     make_batch,
     parse_variant,
     residual_var_slope,
+)
+from tfmoe.memory import (
+    DTYPE_BYTES,
+    Knob,
+    available_memory_bytes,
+    block_activation_elements,
+    block_params,
 )
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
@@ -104,9 +112,36 @@ def settings(cfg: DictConfig) -> Settings:
     scale = cfg.get("lowp_stress_scale")
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0 or not math.isfinite(scale):
         raise BadInput(f"lowp_stress_scale={scale!r} must be a number > 0: pass e.g. lowp_stress_scale=512")
-    return Settings(variants=tuple(variants), vocab_size=vocab_size, d_model=d_model, n_heads=n_heads,
-                    n_layers=n_layers, batch_size=batch_size, seq_len=seq_len, eps=float(eps), init=str(cfg.init),
-                    lowp_dtypes=tuple(str(d) for d in lowp), lowp_stress_scale=float(scale))
+    s = Settings(variants=tuple(variants), vocab_size=vocab_size, d_model=d_model, n_heads=n_heads,
+                 n_layers=n_layers, batch_size=batch_size, seq_len=seq_len, eps=float(eps), init=str(cfg.init),
+                 lowp_dtypes=tuple(str(d) for d in lowp), lowp_stress_scale=float(scale))
+    if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before anything is allocated
+        refuse_oversized(s, str(cfg.get("dtype")), memory.host_available_bytes(), "the host's")
+    return s
+
+
+def estimated_bytes(z: dict[str, int], dtype: str, n_variants: int, n_heads: int) -> int:
+    """Peak bytes of a block-stats run with sizes ``z``: every variant's stack (embedding, blocks, head) with its
+    gradients and a low-precision copy, and one forward + backward of the statistics batch that keeps every
+    stage's activation and gradient (three copies of each block's activations, the V-wide logits)."""
+    e = DTYPE_BYTES.get(dtype, 4)
+    d, v, n_layers, t = z["d_model"], z["vocab_size"], z["n_layers"], z["seq_len"]
+    params = 2 * v * d + n_layers * block_params(d)
+    tokens = z["batch_size"] * t
+    acts = 3 * n_layers * block_activation_elements(tokens, d, n_heads, t) + 3 * tokens * v
+    return n_variants * params * (2 * e + 2) + acts * e
+
+
+def size_knobs(s: Settings) -> dict[str, Knob]:
+    """block-stats' size keys as the guard may lower them (d_model stays a multiple of n_heads)."""
+    return {"vocab_size": Knob(s.vocab_size, minimum=2), "d_model": Knob(s.d_model, s.n_heads, s.n_heads),
+            "n_layers": Knob(s.n_layers), "batch_size": Knob(s.batch_size), "seq_len": Knob(s.seq_len, minimum=2)}
+
+
+def refuse_oversized(s: Settings, dtype: str, available: int, where: str) -> None:
+    """BadInput (exit 2) naming the size that dominates the estimate and a value of it that fits."""
+    memory.refuse_oversized(lambda z: estimated_bytes(z, dtype, len(s.variants), s.n_heads), size_knobs(s),
+                            available, where, "block-stats")
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -181,6 +216,8 @@ def _summary_markdown(variants: Sequence[Variant], summaries: dict[str, dict[str
 def run(s: Settings, rec: Recorder) -> None:
     variants = s.variants
     device, dtype, seed = rec.device, rec.dtype, rec.seed
+    if device.type != "cpu":  # a CUDA run's memory is not the host's
+        refuse_oversized(s, DTYPE_NAMES.get(dtype, "fp32"), available_memory_bytes(device), f"{device}'s")
     stacks, shared = build_variants(variants, s, device, dtype, seed)
     ids, targets = make_batch(seed, s.vocab_size, s.batch_size, s.seq_len, device)
     rec.tensor("input_ids", ids)

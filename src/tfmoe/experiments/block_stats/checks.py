@@ -279,6 +279,8 @@ def check_norm_per_token(norm: nn.Module, d_model: int, device: torch.device, dt
 # ------------------------------------------------------------------------------------------ finite statistics
 def check_stats_finite(stats: Sequence[StackStats], what: str) -> Outcome:
     """Every recorded statistic (activations, gradients, loss) is finite."""
-    values = [v for s in stats for v in s.all_values()]
-    bad = sum(1 for v in values if not math.isfinite(v))
-    return Outcome(bad == 0, float(bad), 0.0, f"{bad} of {len(values)} statistics non-finite ({what})")
+    values = [(i, label, v) for i, s in enumerate(stats) for label, v in s.named_values()]
+    bad = [(i, label, v) for i, label, v in values if not math.isfinite(v)]
+    first = (f"; first non-finite: {bad[0][1]} = {bad[0][2]}" + (f" (stack {bad[0][0]} of {len(stats)})"
+                                                                  if len(stats) > 1 else "")) if bad else ""
+    return Outcome(not bad, float(len(bad)), 0.0, f"{len(bad)} of {len(values)} statistics non-finite ({what}){first}")

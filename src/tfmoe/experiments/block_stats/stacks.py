@@ -133,9 +133,15 @@ class StackStats:
         raise KeyError((layer, param))
 
     def all_values(self) -> list[float]:
-        vals = [row[s] for row in self.activations for s in STATS]
-        vals += [row["grad_norm"] for row in self.param_grads]
-        return [*vals, self.head_grad_norm, self.loss]
+        return [v for _, v in self.named_values()]
+
+    def named_values(self) -> list[tuple[str, float]]:
+        """Every statistic with where it was taken ("std at layer 3, stage resid1"), in forward order: the
+        activations' statistics layer by layer, then the weights' gradient norms, the head's and the loss."""
+        vals = [(f"{s} at layer {row['layer']}, stage {row['stage']}", row[s]) for row in self.activations
+                for s in STATS]
+        vals += [(f"grad_norm of {row['param']} at layer {row['layer']}", row["grad_norm"]) for row in self.param_grads]
+        return [*vals, ("grad_norm of the head", self.head_grad_norm), ("loss", self.loss)]
 
 
 def block_weight_grads(block: TransformerBlock) -> list[tuple[str, torch.Tensor]]:

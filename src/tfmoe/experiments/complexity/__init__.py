@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from tfmoe import memory
 from tfmoe.components import complexity_model as cm
 from tfmoe.components.attention import KVCache
 from tfmoe.errors import BadInput
@@ -41,7 +42,7 @@ from tfmoe.experiments.complexity.checks import (
 from tfmoe.experiments.complexity.measure import STATS
 from tfmoe.experiments.complexity.report import groups_figure, summary_markdown, sweep_plots, terminal_rows
 from tfmoe.experiments.complexity.settings import Settings
-from tfmoe.memory import available_memory_bytes, peak_memory_bytes
+from tfmoe.memory import Knob, available_memory_bytes, peak_memory_bytes
 from tfmoe.recorder import Recorder
 from tfmoe.runtime import check_threads
 from tfmoe.validate import require_int, require_number
@@ -61,7 +62,8 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf
 def settings(cfg: DictConfig) -> Settings:
     """The run's settings from the composed config; BadInput names the problem and the fix.
 
-    Touches no device and allocates nothing (the memory refusal, which needs the device, is in :func:`run`).
+    Touches no device and allocates nothing; a CPU run's sizes are judged against the host's available memory here,
+    another device's in :func:`run`.
     """
     if str(cfg.get("dtype")) not in cm.DTYPE_BYTES:
         raise BadInput(f"dtype={cfg.get('dtype')!r} is unknown: use one of {', '.join(cm.DTYPE_BYTES)}")
@@ -96,28 +98,48 @@ def settings(cfg: DictConfig) -> Settings:
         raise BadInput(f"memory_fraction={fraction!r} must be in (0, 1]: pass e.g. memory_fraction=0.8")
     threads = check_threads(cfg)  # the same rule the runner applies
     dtype = str(cfg.get("dtype"))
-    return Settings(dtype=dtype, dtype_bytes=cm.DTYPE_BYTES[dtype], threads=threads, groups=tuple(groups), H=H, d_ff=d_ff, B=require_int(cfg, "B"), n_layers=require_int(cfg, "n_layers"),
+    s = Settings(dtype=dtype, dtype_bytes=cm.DTYPE_BYTES[dtype], threads=threads, groups=tuple(groups), H=H, d_ff=d_ff, B=require_int(cfg, "B"), n_layers=require_int(cfg, "n_layers"),
                     vocab=require_int(cfg, "vocab"), n_experts=n_experts, top_k=top_k,
                     min_run_time=require_number(cfg, "min_run_time", positive=True), warmup=require_int(cfg, "warmup", 0),
                     peak_matmul_n=require_int(cfg, "peak_matmul_n"), memory_fraction=float(fraction))
+    if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before the run starts
+        refuse_oversized(s, s.dtype_bytes, memory.host_available_bytes(), "the host's")
+    return s
 
 
-def estimated_run_bytes(shape: cm.BlockShape, dtype_bytes: int, peak_matmul_n: int) -> int:
+def estimated_run_bytes(shape: cm.BlockShape, dtype_bytes: int, peak_matmul_n: int, n_experts: int = 0) -> int:
     """What one group needs at most: the block, a training step (saved activations, grads, score-sized
-    temporaries), two extra score matrices (fp32; fp64 in fp64 runs) of the timing inputs, and the peak-matmul operands."""
+    temporaries), two extra score matrices (fp32; fp64 in fp64 runs) of the timing inputs, the peak-matmul
+    operands, and the MoE layer built to count its parameters (n_experts FFNs of the block's width)."""
     return (cm.block_params(shape)["total"] * dtype_bytes + cm.training_peak_estimate_bytes(shape, dtype_bytes)
-            + 2 * cm.score_elements(shape) * cm.accumulate_bytes(dtype_bytes) + 3 * peak_matmul_n ** 2 * dtype_bytes)
+            + 2 * cm.score_elements(shape) * cm.accumulate_bytes(dtype_bytes) + 3 * peak_matmul_n ** 2 * dtype_bytes
+            + n_experts * 2 * shape.D * (shape.d_ff or 4 * shape.D) * 4)
 
 
-def refuse_oversized(settings: Settings, dtype_bytes: int, available: int) -> None:
-    """BadInput (with the estimate) when a group would not fit in ``memory_fraction`` of ``available``."""
-    budget = settings.memory_fraction * available
-    for T, D in settings.groups:
-        need = estimated_run_bytes(settings.shape(T, D), dtype_bytes, settings.peak_matmul_n)
-        if need > budget:
-            raise BadInput(f"T={T} D={D} needs about {need / 2**30:.2f} GiB (estimate) but only "
-                           f"{budget / 2**30:.2f} GiB ({settings.memory_fraction:.0%} of available) is free: "
-                           f"lower T, D or B")
+def refuse_oversized(settings: Settings, dtype_bytes: int, available: int, where: str = "the device's") -> None:
+    """BadInput (exit 2) when the largest group would not fit in ``memory_fraction`` of ``available``, naming the size
+    that dominates the estimate and a value of it that fits every group (T or D of a group of ``groups``: the T and D
+    to pass for that group alone)."""
+    s = settings
+
+    def group_bytes(T: int, D: int, z: dict[str, int]) -> int:
+        shape = cm.BlockShape(B=z["B"], T=T, D=D, H=s.H, d_ff=z.get("d_ff"))
+        return estimated_run_bytes(shape, dtype_bytes, z["peak_matmul_n"], z["n_experts"])
+
+    shared = {"B": Knob(s.B), "peak_matmul_n": Knob(s.peak_matmul_n), "n_experts": Knob(s.n_experts, minimum=s.top_k)}
+    if s.d_ff is not None:
+        shared["d_ff"] = Knob(s.d_ff)
+    now = {k: kb.value for k, kb in shared.items()}
+    worst = max(range(len(s.groups)), key=lambda i: group_bytes(*s.groups[i], now))
+    T, D = s.groups[worst]
+    knobs = {"T": Knob(T), "D": Knob(D, s.H, s.H), **shared}
+
+    def estimate(z: dict[str, int]) -> int:  # the worst group at the sizes z, the others at theirs
+        return max(group_bytes(z["T"], z["D"], z) if i == worst else group_bytes(t, d, z)
+                   for i, (t, d) in enumerate(s.groups))
+
+    memory.refuse_oversized(estimate, knobs, available, where, f"complexity (group T={T} D={D})",
+                            s.memory_fraction, pinned={"T": T, "D": D})
 
 
 # ----------------------------------------------------------------------------------------- run
@@ -125,7 +147,7 @@ def run(s: Settings, rec: Recorder) -> None:
     """Refuse sizes the device cannot hold, then measure every group."""
     import psutil
 
-    refuse_oversized(s, s.dtype_bytes, available_memory_bytes(rec.device))
+    refuse_oversized(s, s.dtype_bytes, available_memory_bytes(rec.device), f"{rec.device}'s")
     dtype_name = DTYPE_NAMES.get(rec.dtype, s.dtype)
     load_before = psutil.getloadavg()[0]
     _run_groups(rec, s, s.dtype_bytes, dtype_name, load_before)  # the runner applies `threads` (conf: 1) around run()

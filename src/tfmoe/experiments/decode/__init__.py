@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig
 
+from tfmoe import finite, memory
 from tfmoe.components import sampling
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
@@ -44,6 +45,13 @@ from tfmoe.experiments.decode.lm import (
 )
 from tfmoe.experiments.decode.report import continuations_rows, loss_figure, summarize, timing_figure
 from tfmoe.experiments.decode.settings import Settings
+from tfmoe.memory import (
+    DTYPE_BYTES,
+    Knob,
+    available_memory_bytes,
+    block_activation_elements,
+    block_params,
+)
 from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int, require_number
 
@@ -89,6 +97,7 @@ def settings(cfg: DictConfig) -> Settings:
         top_p_grid=tuple(float(p) for p in grid), chi2_draws=require_int(cfg, "chi2_draws", 100),
         chi2_alpha=require_number(cfg, "chi2_alpha"), logit_tol_eps=require_number(cfg, "logit_tol_eps"),
         timing_lengths=tuple(int(n) for n in lengths), timing_repeats=require_int(cfg, "timing_repeats", 1),
+        expect_divergence=finite.expect_divergence(cfg),
     )
     if s.d_model % s.n_heads:
         raise BadInput(f"d_model={s.d_model} is not divisible by n_heads={s.n_heads}: pick n_heads dividing d_model")
@@ -109,7 +118,37 @@ def settings(cfg: DictConfig) -> Settings:
     if max(s.timing_lengths, default=0) > s.max_len:
         raise BadInput(f"timing_lengths up to {max(s.timing_lengths)} exceed max_len={s.max_len}: "
                        "shorten them or raise max_len")
+    if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before anything is allocated
+        refuse_oversized(s, str(cfg.get("dtype")), memory.host_available_bytes(), "the host's")
     return s
+
+
+VOCAB_BOUND = 512  # characters of a corpus assumed by the estimate before the corpus is read (the built-in has ~40)
+
+
+def estimated_bytes(z: dict[str, int], dtype: str, n_heads: int) -> int:
+    """Peak bytes of a decode run with sizes ``z``: the LM trained with AdamW (weights, gradients, two moments, an
+    fp32 reference copy and the run-dtype copy), a training step's activations (kept for backward), the recorded
+    rows of every step, the chi-square draws, the beams and the KV caches of the timing lengths."""
+    d, n_layers, v, t = z["d_model"], z["n_layers"], VOCAB_BOUND, z["max_len"]
+    params = 2 * v * d + t * d + n_layers * block_params(d)
+    block = z["block_size"]
+    train_acts = 3 * n_layers * block_activation_elements(z["batch_size"] * block, d, n_heads, block)
+    train = 4 * (6 * params + train_acts + 3 * z["batch_size"] * block * v)
+    decode = (DTYPE_BYTES.get(dtype, 4) + 4) * (z["beam_width"] * t * (v + 2 * n_layers * d) + 2 * t * t * n_heads)
+    return train + decode + 16 * z["chi2_draws"] + 400 * z["train_steps"]
+
+
+def refuse_oversized(s: Settings, dtype: str, available: int, where: str) -> None:
+    """BadInput (exit 2) naming the size that dominates the estimate and a value of it that fits (max_len stays
+    above what the other settings need of it, d_model a multiple of n_heads)."""
+    prompt = len(s.prompt_ids) if s.prompt_ids is not None else len(s.prompt)
+    longest = max(s.block_size, max(s.timing_lengths, default=2), prompt + max(s.max_new_tokens, s.check_tokens))
+    knobs = {"d_model": Knob(s.d_model, s.n_heads, s.n_heads), "n_layers": Knob(s.n_layers),
+             "max_len": Knob(s.max_len, minimum=longest), "batch_size": Knob(s.batch_size),
+             "block_size": Knob(s.block_size, minimum=2), "beam_width": Knob(s.beam_width),
+             "chi2_draws": Knob(s.chi2_draws, minimum=100), "train_steps": Knob(s.train_steps, minimum=0)}
+    memory.refuse_oversized(lambda z: estimated_bytes(z, dtype, s.n_heads), knobs, available, where, "decode")
 
 
 def prompt_tensor(s: Settings, vocab: CharVocab, device: torch.device) -> torch.Tensor:
@@ -136,6 +175,9 @@ def prompt_tensor(s: Settings, vocab: CharVocab, device: torch.device) -> torch.
 def run(s: Settings, rec: Recorder) -> None:
     """Train the tiny LM, decode the prompt with every strategy, run the checks, time the cache.
     (`threads`, conf: 1, is applied by the runner.)"""
+    if rec.device.type != "cpu":  # a CUDA run's memory is not the host's
+        refuse_oversized(s, {torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(
+            rec.dtype, "fp32"), available_memory_bytes(rec.device), f"{rec.device}'s")
     lines = load_corpus(s.corpus_path)
     vocab = CharVocab(sorted({c for line in lines for c in line}))
     prompt = prompt_tensor(s, vocab, rec.device)
@@ -160,6 +202,13 @@ def run(s: Settings, rec: Recorder) -> None:
               "(the distributions use context, they are not noise)")
     if losses:
         rec.plot("training_loss", loss_figure(losses, val_loss, unigram))
+    if not finite.check_finite(rec, "train.finite", ("train_loss", "val_loss"), what=f"{s.train_steps} steps",
+                               expect_divergence=s.expect_divergence) or s.expect_divergence:
+        why = ("expect_divergence=true: the stress test ends after training" if s.expect_divergence else
+               "training diverged (check train.finite)")
+        rec.note(f"decoding skipped: {why}; a model with non-finite weights has nothing to decode")
+        rec.summary(f"## Training\n\n{len(losses)} steps; held-out loss {val_loss:.4f}. Decoding skipped: {why}.")
+        return
     ref32 = copy.deepcopy(model)
     model = model.to(rec.dtype)
 

@@ -36,3 +36,4 @@ class Settings:
     logit_tol_eps: float
     timing_lengths: tuple[int, ...]
     timing_repeats: int
+    expect_divergence: bool = False  # a stress test: training must go non-finite (tfmoe.finite)

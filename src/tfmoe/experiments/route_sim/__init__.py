@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from tfmoe import capabilities
+from tfmoe import capabilities, finite, memory
 from tfmoe.adapters.moe_layers import LayerSizes
 from tfmoe.components import moe
 from tfmoe.errors import BadInput
@@ -39,6 +39,7 @@ from tfmoe.experiments.route_sim.course import CourseResult
 from tfmoe.experiments.route_sim.plots import sweep_plots, training_plots
 from tfmoe.experiments.route_sim.settings import LayerSettings, Settings
 from tfmoe.experiments.route_sim.training import StrategyTrace
+from tfmoe.memory import Knob
 from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int, require_number
 
@@ -91,11 +92,10 @@ def settings(cfg: DictConfig) -> Settings:
         z_loss_coef=require_number(cfg, "z_loss_coef", minimum=0.0, fix=COEF_FIX),
         bias_update_rate=require_number(cfg, "bias_update_rate", minimum=0.0, fix=COEF_FIX),
         layer=layer_settings(cfg, n_experts, top_k, score_func),
+        expect_divergence=finite.expect_divergence(cfg),
     )
     if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before the run starts
-        import psutil
-
-        refuse_oversized(built, str(cfg.get("dtype")), int(psutil.virtual_memory().available), "the host's")
+        refuse_oversized(built, str(cfg.get("dtype")), memory.host_available_bytes(), "the host's")
     return built
 
 
@@ -107,25 +107,58 @@ def settings(cfg: DictConfig) -> Settings:
 BYTES_PER_TOKEN = {"d_model": 64, "d_hidden": 16, "n_experts": 24, "top_k": 32}
 DTYPE_FACTOR = {"fp64": 1.3}  # fp64 runs measured 1.27x fp32's; fp16/bf16 kept at fp32's (the references are fp64)
 MEMORY_FRACTION = 0.8
+ROW_BYTES = 400  # one metrics row held by the recorder (a dict of a few tags), per step and recorded quantity
+
+
+def _per_token(z: dict[str, int]) -> int:
+    return (BYTES_PER_TOKEN["d_model"] * z["d_model"] + BYTES_PER_TOKEN["d_hidden"] * z["d_hidden"]
+            + BYTES_PER_TOKEN["n_experts"] * z["n_experts"] + BYTES_PER_TOKEN["top_k"] * z["top_k"])
+
+
+def _layer_params(z: dict[str, int], shared_hidden: int = 0) -> int:
+    """Parameters of one MoE layer: the experts (d -> d_hidden -> d), the router, a shared expert."""
+    d, h = z["d_model"], z["d_hidden"]
+    return z["n_experts"] * (2 * d * h + d + h) + d * z["n_experts"] + 2 * d * shared_hidden
+
+
+def estimated_bytes(z: dict[str, int], dtype: str, strategies: int, own_layer: bool) -> int:
+    """Peak bytes of the largest part of a run with sizes ``z`` (config key -> value): the course case (its
+    per-token tensors, fitted, and the layer with its float64 copy), the training simulation (Adam's four copies of
+    the layer, the cluster maps and the per-token gathered maps of a batch, autograd's saved tensors, the recorded
+    rows of every step) and the layer battery (the layer and its float64 reference, twice)."""
+    e = 8 if dtype == "fp64" else 4
+    battery_tokens = z["layer.batch"] * z["layer.seq"]
+    battery = 2 * (e + 8) * _layer_params(z, z["layer.shared_hidden"]) + 4 * battery_tokens * _per_token(z)
+    if not own_layer:
+        return battery
+    course = int(z["tokens"] * _per_token(z) * DTYPE_FACTOR.get(dtype, 1.0)) + (e + 8) * _layer_params(z)
+    d = z["d_model"]
+    training = 0 if z["steps"] == 0 else (16 * _layer_params(z) + 4 * d * d * (z["clusters"] + z["train_tokens"])
+                                          + 3 * z["train_tokens"] * _per_token(z)
+                                          + z["steps"] * strategies * ROW_BYTES * 10)
+    return max(course, training, battery)
+
+
+def size_knobs(s: Settings) -> dict[str, Knob]:
+    """route-sim's size keys as the guard may lower them (n_experts stays >= top_k)."""
+    return {"tokens": Knob(s.tokens), "d_model": Knob(s.d_model), "d_hidden": Knob(s.d_hidden),
+            "n_experts": Knob(s.n_experts, minimum=s.top_k), "top_k": Knob(s.top_k),
+            "train_tokens": Knob(s.train_tokens), "clusters": Knob(s.clusters), "steps": Knob(s.steps, minimum=0),
+            "layer.batch": Knob(s.layer.batch, minimum=2), "layer.seq": Knob(s.layer.seq),
+            "layer.shared_hidden": Knob(s.layer.sizes.shared_hidden)}
 
 
 def estimated_course_bytes(s: Settings, dtype: str) -> int:
-    """Peak bytes the course case allocates for ``s.tokens`` tokens (the training simulation and the layer battery
-    use ``train_tokens`` and ``layer.batch*seq`` tokens, small by default, and are not counted)."""
-    per_token = (BYTES_PER_TOKEN["d_model"] * s.d_model + BYTES_PER_TOKEN["d_hidden"] * s.d_hidden
-                 + BYTES_PER_TOKEN["n_experts"] * s.n_experts + BYTES_PER_TOKEN["top_k"] * s.top_k)
-    return int(s.tokens * per_token * DTYPE_FACTOR.get(dtype, 1.0))
+    """Peak bytes the course case allocates for ``s.tokens`` tokens (fitted, see BYTES_PER_TOKEN)."""
+    z = {k: kb.value for k, kb in size_knobs(s).items()}
+    return int(s.tokens * _per_token(z) * DTYPE_FACTOR.get(dtype, 1.0))
 
 
 def refuse_oversized(s: Settings, dtype: str, available: int, where: str) -> None:
-    """BadInput naming the estimate, the memory available and the largest ``tokens`` that fits, when the course
-    case would not fit in ``MEMORY_FRACTION`` of ``available``."""
-    need, budget = estimated_course_bytes(s, dtype), MEMORY_FRACTION * available
-    if need > budget:
-        fits = max(1, int(s.tokens * budget / need))
-        raise BadInput(f"tokens={s.tokens} needs about {need / 2**30:,.1f} GiB for the course case (estimate) but "
-                       f"only {budget / 2**30:,.1f} GiB ({MEMORY_FRACTION:.0%} of {where} {available / 2**30:,.1f} "
-                       f"GiB available) is free: lower tokens (at most about tokens={fits})")
+    """BadInput naming the estimate, the memory available, the size that dominates the estimate and a value of it
+    that fits, when a part of the run would not fit in ``MEMORY_FRACTION`` of ``available``."""
+    memory.refuse_oversized(lambda z: estimated_bytes(z, dtype, len(s.strategies), s.layer.impl is None),
+                            size_knobs(s), available, where, "route-sim", MEMORY_FRACTION)
 
 
 def layer_settings(cfg: DictConfig, n_experts: int, top_k: int, score_func: str) -> LayerSettings:
@@ -173,9 +206,9 @@ def run(s: Settings, rec: Recorder) -> None:
 
     from tfmoe.memory import available_memory_bytes
 
-    if s.layer.impl is None:  # on the run's own device (a CUDA run's memory is not the host's)
-        refuse_oversized(s, "fp64" if rec.dtype == torch.float64 else "fp32", available_memory_bytes(rec.device),
-                         f"{rec.device}'s")
+    # on the run's own device (a CUDA run's memory is not the host's)
+    refuse_oversized(s, "fp64" if rec.dtype == torch.float64 else "fp32", available_memory_bytes(rec.device),
+                     f"{rec.device}'s")
     lut = route_layer.run_battery(s.layer, rec)
     route_layer.battery_rows(rec, lut.label).print_to(rec.console)
     if s.layer.impl is not None:  # a user's or a transformers layer: the battery is the whole run

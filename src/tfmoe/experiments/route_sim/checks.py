@@ -14,8 +14,8 @@ from tfmoe.components import moe_reference as ref
 from tfmoe.recorder import Recorder
 
 
-def recorded(rec: Recorder, name: str, strategy: str, step: int | None = None) -> float:
-    """The value the run recorded (last matching metrics row)."""
+def recorded(rec: Recorder, name: str, strategy: str | None = None, step: int | None = None) -> float:
+    """The value the run recorded (last matching metrics row; the course case's rows have no strategy)."""
     for row in reversed(rec.metrics_rows):
         if row["name"] == name and row.get("strategy") == strategy and row.get("step") == step:
             return row["value"]

@@ -79,13 +79,13 @@ def training_plots(traces: dict[str, StrategyTrace], n_experts: int, train_token
 
 def sweep_plots(df: Any) -> dict[str, Figure]:
     """After a multirun: final-step CV per strategy and job (course-case CV where no training ran)."""
-    if df is None or "name" not in df or "strategy" not in df:
+    if df is None or "name" not in df:
         return {}
     cv = df[df["name"] == "cv"]
-    if "step" in cv:
-        trained = cv[cv["step"].notna()]
-        if len(trained):
-            cv = trained[trained["step"] == trained.groupby(["job", "strategy"])["step"].transform("max")]
+    if len(cv) and "step" in cv and "strategy" in cv:
+        cv = cv[cv["step"] == cv.groupby(["job", "strategy"])["step"].transform("max")]
+    else:  # no training simulation ran: the course case's CV (metric course.cv), in a column of its own
+        cv = df[df["name"] == "course.cv"].assign(strategy="course case")
     if cv.empty or "job" not in cv:
         return {}
     table = cv.pivot_table(index="job", columns="strategy", values="value", aggfunc="last")

@@ -42,3 +42,4 @@ class Settings:
     z_loss_coef: float
     bias_update_rate: float
     layer: LayerSettings  # the layer battery's
+    expect_divergence: bool = False  # a stress test: the training simulation must go non-finite (tfmoe.finite)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tfmoe import finite
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
 from tfmoe.experiments.route_sim import checks
@@ -154,11 +155,14 @@ def train_strategies(s: Settings, rec: Recorder,
 
 
 def check_training(s: Settings, rec: Recorder, traces: dict[str, StrategyTrace]) -> None:
-    """Per strategy, over every step: loads sum to N*k, no expert above capacity, kept + dropped = N*k,
+    """Per strategy, over every step: every recorded quantity finite (the first non-finite step and quantity
+    named; ``expect_divergence`` inverts it), loads sum to N*k, no expert above capacity, kept + dropped = N*k,
     recorded CV/MaxVio = a numpy recomputation from that step's assignments; and the final step's CV/MaxVio
     recomputed from its saved assignments (only the final step's topk_idx is saved)."""
     n, k = s.train_tokens, s.top_k
     for name, t in traces.items():
+        finite.check_finite(rec, f"train.finite.{name}", STEP_METRICS, expect_divergence=s.expect_divergence,
+                            what=f"{t.steps_done} steps", strategy=name)
         rec.check(f"train.loads_sum.{name}", t.worst_load_sum_error == 0, t.worst_load_sum_error, 0.0,
                   f"max over {t.steps_done} steps of |sum of loads - tokens*k|")
         rec.check(f"train.capacity_respected.{name}", (t.worst_capacity_excess or 0) <= 0,

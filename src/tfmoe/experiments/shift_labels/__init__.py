@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from tfmoe import finite, memory
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
 from tfmoe.experiments.shift_labels import batch as batching
@@ -26,8 +27,18 @@ from tfmoe.experiments.shift_labels.checks import (
     padding_invariance,
 )
 from tfmoe.experiments.shift_labels.settings import Settings
+from tfmoe.memory import (
+    DTYPE_BYTES,
+    Knob,
+    available_memory_bytes,
+    block_activation_elements,
+    block_params,
+)
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
+
+FINITE_QUANTITIES = ("loss", "loss_manual_fp64", "sequence_loss", "padding_invariance_max_abs",
+                     "padding_invariance_logits_max_abs", "left_right_max_abs")
 
 
 def settings(cfg: DictConfig) -> Settings:
@@ -51,13 +62,33 @@ def settings(cfg: DictConfig) -> Settings:
         raise BadInput(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}: "
                        "choose d_model as a multiple of n_heads")
     seqs = enc.sequences if enc is not None else encode_sequences(OmegaConf.to_container(cfg.sequences), vocab)
-    return Settings(
+    s = Settings(
         sequences=tuple(tuple(q) for q in seqs), vocab=tuple(vocab), pad_token=str(cfg.pad_token),
         pad_id=vocab.index(str(cfg.pad_token)), pad_side=str(cfg.pad_side), ignore_index=int(cfg.ignore_index),
         d_model=int(m.d_model), n_heads=int(m.n_heads), n_layers=int(m.n_layers),
         texts=None if texts is None else tuple(texts), tokenizer=None if enc is None else str(cfg.tokenizer),
         tokenizer_source=None if enc is None else enc.source,
         tokenizer_ids=() if enc is None else tuple(tuple(i) for i in enc.tokenizer_ids))
+    if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before anything is allocated
+        refuse_oversized(s, str(cfg.get("dtype")), memory.host_available_bytes(), "the host's")
+    return s
+
+
+def estimated_bytes(z: dict[str, int], dtype: str, s: Settings) -> int:
+    """Peak bytes of a shift-labels run with sizes ``z``: the tiny LM (embeddings, blocks, head) and a forward of
+    the padded batch, of each sequence alone and of the other padding side (no gradients)."""
+    e = DTYPE_BYTES.get(dtype, 4)
+    d, n_layers, v = z["model.d_model"], z["model.n_layers"], len(s.vocab)
+    t = max(len(q) for q in s.sequences)
+    params = 2 * v * d + t * d + n_layers * block_params(d)
+    tokens = 3 * len(s.sequences) * t
+    return params * e + (2 * block_activation_elements(tokens, d, s.n_heads, t) + 2 * tokens * v) * max(e, 4)
+
+
+def refuse_oversized(s: Settings, dtype: str, available: int, where: str) -> None:
+    """BadInput (exit 2) naming the size that dominates the estimate and a value of it that fits."""
+    knobs = {"model.d_model": Knob(s.d_model, s.n_heads, s.n_heads), "model.n_layers": Knob(s.n_layers)}
+    memory.refuse_oversized(lambda z: estimated_bytes(z, dtype, s), knobs, available, where, "shift-labels")
 
 
 def run(s: Settings, rec: Recorder) -> None:
@@ -70,6 +101,9 @@ def run(s: Settings, rec: Recorder) -> None:
             rec.note(f"text {n} {text!r} -> {len(ids)} token(s) {list(ids)}: "
                      f"{' | '.join(vocab[j] for j in seqs[n][1:-1])}")
         rec.tensor("tokenizer_ids", torch.tensor([i for ids in s.tokenizer_ids for i in ids]))
+    if rec.device.type != "cpu":  # a CUDA run's memory is not the host's
+        refuse_oversized(s, {torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(
+            rec.dtype, "fp32"), available_memory_bytes(rec.device), f"{rec.device}'s")
     ignore = s.ignore_index
     batch = batching.shift_and_pad(seqs, pad_id, s.pad_side, ignore)
     model = TinyCausalLM(len(vocab), s.d_model, s.n_heads, s.n_layers,
@@ -129,6 +163,8 @@ def run(s: Settings, rec: Recorder) -> None:
         valid = batch.label_mask.bool()
         for i in range(len(seqs)):
             rec.metric("sequence_loss", tok_loss[i][valid[i].to(tok_loss.device)].double().mean(), sequence=i)
+
+    finite.check_finite(rec, "finite", FINITE_QUANTITIES, what="the losses and the padding-invariance gaps")
 
     rec.tensor("sequences", batch.sequences)
     rec.tensor("inputs", batch.inputs)
