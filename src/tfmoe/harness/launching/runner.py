@@ -26,7 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from tfmoe.errors import BadInput, Terminated, disk_problem
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.runtime import (
+    MAX_SEED,
     check_seed,
+    check_tensor_max_numel,
     check_threads,
     resolve_device,
     resolve_dtype,
@@ -340,7 +342,7 @@ def execute(cfg: DictConfig) -> int:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     writer = RunWriter(
         run_dir=run_dir, run_id=_run_id(run_dir, sweep_dir), experiment=exp.name,
-        seed=cfg.seed if isinstance(cfg.get("seed"), int) else -1, argv=list(sys.argv),
+        seed=cfg.seed if _recordable_seed(cfg.get("seed")) else -1, argv=list(sys.argv),
         overrides=list(hc.overrides.task), device=str(cfg.get("device")), dtype=str(cfg.get("dtype")),
         sweep_dir=sweep_dir,
     )
@@ -359,6 +361,18 @@ def execute(cfg: DictConfig) -> int:
     if code >= 128 and in_loky_worker():  # stopped by a signal, records written: take no next job
         _STOPPED.append(code)
     return code
+
+
+def _tensor_limit(cfg: DictConfig) -> int:
+    """The tensor size limit for the final write (a refused value was already said: the default then)."""
+    try:
+        return check_tensor_max_numel(cfg)
+    except BadInput:
+        return 1_000_000
+
+
+def _recordable_seed(seed: Any) -> bool:
+    return isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED
 
 
 def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) -> int:
@@ -392,6 +406,7 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
 
             torch.cuda.reset_peak_memory_stats(device)
         threads = check_threads(cfg)
+        check_tensor_max_numel(cfg)
         rec = Recorder(cfg=cfg, device=device, dtype=dtype, seed=seed)
         heartbeat.rec = rec
         with torch_threads(threads):
@@ -450,7 +465,7 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
         peak_dev = device_peak(device) if device is not None else None
         try:
             status, code, error = writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
-                                                int(cfg.get("tensor_max_numel", 1_000_000)))
+                                                _tensor_limit(cfg))
         except OSError as exc:  # run.parquet itself refused: the run cannot record how it ended
             disk = disk_problem(exc, run_dir)
             if disk is None:
