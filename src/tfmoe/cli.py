@@ -22,6 +22,7 @@ from tfmoe.errors import BadInput, Terminated, raise_terminated
 from tfmoe.registry import EXPERIMENTS, Experiment
 from tfmoe.status import Status, worst_exit_code
 
+
 class OneLineErrors(TyperGroup):
     """The top-level group: a usage error (an unknown option, ``--dtype fp8``) is one line on stderr, exit 2, like
     every other bad input (click prints a usage block and a hint); Ctrl-C or SIGTERM that reaches the CLI says so
