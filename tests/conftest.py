@@ -46,3 +46,8 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # the CLI fuzzer (tests/test_cli_fuzz.py): in the default suite with a small budget; `-m fuzz` selects it alone
+    config.addinivalue_line("markers", "fuzz: the schema-driven CLI fuzzer (long run: TFMOE_FUZZ_EXAMPLES=N -m fuzz)")
