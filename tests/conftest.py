@@ -28,7 +28,7 @@ def fake_experiment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     conf = tmp_path / "conf"
     conf.mkdir()
     shutil.copy(REPO / "conf" / "base.yaml", conf / "base.yaml")
-    (conf / "fake.yaml").write_text("defaults:\n  - base\n  - _self_\nexperiment: fake\nmode: ok\nsteps: 5\n")
+    (conf / "fake.yaml").write_text("defaults:\n  - base\n  - _self_\nexperiment: fake\nmode: ok\nsteps: 5\nplugin: null\ninput: null\n")
     exp = registry.Experiment("fake", "fake", "fake", "a test experiment")
     monkeypatch.setitem(registry.EXPERIMENTS, "fake", exp)
     monkeypatch.setitem(sys.modules, "tfmoe.experiments.fake", module)
@@ -46,3 +46,8 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # the CLI fuzzer (tests/test_cli_fuzz.py): in the default suite with a small budget; `-m fuzz` selects it alone
+    config.addinivalue_line("markers", "fuzz: the schema-driven CLI fuzzer (long run: TFMOE_FUZZ_EXAMPLES=N -m fuzz)")

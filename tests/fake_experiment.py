@@ -26,7 +26,7 @@ MODES = ("ok", "fail_check", "crash", "interrupt", "bad_input", "sigterm", "sigu
 class Settings:
     mode: str
     steps: int
-    plugin: str | None  # +plugin=module:Name: a user's module, imported the way attn-check imports impl=
+    plugin: str | None  # plugin=module:Name: a user's module, imported the way attn-check imports impl=
 
 
 def settings(cfg: DictConfig) -> Settings:

@@ -337,7 +337,7 @@ def test_replay_that_cannot_start_is_bad_input_not_a_failed_reproduction(fake_ex
     (plugins / "my_dep.py").write_text("VALUE = 1\n")
     (plugins / "my_plugin.py").write_text("from my_dep import VALUE\nTHING = VALUE\n")
     monkeypatch.syspath_prepend(str(plugins))
-    code, dirs = launched(fake_experiment, ["+plugin=my_plugin:THING"])
+    code, dirs = launched(fake_experiment, ["plugin=my_plugin:THING"])
     assert code == 0
     old = dirs[-1]
     (plugins / "my_dep.py").unlink()  # a library the user's module imports is gone (the module's copy is kept)

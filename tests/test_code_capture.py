@@ -66,7 +66,7 @@ def test_input_file_is_copied_and_a_changed_input_replays_from_the_copy(fake_exp
     data = tmp_path / "inputs" / "corpus.txt"
     data.parent.mkdir()
     data.write_text("我爱猫\n")
-    code, dirs = launched(fake_experiment, [f"+input={data}"])
+    code, dirs = launched(fake_experiment, [f"input={data}"])
     assert code == 0
     run_dir = dirs[-1]
     row = code_capture.read(run_dir).iloc[0]

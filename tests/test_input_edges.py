@@ -113,3 +113,75 @@ def test_route_sim_estimate_against_the_measured_peak(extra: list[str], one_torc
         measured = peak_memory_bytes(lambda: course.course_case(s, rec), rec.device)
     ratio = route_sim.estimated_course_bytes(s, "fp32") / measured
     assert 1.0 <= ratio <= 1.5, (measured, ratio)
+
+
+# ---------------------------------------------------------------- issue 29, item 4: every bad input, one line,
+# refused before any run directory; every fix a message suggests is itself accepted
+EDGES = [
+    (["shift-labels", "seed=9223372036854775808"], "seed=9223372036854775808 is above"),  # 2**63
+    (["shift-labels", "--seed", "18446744073709551615"], "is above"),  # 2**64-1
+    (["shift-labels", "seed=1180591620717411303424"], "is above"),  # 2**70
+    (["shift-labels", "seed=-1"], "seed=-1"),
+    (["shift-labels", "+foo=1"], "unknown config key 'foo'"),
+    (["shift-labels", "++foo=1"], "unknown config key 'foo'"),
+    (["shift-labels", "+model.nosuch=1"], "unknown config key 'model.nosuch'"),
+    (["shift-labels", "tensor_max_numel=-1"], "tensor_max_numel=-1"),
+    (["shift-labels", "flush_every_s=-0.5"], "flush_every_s=-0.5"),
+    (["shift-labels", "flush_every_s=0"], "flush_every_s=0"),
+    (["shift-labels", "threads=-2"], "threads=-2"),
+    (["shift-labels", "--dtype", "fp8"], "'fp8' is not one of"),
+    (["shift-labels", "--seed", "x"], "--seed"),
+    (["shift-labels", "--no-such-flag"], "--no-such-flag"),
+    (["shift-labels", "sequences=[]"], "sequences is empty"),
+    (["shift-labels", "sequences=[[BOS,我]]"], "needs non-ASCII text quoted"),
+    (["route-sim", "tokens=-5"], "tokens=-5"),
+    (["complexity", "T=0"], "T=0"),
+]
+
+
+def _suggestion(line: str) -> list[str] | None:
+    """The fix a one-line refusal suggests, as command-line arguments: a quoted override ('k=v'), or what
+    follows "pass"/"e.g."/"use" (k=v or --flag value); None when the line suggests no value."""
+    import re
+
+    quoted = re.search(r"(?:pass|e\.g\.|use)\s+'([\w.+]+=[^']+)'", line)
+    if quoted:
+        return [quoted.group(1)]
+    m = re.search(r"(?:pass|e\.g\.|use)\s+(--[\w-]+ [\w.:-]+|[\w.]+=[^\s,;)]+)", line)
+    if m is None:
+        return None
+    return m.group(1).split(" ") if m.group(1).startswith("--") else [m.group(1)]
+
+
+@pytest.mark.parametrize(("args", "said"), EDGES, ids=[" ".join(a) for a, _ in EDGES])
+def test_each_bad_input_is_one_line_and_its_suggested_fix_is_accepted(workdir: Path, args: list[str], said: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    r = run_cli(args, workdir)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and said in lines[0] and "Traceback" not in r.stderr, r.stderr
+    _nothing_written(workdir)
+    fix = _suggestion(lines[0])
+    if fix is None:  # a line that suggests no value (`--cfg job lists the keys`, "give both T and D")
+        return
+    monkeypatch.setenv("TFMOE_VALIDATE_ONLY", "1")
+    again = run_cli([args[0], *fix], workdir)  # the fix in place of the one bad argument
+    assert again.exit_code == 0 and "valid:" in again.stdout, (fix, again.stdout + again.stderr)
+
+
+def test_seed_bounds_are_those_a_run_can_record(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tfmoe.runtime import MAX_SEED
+
+    monkeypatch.setenv("TFMOE_VALIDATE_ONLY", "1")
+    assert run_cli(["shift-labels", f"seed={MAX_SEED}"], workdir).exit_code == 0
+    assert run_cli(["shift-labels", f"seed={MAX_SEED + 1}"], workdir).exit_code == 2
+    assert run_cli(["shift-labels", "-m", f"seed=0,{MAX_SEED + 1}"], workdir).exit_code == 2  # a sweep's job too
+    assert run_cli(["shift-labels", "tensor_max_numel=0"], workdir).exit_code == 0  # 0: summaries only
+
+
+def test_hydra_flags_and_a_known_plus_key_still_work(workdir: Path) -> None:
+    r = run_cli(["shift-labels", "--info", "config"], workdir)
+    assert r.exit_code == 0 and "Config" in r.stdout, r.stdout + r.stderr
+    r = run_cli(["shift-labels", "--cfg", "job", "++seed=4"], workdir)
+    assert r.exit_code == 0 and "seed: 4" in r.stdout, r.stdout + r.stderr
+    r = run_cli(["shift-labels", "--cfg", "job", "+expect.loss='< 100'"], workdir)
+    assert r.exit_code == 0, r.stdout + r.stderr

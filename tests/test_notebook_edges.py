@@ -187,6 +187,40 @@ def test_failures_add_refuses_a_missing_test_and_a_run_already_logged(failed_run
     assert r.exit_code == 0 and "F-2" in r.stdout and log.read_text().startswith(before)
 
 
+def test_failures_log_cannot_be_forged_by_a_field(failed_run: Path, workdir: Path) -> None:
+    """Issue 29 item 6: a newline and a heading inside --hypothesis made a forged F-999 (the next entry F-1000);
+    ESC and U+202E were kept verbatim; empty fields were accepted."""
+    log = workdir / "failures.md"
+    r = run_cli(["failures", "add", str(failed_run), "--hypothesis", "x\n## F-999: fake heading",
+                 "--fix", "a\r\n\n## F-1000: another"], workdir)
+    assert r.exit_code == 0 and "F-1:" in r.stdout, r.stdout + r.stderr
+    text = log.read_text()
+    assert "\n## F-999" not in text and "- **Hypothesis**: x ## F-999: fake heading\n" in text
+    listed = run_cli(["failures", "list"], workdir).stdout.splitlines()
+    assert [ln.split(":")[0] for ln in listed] == ["F-1"], listed
+    again = run_cli(["failures", "add", str(failed_run), "--again"], workdir)
+    assert again.exit_code == 0 and "F-2:" in again.stdout  # numbered from real entries only
+    before = log.read_text()
+    for option, value, said in (("--hypothesis", "\x1b[31mred", "U+001B"), ("--fix", "ok \u202egnp.exe", "U+202E"),
+                                ("--title", "a\u2066b", "U+2066"), ("--fix", "", "--fix is empty"),
+                                ("--test", " \n ", "--test is empty"), ("--hypothesis", "\x00", "U+0000")):
+        r = run_cli(["failures", "add", str(failed_run), "--again", option, value], workdir)
+        lines = r.stderr.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and said in lines[0], (option, value, r.stderr)
+        assert log.read_text() == before  # nothing written
+    ok = run_cli(["failures", "add", str(failed_run), "--again", "--hypothesis", "emoji 👩‍🔬 and 我 stay"], workdir)
+    assert ok.exit_code == 0 and "emoji 👩‍🔬 and 我 stay" in log.read_text()
+
+
+def test_an_old_forged_heading_inside_a_field_is_not_an_entry() -> None:
+    from tfmoe.harness.method.failures import ENTRY_RE, run_text
+
+    old = "# Failures log\n\n## F-1: real\n\n- **Hypothesis**: x\n## F-999: forged\n- **Fix**: y\n\n## F-2: real too\n"
+    assert [n for n, _ in ENTRY_RE.findall(old)] == ["1", "2"]
+    assert ENTRY_RE.findall("## F-7: first line of a file\n") == [("7", "first line of a file")]
+    assert run_text("detail\n## F-5: x \x1b[2J \u202e") == "detail ## F-5: x \\x1b[2J \\u202e"
+
+
 @pytest.fixture
 def read_only_mount(tmp_path: Path):
     """A real read-only file system: a tmpfs filled, then remounted read-only (root's chmod would not stop writes).

@@ -12,15 +12,55 @@ import sys
 from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # typer vendors click
+from typer.core import TyperGroup
 
 from tfmoe.errors import BadInput, Terminated, raise_terminated
 from tfmoe.registry import EXPERIMENTS, Experiment
 from tfmoe.status import Status, worst_exit_code
 
+
+class OneLineErrors(TyperGroup):
+    """The top-level group: a usage error (an unknown option, ``--dtype fp8``) is one line on stderr, exit 2, like
+    every other bad input (click prints a usage block and a hint); Ctrl-C or SIGTERM that reaches the CLI says so
+    on stderr (typer would exit 130 without a word)."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except NoArgsIsHelpError as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except UsageError as exc:
+            where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+            typer.echo(f"error: {' '.join(exc.format_message().split())}{where}", err=True)
+            sys.exit(Status.ERROR.exit_code)
+        except ClickException as exc:
+            typer.echo(f"error: {' '.join(exc.format_message().split())}", err=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            typer.echo("interrupted", err=True)
+            sys.exit(Status.INTERRUPTED.exit_code)
+        sys.exit(code if isinstance(code, int) else 0)
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(Status.INTERRUPTED.exit_code) from None
+        except Terminated as exc:
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(exc.exit_code) from None
+
+
 app = typer.Typer(
+    cls=OneLineErrors,
     name="tfmoe",
     help="A lab notebook for Transformer & MoE claims: every experiment leaves a parquet run directory.",
     no_args_is_help=True,

@@ -67,11 +67,28 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+# torch.manual_seed takes up to 2**64-1, but a run's seed is stored as a signed 64-bit integer (run.parquet, the
+# catalog, replay reads it back): the largest seed a run can record is the bound.
+MAX_SEED = 2**63 - 1
+
+
 def check_seed(cfg: DictConfig) -> int:
     seed = cfg.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise BadInput(f"seed={seed!r} is not a non-negative integer: pass e.g. --seed 0")
+    if seed > MAX_SEED:
+        raise BadInput(f"seed={seed} is above {MAX_SEED} (2**63-1, the largest seed a run can record): "
+                       "pass e.g. --seed 0")
     return seed
+
+
+def check_tensor_max_numel(cfg: DictConfig) -> int:
+    """``tensor_max_numel``: tensors with more elements are saved as a summary; 0 keeps summaries only."""
+    limit = cfg.get("tensor_max_numel", 1_000_000)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise BadInput(f"tensor_max_numel={limit!r} must be a non-negative integer (0: summaries only): "
+                       "pass tensor_max_numel=1000000")
+    return limit
 
 
 def check_threads(cfg: DictConfig) -> int | None:

@@ -32,7 +32,7 @@ class ShiftedBatch:
 def encode_sequences(sequences: Any, vocab: list[str]) -> list[list[int]]:
     """Token strings or ids -> ids, refusing what next-token training cannot use."""
     if not isinstance(sequences, list) or not sequences:
-        raise BadInput("sequences is empty: give at least one sequence, e.g. sequences=[[BOS,我,EOS]]")
+        raise BadInput("sequences is empty: give at least one sequence, e.g. 'sequences=[[BOS,\"我\",EOS]]'")
     index = {tok: i for i, tok in enumerate(vocab)}
     out = []
     for n, seq in enumerate(sequences):

@@ -65,6 +65,9 @@ CONFIG_FORMS: dict[tuple[str, str], tuple[type, ...]] = {
 }
 
 
+_ABSENT = object()
+
+
 def _type_name(v: Any) -> str:
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
             list: "a list", dict: "a mapping"}.get(type(v), type(v).__name__)
@@ -149,6 +152,12 @@ def validate_overrides(exp: Experiment, overrides: list[str]) -> Any:
         raise BadInput(f"bad override {' '.join(overrides)!r} for {exp.name}: {' '.join(str(exc).split())[:300]}") from None
     finally:
         GlobalHydra.instance().clear()
+    for o in parsed:  # +key=value / ++key=value: Hydra adds any key; the experiment's schema has only its own
+        key = o.key_or_group
+        if o.type.name in ("ADD", "FORCE_ADD") and not o.is_hydra_override() and "/" not in key \
+                and key != "expect" and not key.startswith("expect.") \
+                and OmegaConf.select(defaults, key, default=_ABSENT, throw_on_missing=False) is _ABSENT:
+            raise BadInput(f"unknown config key {key!r} for {exp.name}: `tfmoe {exp.name} --cfg job` lists the keys")
     for key, values in checks:  # values typed by Hydra's own override grammar (1e-5 is a float there)
         default = OmegaConf.select(defaults, key, throw_on_missing=False)
         if OmegaConf.is_config(default):
@@ -277,15 +286,19 @@ def check_utf8(args: list[str]) -> None:
             raise BadInput(f"argument {raw!r} is not UTF-8 text: retype it in UTF-8 (nothing was run)") from None
 
 
-def job_settings(module: Any, cfg: Any) -> Any:
-    """What a run refuses before it starts, in the order the runner meets them: its seed, device, dtype, threads
-    and flush interval (runtime.py), then the experiment's own ``settings(cfg)``. BadInput on the first problem."""
+def job_settings(module: Any, cfg: Any, devices: bool = True) -> Any:
+    """What a run refuses before it starts, in the order the runner meets them: its seed, device, dtype, threads,
+    tensor size limit and flush interval (runtime.py), then the experiment's own ``settings(cfg)``. BadInput on the
+    first problem. ``devices=False`` (a sweep's jobs, which may run on another machine: a SLURM node's GPU) leaves
+    device and dtype to the job."""
     from tfmoe.harness.launching.runner import check_flush_every
-    from tfmoe.runtime import check_seed, check_threads, resolve_device, resolve_dtype
+    from tfmoe.runtime import check_seed, check_tensor_max_numel, check_threads, resolve_device, resolve_dtype
 
     check_seed(cfg)
-    resolve_dtype(cfg.get("dtype"), resolve_device(cfg.get("device")))
+    if devices:
+        resolve_dtype(cfg.get("dtype"), resolve_device(cfg.get("device")))
     check_threads(cfg)
+    check_tensor_max_numel(cfg)
     check_flush_every(cfg)
     return module.settings(cfg)
 
@@ -349,7 +362,7 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str], strict: bool 
                     cfg = configs(job)
                     with read_write(cfg), open_dict(cfg):  # the job's config, as run_job hands it over
                         del cfg["hydra"]
-                    validate_tag_values(exp, expectations.parse(cfg.get("expect")), module.settings(cfg))
+                    validate_tag_values(exp, expectations.parse(cfg.get("expect")), job_settings(module, cfg, devices=False))
                 except BadInput as exc:
                     refused.append((i, job, str(exc)))
                 except Exception as exc:  # not bad input: the job itself records what happens
@@ -380,7 +393,7 @@ def validate_hydra_flags(flags: list[str], overrides: list[str]) -> None:
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            get_args_parser().parse_args([*flags, *overrides])
+            get_args_parser().parse_args([*overrides, *flags])
     except SystemExit as exc:
         if exc.code not in (0, None):
             last = (said.getvalue().strip().splitlines() or ["unknown flag"])[-1]
@@ -453,8 +466,9 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         check_writable(str(composed.run_root))
     key, out = output_dir(composed, multirun)
     overrides = dir_override(key, out, overrides)
+    if checking or not any(f in ("--help", "-h", "--hydra-help") for f in flags):
+        validate_hydra_flags(flags, overrides)  # an unknown flag: one line (Hydra prints a usage block)
     if checking:
-        validate_hydra_flags(flags, overrides)
         n = len(sweep_job_overrides(overrides) or [None]) if multirun else 1
         print(f"valid: tfmoe {exp.name}, {n} job(s); nothing was run ({VALIDATE_ONLY_ENV} is set)")
         return 0
@@ -463,7 +477,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     runner.LAUNCHER_PID = os.getpid()
     os.environ[runner.LAUNCHER_ENV] = str(os.getpid())  # a launcher's worker processes know whom they serve
     saved_argv = sys.argv
-    sys.argv = [f"tfmoe {exp.name}", *flags, *overrides]
+    sys.argv = [f"tfmoe {exp.name}", *overrides, *flags]  # --info takes an optional value: flags last
     GlobalHydra.instance().clear()
     main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=exp.config)(runner.execute)
     hydra_failed = False

@@ -26,7 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from tfmoe.errors import BadInput, Terminated, disk_problem
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.runtime import (
+    MAX_SEED,
     check_seed,
+    check_tensor_max_numel,
     check_threads,
     resolve_device,
     resolve_dtype,
@@ -223,6 +225,91 @@ def terminate_on(signums: tuple[int, ...] | None = None) -> Iterator[None]:
             signal.signal(s, h)
 
 
+# Test-only hooks (tests/test_faults_signals.py): $TFMOE_TEST_STAGES names a directory where the runner touches a
+# file per stage it enters (start, experiment, records, status, summary, plots); at the stage(s) named in
+# $TFMOE_TEST_HOLD (comma-separated) it waits, up to 30 s, until a signal arrives, so a test signals *inside* that
+# stage instead of at guessed seconds.
+STAGES_ENV, HOLD_ENV = "TFMOE_TEST_STAGES", "TFMOE_TEST_HOLD"
+_SIGNALS_SEEN: list[int] = []  # every stop signal this process's handlers met (the hold waits on it)
+
+
+def stage(name: str) -> None:
+    where = os.environ.get(STAGES_ENV)
+    if not where:
+        return
+    Path(where).mkdir(parents=True, exist_ok=True)
+    Path(where, name).touch()
+    if name in os.environ.get(HOLD_ENV, "").split(","):
+        seen, deadline = len(_SIGNALS_SEEN), time.monotonic() + 30
+        while len(_SIGNALS_SEEN) == seen and time.monotonic() < deadline:
+            time.sleep(0.02)  # SIGINT's default handler raises KeyboardInterrupt here, and it ends the wait
+
+
+class StopExtras(BaseException):  # noqa: N818 (a stop, like KeyboardInterrupt)
+    """A signal during the best-effort parts of the final write (summary, plots): stop drawing."""
+
+
+class FinalWrite:
+    """The run's final write (its tables, then run.parquet with how it ended, then summary and plots): Ctrl-C,
+    SIGTERM (and submitit's SIGUSR2) are recorded instead of raised, so no signal can leave the run ``running``;
+    during the best-effort parts (:meth:`abortable`) a signal stops them. A run that was not already interrupted
+    is then rewritten as ``interrupted`` (:meth:`interrupted`), with one line for stderr (``said``) and the stop
+    to re-raise in the launching process (``stop``)."""
+
+    def __init__(self, stop: BaseException | None) -> None:
+        self.stop, self.got, self.said = stop, [], None
+        self._abortable, self._previous = False, {}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        _SIGNALS_SEEN.append(signum)
+        self.got.append(signum)
+        if len(self.got) > 1:
+            log.warning("%s again while the records are written: recorded", signal.Signals(signum).name)
+        if self._abortable and len(self.got) == 1:
+            raise StopExtras
+
+    def __enter__(self) -> FinalWrite:
+        if threading.current_thread() is threading.main_thread():
+            ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # a worker whose launcher takes Ctrl-C
+            for s in {*([] if ignored else [signal.SIGINT]), *stop_signals()}:
+                self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+    @contextlib.contextmanager
+    def abortable(self) -> Iterator[None]:
+        self._abortable = not self.got
+        try:
+            yield
+        finally:
+            self._abortable = False
+
+    def interrupted(self, writer: Any, status: Status, code: int, error: str | None,
+                    rec: Any = None) -> tuple[Status, int, str | None]:
+        """After a signal during the final write: run.parquet (and, with ``rec``, summary.md) say ``interrupted``."""
+        if not self.got or status == Status.INTERRUPTED:
+            return status, code, error
+        signum = self.got[0]
+        if signum == signal.SIGINT:
+            stop: BaseException = KeyboardInterrupt()
+            code, what = Status.INTERRUPTED.exit_code, "interrupted by the user (Ctrl-C)"
+        else:
+            stop = Terminated(signum)
+            code = stop.exit_code  # type: ignore[attr-defined]
+            what = f"{stop} ({SIGNAL_CAUSES.get(signal.Signals(signum).name, 'a signal that ends the process')})"
+        was = f" (it had ended {status})" if status != Status.RUNNING else ""
+        error = f"{what} while its records were written{was}" + (f"; {error}" if error else "")
+        self.said, self.stop = f"interrupted while its records were written{was}", self.stop or stop
+        writer.end_as(Status.INTERRUPTED, code, error)
+        if rec is not None:
+            with contextlib.suppress(Exception):  # best effort, like the summary it replaces
+                writer.write_summary(rec)
+        return Status.INTERRUPTED, code, error
+
+
 class Heartbeat:
     """A background thread that, every ``every_s`` seconds, writes the run's records so far and a heartbeat
     (:meth:`RunWriter.checkpoint`), so a SIGKILL loses at most the last interval."""
@@ -340,7 +427,7 @@ def execute(cfg: DictConfig) -> int:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     writer = RunWriter(
         run_dir=run_dir, run_id=_run_id(run_dir, sweep_dir), experiment=exp.name,
-        seed=cfg.seed if isinstance(cfg.get("seed"), int) else -1, argv=list(sys.argv),
+        seed=cfg.seed if _recordable_seed(cfg.get("seed")) else -1, argv=list(sys.argv),
         overrides=list(hc.overrides.task), device=str(cfg.get("device")), dtype=str(cfg.get("dtype")),
         sweep_dir=sweep_dir,
     )
@@ -361,6 +448,18 @@ def execute(cfg: DictConfig) -> int:
     return code
 
 
+def _tensor_limit(cfg: DictConfig) -> int:
+    """The tensor size limit for the final write (a refused value was already said: the default then)."""
+    try:
+        return check_tensor_max_numel(cfg)
+    except BadInput:
+        return 1_000_000
+
+
+def _recordable_seed(seed: Any) -> bool:
+    return isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED
+
+
 def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) -> int:
     from rich.markup import escape
 
@@ -377,6 +476,7 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
     try:
         writer.env = environment()
         writer.start()
+        stage("start")
         heartbeat = Heartbeat(writer, check_flush_every(cfg)).__enter__()
         expectations = start_expectations(cfg, exp, writer)
         keep_code(cfg, writer)
@@ -392,6 +492,7 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
 
             torch.cuda.reset_peak_memory_stats(device)
         threads = check_threads(cfg)
+        check_tensor_max_numel(cfg)
         rec = Recorder(cfg=cfg, device=device, dtype=dtype, seed=seed)
         heartbeat.rec = rec
         with torch_threads(threads):
@@ -399,6 +500,7 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
                 import torch
 
                 rec.note(f"{torch.get_num_threads()} torch intra-op thread(s) (config threads={threads})")
+            stage("experiment")
             run_module(exp, cfg, rec)
         if not rec.all_passed:
             status, code = Status.FAILED, Status.FAILED.exit_code
@@ -442,21 +544,41 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
         log.error("run stopped by %s:\n%s", type(exc).__name__, traceback.format_exc())
         raise
     finally:
-        heartbeat.__exit__()
-        if rec is not None and expectations and writer.expectations is not None \
-                and writer.expectations["held"].isna().all():  # crashed or interrupted: judge what was recorded
-            with contextlib.suppress(Exception):
-                finish_expectations(expectations, rec, writer)
-        peak_dev = device_peak(device) if device is not None else None
-        try:
-            status, code, error = writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
-                                                int(cfg.get("tensor_max_numel", 1_000_000)))
-        except OSError as exc:  # run.parquet itself refused: the run cannot record how it ended
-            disk = disk_problem(exc, run_dir)
-            if disk is None:
-                raise
-            UNRECORDED.add(run_dir.resolve())
-            status, code, error = Status.ERROR, Status.ERROR.exit_code, f"{disk} (the run's end is not recorded)"
+        with FinalWrite(stop) as final:  # a signal from here on is recorded, and never loses the records
+            heartbeat.__exit__()
+            stage("records")
+            if rec is not None and expectations and writer.expectations is not None \
+                    and writer.expectations["held"].isna().all():  # crashed or interrupted: judge what was recorded
+                with contextlib.suppress(Exception):
+                    finish_expectations(expectations, rec, writer)
+            peak_dev = device_peak(device) if device is not None else None
+            ended = False
+            try:
+                status, code, error = writer.finish(rec, status, code, error, peak_dev, _peak_rss_bytes(),
+                                                    _tensor_limit(cfg), extras=False)
+                ended = True
+            except OSError as exc:  # run.parquet itself refused: the run cannot record how it ended
+                disk = disk_problem(exc, run_dir)
+                if disk is None:
+                    raise
+                UNRECORDED.add(run_dir.resolve())
+                status, code, error = Status.ERROR, Status.ERROR.exit_code, f"{disk} (the run's end is not recorded)"
+            if ended:
+                stage("status")
+                status, code, error = final.interrupted(writer, status, code, error, rec)
+                if not final.got:
+                    try:
+                        with final.abortable():  # a signal stops the plots: the run ends interrupted all the same
+                            status, code, error = writer.finish_extras(rec, stage)
+                    except StopExtras:
+                        pass
+                    status, code, error = final.interrupted(writer, status, code, error, rec)
+                else:  # a signal during the tables or run.parquet: the summary, no plots
+                    with contextlib.suppress(Exception):
+                        writer.write_summary(rec)
+            if final.said is not None:
+                err.print(f"{exp.name}: {final.said}; the records so far are in {run_dir}", markup=False)
+            stop = final.stop
         if not told and status == Status.ERROR and "cannot write " in (error or ""):  # one line, the first refusal
             err.print(f"error: {error[error.index('cannot write '):].split('; ')[0]}", markup=False, emoji=False)
         log.info("run %s: %s (exit %d) in %s", writer.run_id, status, code, run_dir)

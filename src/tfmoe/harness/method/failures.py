@@ -15,7 +15,43 @@ from tfmoe.status import Status
 
 HEADER = ("# Failures log\n\nReal failures met while running experiments: phenomenon, hypothesis, evidence, fix and the "
           "regression test that now guards it. Append-only (`tfmoe failures add RUN`).\n")
-ENTRY_RE = re.compile(r"^## F-(\d+): (.*)$", re.M)
+# An entry's heading: at the start of the file or after a blank line (format_entry writes one; a field's text never
+# holds a newline: user text is folded onto one line), so a heading forged inside a field of an older entry is not one.
+ENTRY_RE = re.compile(r"(?:\A|(?<=\n\n))## F-(\d+): (.*)$", re.M)
+# Text folded onto one line: newlines and other line breaks would let a field start a heading of its own.
+LINE_BREAKS = re.compile(r"[\n\r\t\v\f\x1c-\x1e\x85\u2028\u2029]+")
+
+
+def _structural(ch: str) -> bool:
+    """A character that changes how the log reads rather than what it says: a control character (ESC starts a
+    terminal escape), a bidi or other format control (U+202E reverses what follows); the zero-width joiner of
+    emoji sequences stays."""
+    import unicodedata
+
+    return unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co") and ch != "\u200d"
+
+
+def user_text(option: str, text: str, required: bool = True) -> str:
+    """A --title/--hypothesis/--fix/--test value as the log may hold it: line breaks folded into spaces, and
+    refused (BadInput) when empty or when it holds a control or bidi character."""
+    folded = " ".join(LINE_BREAKS.sub(" ", text).split(" ")).strip()
+    bad = next((ch for ch in folded if _structural(ch)), None)
+    if bad is not None:
+        import unicodedata
+
+        name = unicodedata.name(bad, "a control character")
+        raise BadInput(f"--{option} holds U+{ord(bad):04X} ({name}), which would change how failures.md reads: "
+                       "remove it")
+    if required and not folded:
+        raise BadInput(f"--{option} is empty: say what you know, e.g. --{option} 'not yet known'")
+    return folded
+
+
+def run_text(text: Any) -> str:
+    """Text recorded by a run (a check's detail, an error, an override) as the log may hold it: on one line,
+    control and bidi characters shown as escapes (\\x1b, \\u202e) instead of acting."""
+    folded = LINE_BREAKS.sub(" ", str(text))
+    return "".join(ch.encode("unicode_escape").decode("ascii") if _structural(ch) else ch for ch in folded)
 
 
 def _lock(path: Path) -> FileLock:
@@ -35,22 +71,23 @@ def format_entry(number: int, run_ref: str, runs_root: Path, title: str | None, 
     for e in missed:
         obs = "no rows" if e["observed"] is None or e["observed"] != e["observed"] else f"{e['observed']:.6g}"
         by = "" if e["miss"] is None or e["miss"] != e["miss"] else f" (misses by {e['miss']:.4g})"
-        lines.append(f"  - expected `{e['selector']} {e['expected']}` (written {_when(e['written_at'])}), "
-                     f"observed {obs}{by} — {e['detail']}")
+        lines.append(f"  - expected `{run_text(e['selector'])} {run_text(e['expected'])}` (written "
+                     f"{_when(e['written_at'])}), observed {obs}{by} — {run_text(e['detail'])}")
     for c in failed:
         obs = "" if c["observed"] is None or c["observed"] != c["observed"] else f" observed {c['observed']:.6g}"
         thr = "" if c["threshold"] is None or c["threshold"] != c["threshold"] else \
             f" vs threshold {c['threshold']:.6g}"
-        lines.append(f"  - `{c['check']}`{obs}{thr}{' — ' + c['detail'] if c['detail'] else ''}")
+        lines.append(f"  - `{run_text(c['check'])}`{obs}{thr}{' — ' + run_text(c['detail']) if c['detail'] else ''}")
     error = run.get("error")
     if isinstance(error, str) and error:
-        lines.append(f"  - run status `{run['status']}`: {error}")
+        lines.append(f"  - run status `{run['status']}`: {run_text(error)}")
     saved = [r["name"] for r in data.rows("tensors") if str(r["name"]).startswith("failing.")]
     if title is None and not failed and missed:
         title = f"{run['experiment']}: expected " + ", ".join(f"{e['selector']} {e['expected']}" for e in missed)
     title = title or (f"{run['experiment']}: " + ", ".join(c["check"] for c in failed) if failed
                       else f"{run['experiment']}: {run['status']}")
-    overrides = " ".join(run["overrides"]) or "(none)"
+    title = run_text(title)
+    overrides = run_text(" ".join(run["overrides"])) or "(none)"
     day = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     return "\n".join([
         f"## F-{number}: {title}",
@@ -87,7 +124,7 @@ def _metric_evidence(data: RunData, missed: list[dict[str, Any]], max_rows: int 
         for r in picked[-max_rows:]:
             tags = " ".join(f"{k}={v}" for k, v in r.items() if k not in ("name", "value", "measured")
                             and v is not None and not (isinstance(v, float) and v != v) and str(v) != "<NA>")
-            shown.append(f"{r['value']:.6g}" + (f" ({tags})" if tags else ""))
+            shown.append(f"{r['value']:.6g}" + (f" ({run_text(tags)})" if tags else ""))
         more = f" (last {max_rows} of {len(picked)})" if len(picked) > max_rows else ""
         out.append(f"metrics.parquet rows of `{e['selector']}` in run `{data.run['run_id']}`{more}: "
                    + ("; ".join(shown) or "none"))
@@ -146,6 +183,8 @@ def add(run_ref: str, runs_root: Path, file: Path, title: str | None, hypothesis
     that does not exist, and a run already logged unless ``again``."""
     if file.exists() and not file.is_file():
         raise BadInput(f"{file} is not a file: pass --file path/to/failures.md")
+    title = None if title is None else user_text("title", title)
+    hypothesis, fix, test = user_text("hypothesis", hypothesis), user_text("fix", fix), user_text("test", test)
     check_test_nodes(test, list(dict.fromkeys([Path.cwd(), file.resolve().parent])))
     run_id = str(read_run_row(resolve_run(run_ref, runs_root))["run_id"])
     try:

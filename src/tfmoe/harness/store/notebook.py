@@ -132,6 +132,8 @@ class RunWriter:
     inference_lines: list[str] = field(default_factory=list)  # likely causes of failed checks (tfmoe.harness.method.diagnosis)
     process: dict[str, Any] = field(default_factory=lambda: process_identity())
     _checkpointed: tuple[int, int, int] = (0, 0, 0)  # metrics/checks/timings rows at the last checkpoint
+    _end: dict[str, Any] = field(default_factory=dict)  # run.parquet's final fields other than the status (finish)
+    ended: tuple[Status, int, str | None] | None = None  # how run.parquet says the run ended (finish, end_as)
 
     def _row(self, status: Status, **extra: Any) -> dict[str, Any]:
         row = {name: None for name in rundir.RUN_SCHEMA.names}
@@ -187,11 +189,13 @@ class RunWriter:
 
     def finish(self, rec: Any, status: Status, exit_code: int, error: str | None,
                peak_device_mem_bytes: int | None, peak_rss_bytes: int | None,
-               tensor_max_numel: int) -> tuple[Status, int, str | None]:
-        """Write every record the recorder holds (whatever state the run ended in), then run.parquet; returns the
-        (status, exit code, error) written. A record the file system refuses (full disk, read-only: errors.disk_problem)
-        makes an ok run ``error`` (exit 2), another one ``crashed``; an OSError writing run.parquet itself propagates
-        (the run cannot record its end: readers then see it ``lost``)."""
+               tensor_max_numel: int, extras: bool = True) -> tuple[Status, int, str | None]:
+        """Write every table the recorder holds (whatever state the run ended in), then run.parquet with how the
+        run ended, then (``extras``) the best-effort parts: summary.md and the plots (:meth:`finish_extras`; the
+        runner calls it itself, so that an interrupt while plots are drawn cannot leave the run ``running``).
+        Returns the (status, exit code, error) written. A record the file system refuses (full disk, read-only:
+        errors.disk_problem) makes an ok run ``error`` (exit 2), another one ``crashed``; an OSError writing
+        run.parquet itself propagates (the run cannot record its end: readers then see it ``lost``)."""
         notes: list[str] = []
         problems: list[str] = []
         disk: str | None = None
@@ -202,7 +206,6 @@ class RunWriter:
                 ("checks", lambda: self._write_checks(rec)),
                 ("timings", lambda: write_parquet(timings_frame(rec.timings_rows), self.run_dir / TABLE_FILES["timings"])),
                 ("tensors", lambda: notes.extend(self._write_tensors(rec, tensor_max_numel))),
-                ("plots", lambda: self._write_plots(rec)),
             ]:
                 try:
                     fn()
@@ -215,22 +218,48 @@ class RunWriter:
             if status == Status.OK:
                 status = Status.ERROR if disk else Status.CRASHED
                 exit_code = status.exit_code
-        try:  # before run.parquet, whose final row is the sign that the run ended
-            write_text(self.run_dir / "summary.md", self._summary(rec, status, error, notes))
-        except OSError as exc:
-            said = disk_problem(exc, self.run_dir)
-            if said is None:
-                raise
-            error = "; ".join(([error] if error else []) + [f"could not write summary.md: {said}"])
-            if status == Status.OK:
-                status, exit_code = Status.ERROR, Status.ERROR.exit_code
         finished = utcnow()
-        self.write_run(self._row(
-            status, finished_at=finished, wall_s=(finished - self.started_at).total_seconds(), error=error,
-            exit_code=exit_code, peak_device_mem_bytes=peak_device_mem_bytes, peak_rss_bytes=peak_rss_bytes,
-            notes=notes,
-        ))
+        self._end = dict(finished_at=finished, wall_s=(finished - self.started_at).total_seconds(),
+                         peak_device_mem_bytes=peak_device_mem_bytes, peak_rss_bytes=peak_rss_bytes, notes=notes)
+        self.end_as(status, exit_code, error)
+        if extras:
+            return self.finish_extras(rec)
         return status, exit_code, error
+
+    def end_as(self, status: Status, exit_code: int, error: str | None) -> None:
+        """(Re)write run.parquet's final row: how the run ended (after :meth:`finish` wrote the tables)."""
+        self.ended = (Status(status), exit_code, error)
+        self.write_run(self._row(status, error=error, exit_code=exit_code, **self._end))
+
+    def finish_extras(self, rec: Any, stage: Any = None) -> tuple[Status, int, str | None]:
+        """The best-effort parts, after run.parquet holds how the run ended: summary.md (text, quick) and then the
+        plots (matplotlib, slow). One the file system refuses, or a plot that fails to draw, is added to the run's
+        error (an ok run becomes ``error`` or ``crashed``) and run.parquet is rewritten. ``stage(name)`` is called
+        before each part (the runner's test hook)."""
+        status, exit_code, error = self.ended
+        for what, fn in [("summary.md", lambda: self.write_summary(rec)), ("plots", lambda: self._write_plots(rec))]:
+            if stage is not None:
+                stage(what.removesuffix(".md"))
+            if rec is None and what == "plots":
+                continue
+            try:
+                fn()
+            except Exception as exc:
+                said = disk_problem(exc, self.run_dir)
+                if said is None and isinstance(exc, OSError) and what == "summary.md":
+                    raise
+                error = "; ".join(([error] if error else []) + [
+                    f"could not write {what}: {said or f'{type(exc).__name__}: {exc}'}"])
+                if status == Status.OK:
+                    status = Status.ERROR if said else Status.CRASHED
+                    exit_code = status.exit_code
+                self.end_as(status, exit_code, error)
+        return status, exit_code, error
+
+    def write_summary(self, rec: Any) -> None:
+        """summary.md for the run as run.parquet says it ended."""
+        status, _, error = self.ended
+        write_text(self.run_dir / "summary.md", self._summary(rec, status, error, list(self._end["notes"])))
 
     def _write_checks(self, rec: Any) -> None:
         rows = [vars(c) for c in list(rec.checks_rows)]
