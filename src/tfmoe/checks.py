@@ -132,7 +132,7 @@ class Verdict:
 
 
 # ============================================================================================ public API
-def check_attention(layer: Any, *, profile: str = "full", record: str | Path | None = None,
+def check_attention(layer: Any, /, *, profile: str = "full", record: str | Path | None = None,
                     **settings: Any) -> Verdict:
     """Judge an attention *module* with attn-check's module battery.
 
@@ -140,12 +140,12 @@ def check_attention(layer: Any, *, profile: str = "full", record: str | Path | N
     ``out`` Linears, ``forward(x, padding_mask=None) -> (out, weights)``), a factory with that signature returning
     such a module, an :class:`~tfmoe.adapters.base.AttentionAdapter` (class or instance) for any other layout, or a
     spec string as ``impl=`` takes (``"pkg.mod:Name"``, ``"torch:mha"``, ``"hf:llama"``).
-    ``settings``: attn-check's keys (``dtype``, ``device``, ``seed``, ``B``, ``T``, ``d_model``, ``n_heads``,
+    The first argument is positional-only (route-sim has a ``layer`` key). ``settings``: attn-check's keys (``dtype``, ``device``, ``seed``, ``B``, ``T``, ``d_model``, ``n_heads``,
     ``n_kv_heads``, ``causal``, ``checks``, ``lacks``, ...). Raises :class:`BadSettings` where the CLI exits 2."""
     return _check("attention", layer, profile, record, settings)
 
 
-def check_kernel(fn: Any, *, profile: str = "full", record: str | Path | None = None, **settings: Any) -> Verdict:
+def check_kernel(fn: Any, /, *, profile: str = "full", record: str | Path | None = None, **settings: Any) -> Verdict:
     """Judge an attention *function* with SDPA's signature ``fn(q, k, v, attn_mask=None, dropout_p=0.0,
     is_causal=False, scale=None, enable_gqa=False)`` on attn-check's kernel case matrix. ``fn`` is the function or a
     spec as ``kernel=`` takes (``"torch:sdpa"``, ``"pkg.mod:fn"``); ``settings`` are the kernel keys (``dtype``,
@@ -153,28 +153,28 @@ def check_kernel(fn: Any, *, profile: str = "full", record: str | Path | None = 
     return _check("kernel", fn, profile, record, settings)
 
 
-def check_moe(layer: Any, *, profile: str = "full", record: str | Path | None = None, **settings: Any) -> Verdict:
-    """Judge an MoE layer with route-sim's layer battery against an independent float64 reference. ``layer``: a
+def check_moe(moe: Any, /, *, profile: str = "full", record: str | Path | None = None, **settings: Any) -> Verdict:
+    """Judge an MoE layer with route-sim's layer battery against an independent float64 reference. ``moe``: a
     class (or factory) in the course's ToyMoE interface ``Class(d_model, hidden, n_experts, top_k)``, a
     :class:`~tfmoe.adapters.moe_base.MoEAdapter` (class or instance), or a spec as ``impl=`` takes
     (``"hf:mixtral"``, ``"lib:st_moe_pytorch"``, ``"pkg.mod:Name"``); ``settings`` are route-sim's keys
     (``d_model``, ``d_hidden``, ``n_experts``, ``top_k``, ``layer={"seq": 8}``, ``dtype``, ...)."""
-    return _check("moe", layer, profile, record, settings)
+    return _check("moe", moe, profile, record, settings)
 
 
-def assert_attention_conforms(layer: Any, **settings: Any) -> Verdict:
+def assert_attention_conforms(layer: Any, /, **settings: Any) -> Verdict:
     """:func:`check_attention`, raising ``AssertionError`` with the verdict's table when a check failed."""
     return _conforms(check_attention(layer, **settings))
 
 
-def assert_kernel_conforms(fn: Any, **settings: Any) -> Verdict:
+def assert_kernel_conforms(fn: Any, /, **settings: Any) -> Verdict:
     """:func:`check_kernel`, raising ``AssertionError`` with the verdict's table when a check failed."""
     return _conforms(check_kernel(fn, **settings))
 
 
-def assert_moe_conforms(layer: Any, **settings: Any) -> Verdict:
+def assert_moe_conforms(moe: Any, /, **settings: Any) -> Verdict:
     """:func:`check_moe`, raising ``AssertionError`` with the verdict's table when a check failed."""
-    return _conforms(check_moe(layer, **settings))
+    return _conforms(check_moe(moe, **settings))
 
 
 def _conforms(verdict: Verdict) -> Verdict:
@@ -359,17 +359,23 @@ def _run(kind: str, overrides: dict[str, Any], record: str | Path | None, record
 
 
 def _override_text(key: str, value: Any) -> str:
-    """A key and value as the CLI's override (what the run records, so `tfmoe show` prints a command)."""
-    import json
+    """A key and value as the CLI's override in Hydra's grammar (what the run records, so `tfmoe show` prints a
+    command that runs it again)."""
+    return f"{key}={_hydra_value(_plain(value))}"
 
-    value = _plain(value)
+
+def _hydra_value(value: Any) -> str:
     if value is None:
-        return f"{key}=null"
+        return "null"
     if isinstance(value, bool):
-        return f"{key}={'true' if value else 'false'}"
-    if isinstance(value, (list, dict)):
-        return f"{key}={json.dumps(value).replace(' ', '')}"
-    return f"{key}={value}"
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_hydra_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str) and not re.fullmatch(r"[A-Za-z_][\w.:/-]*", value) or value in ("true", "false", "null", "nan", "inf"):
+        return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return str(value)
 
 
 def _record(root: Path, exp: Any, cfg: Any, overrides: Mapping[str, Any], rec: Any, same: str | None,
