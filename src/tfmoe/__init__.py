@@ -1,20 +1,36 @@
 """tfmoe: a lab notebook for checking Transformer and Mixture-of-Experts claims.
 
-Public Python API (no torch import at package import time):
+Public Python API (nothing heavy is imported until a name is used: ``import tfmoe`` and the CLI stay torch-free):
 
-    from tfmoe import load_run, load_tensor, load_tensors
+    from tfmoe import load_run, load_tensor, load_tensors             # read a run directory
+    from tfmoe import check_attention, check_kernel, check_moe         # judge your own layer -> Verdict
+    from tfmoe import assert_attention_conforms, assert_kernel_conforms, assert_moe_conforms
+    from tfmoe import Verdict, CheckResult, BadInput, BadSettings
+
+See docs/checking-your-own-layers.md ("From Python and pytest"). Names not listed here are private.
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "load_run", "load_tensor", "load_tensors"]
+_NOTEBOOK = ("load_run", "load_tensor", "load_tensors")
+_CHECKS = ("check_attention", "check_kernel", "check_moe", "assert_attention_conforms", "assert_kernel_conforms",
+           "assert_moe_conforms", "Verdict", "CheckResult", "BadSettings")
 
+__all__ = ["__version__", *_NOTEBOOK, *_CHECKS, "BadInput"]
 
 def __getattr__(name: str):  # lazy: keep `import tfmoe` (and the CLI) free of torch/pandas
-    if name in {"load_run", "load_tensor", "load_tensors"}:
+    if name in _NOTEBOOK:
         from tfmoe.harness.store import notebook
 
         return getattr(notebook, name)
+    if name in _CHECKS:
+        from tfmoe import checks
+
+        return getattr(checks, name)
+    if name == "BadInput":
+        from tfmoe.errors import BadInput
+
+        return BadInput
     raise AttributeError(name)

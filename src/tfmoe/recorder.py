@@ -50,6 +50,8 @@ class Recorder:
     figures: dict[str, Any] = field(default_factory=dict)  # name -> matplotlib Figure
     summary_parts: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # facts the run wants in run.parquet/summary
+    # False where no figure is kept (tfmoe.checks without record=): a recipe may skip drawing them
+    wants_plots: bool = True
 
     # ----------------------------------------------------------------- metrics
     def metric(self, name: str, value: float, step: int | None = None, measured: bool = False, **tags: Any) -> None:

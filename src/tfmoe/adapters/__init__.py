@@ -74,9 +74,10 @@ def load_adapter(spec: str, attn_implementation: str = "eager") -> AttentionAdap
                            "an adapter class must build with no arguments") from None
         adapter.spec = spec
         return adapter
-    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
-        raise BadInput(f"impl={spec!r} is {type(obj).__name__} {obj!r}, not a torch.nn.Module subclass or an "
-                       "AttentionAdapter: point impl at your attention class (or torch:mha, hf:<model_type>)")
+    factory = callable(obj) and not inspect.isclass(obj) and not isinstance(obj, nn.Module)
+    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)) and not factory:
+        raise BadInput(f"impl={spec!r} is {type(obj).__name__} {obj!r}, not a torch.nn.Module subclass, a factory "
+                       "or an AttentionAdapter: point impl at your attention class (or torch:mha, hf:<model_type>)")
     from tfmoe.adapters.course import CourseInterface
 
     return CourseInterface(obj, spec)

@@ -6,6 +6,7 @@ True = real token. Causality is fixed at construction."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,10 @@ def _accepts(sig: inspect.Signature, name: str) -> bool:
 class CourseInterface(AttentionAdapter):
     supports_gqa = False
 
-    def __init__(self, cls: type[nn.Module], spec: str):
+    def __init__(self, cls: Callable[..., nn.Module], spec: str):
+        if not inspect.isclass(cls):  # a factory(d_model, n_heads, causal=[, dropout=]) -> module (tfmoe.checks)
+            self._init_factory(cls, spec)
+            return
         init_sig = inspect.signature(cls.__init__)
         try:
             init_sig.bind(None, 8, 2, causal=True)
@@ -42,9 +46,37 @@ class CourseInterface(AttentionAdapter):
         self.takes_dropout = _accepts(init_sig, "dropout")
         self.takes_cache = _accepts(fwd_sig, "cache")
 
+    def _init_factory(self, factory: Callable[..., nn.Module], spec: str) -> None:
+        """A factory's signature is read like __init__'s; its module's forward from one module it builds."""
+        name = getattr(factory, "__qualname__", type(factory).__name__)
+        init_sig = inspect.signature(factory)
+        try:
+            init_sig.bind(8, 2, causal=True)
+        except TypeError as exc:
+            raise BadInput(f"impl={spec!r}: factory {name}{init_sig} cannot take (d_model, n_heads, causal=...) "
+                           f"({exc}): a factory takes the course's constructor arguments") from None
+        try:
+            with seeded(0):
+                probe = factory(8, 2, causal=True)
+        except Exception as exc:
+            raise BadInput(f"impl={spec!r}: factory {name}(8, 2, causal=True) raised {type(exc).__name__}: {exc}: "
+                           "a factory must build the course's interface at any d_model, n_heads") from None
+        if not isinstance(probe, nn.Module):
+            raise BadInput(f"impl={spec!r}: factory {name}(8, 2, causal=True) returned {type(probe).__name__}, not "
+                           "a torch.nn.Module")
+        fwd_sig = inspect.signature(type(probe).forward)
+        try:
+            fwd_sig.bind(None, torch.empty(0), padding_mask=None)
+        except TypeError as exc:
+            raise BadInput(f"impl={spec!r}: forward{fwd_sig} cannot take (x, padding_mask=...) ({exc}): "
+                           "use forward(self, x, padding_mask=None) -> (output, attn_weights)") from None
+        self.cls, self.spec = factory, spec
+        self.takes_dropout = _accepts(init_sig, "dropout")
+        self.takes_cache = _accepts(fwd_sig, "cache")
+
     @property
     def name(self) -> str:
-        return self.cls.__name__
+        return getattr(self.cls, "__name__", type(self.cls).__name__)
 
     def build(self, d_model: int, n_heads: int, *, n_kv_heads: int, causal: bool, dropout: float,
               seed: int | None, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -58,12 +90,12 @@ class CourseInterface(AttentionAdapter):
             with seeded(seed):
                 module = self.cls(d_model, n_heads, **kwargs)
         except Exception as exc:
-            raise BadInput(f"impl {self.cls.__qualname__}({d_model}, {n_heads}, {kwargs}) raised "
+            raise BadInput(f"impl {getattr(self.cls, '__qualname__', self.name)}({d_model}, {n_heads}, {kwargs}) raised "
                            f"{type(exc).__name__}: {exc}: fix the class or the sizes") from None
         for name, shape in (("qkv", (3 * d_model, d_model)), ("out", (d_model, d_model))):
             weight = getattr(getattr(module, name, None), "weight", None)
             if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != shape:
-                raise BadInput(f"impl {self.cls.__qualname__} needs `{name}` = Linear with weight {shape} "
+                raise BadInput(f"impl {getattr(self.cls, '__qualname__', self.name)} needs `{name}` = Linear with weight {shape} "
                                f"(bias=False), found {getattr(weight, 'shape', None)}: the checks rebuild the "
                                "reference from it (or write an adapter: README, Check your own attention)")
         return module.to(device=device, dtype=dtype).eval()

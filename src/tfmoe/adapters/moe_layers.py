@@ -266,13 +266,14 @@ INTERFACE = ("Class(d_model, hidden, n_experts, top_k) with `router` (nn.Linear 
              "`experts` (nn.ModuleList of n_experts), `top_k`, and forward(x) -> (out, probs)")
 
 
-def load_class(spec: str) -> type:
-    """'pkg.module:Class' -> the class. The current directory is importable, as with ``python -m``."""
+def load_class(spec: str) -> Any:
+    """'pkg.module:Class' -> the class (or a factory with its signature). The current directory is importable, as with ``python -m``."""
     obj = load_object(spec, "impl", bad_form=f"impl={spec!r} is not 'pkg.module:Class' nor 'hf:<model type>': "
                       "write e.g. impl=my_moe:ToyMoE or impl=hf:mixtral")
-    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)):
-        raise BadInput(f"impl={spec!r} is {type(obj).__name__}, not a torch.nn.Module subclass: point impl at a "
-                       f"class in the course's ToyMoE interface: {INTERFACE}")
+    factory = callable(obj) and not inspect.isclass(obj) and not isinstance(obj, nn.Module)  # tfmoe.checks
+    if not (inspect.isclass(obj) and issubclass(obj, nn.Module)) and not factory:
+        raise BadInput(f"impl={spec!r} is {type(obj).__name__}, not a torch.nn.Module subclass or a factory: point "
+                       f"impl at a class in the course's ToyMoE interface: {INTERFACE}")
     return obj
 
 

@@ -213,7 +213,7 @@ def run_module_battery(s: ModuleSettings, rec: Recorder) -> None:
                  "(declare lacks=[padding_mask] to say so up front)")
         layer = LayerUnderTest.start(s, rec, adapter, chunked_fn, decl.with_lack("padding_mask", refused))
     run_groups(layer)
-    if layer.attn is not None and layer.attn.dim() == 4:
+    if rec.wants_plots and layer.attn is not None and layer.attn.dim() == 4:
         b = _padded_row(layer.padding_mask)
         mask = layer.mask
         vis = torch.ones(s.T, s.T, dtype=torch.bool) if mask is None else mask.expand(s.B, 1, s.T, s.T)[b, 0].cpu()

@@ -298,6 +298,16 @@ class RunWriter:
         return "\n".join(lines).rstrip() + "\n"
 
 
+def write_run_config(run_dir: Path, config_yaml: str, overrides: list[str]) -> None:
+    """.hydra/config.yaml and .hydra/overrides.yaml of a run made without Hydra's launcher (tfmoe.checks' record=),
+    as Hydra writes them, so load_run, show and rerun_advice read it like any run."""
+    import yaml
+
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    write_text(run_dir / ".hydra" / "config.yaml", config_yaml)
+    write_text(run_dir / ".hydra" / "overrides.yaml", yaml.safe_dump(list(overrides), default_flow_style=False))
+
+
 def _fmt(x: float | None) -> str:
     return "" if x is None or x != x else f"{x:.4g}"
 

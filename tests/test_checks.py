@@ -1,0 +1,134 @@
+"""tfmoe.checks, the batteries as a Python API (issue 31): correct layers pass and planted ones fail with the table,
+in every form a layer can be passed; bad settings are one BadSettings line like the CLI's exit 2; the config is the
+one Hydra composes; record= writes a run directory the notebook commands read."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import buggy_attention
+import buggy_kernels
+import buggy_moe
+import pytest
+import torch
+
+import tfmoe
+from tfmoe import checks
+from tfmoe.adapters.torch_mha import TorchMHA
+from tfmoe.testing import caught, compose, run_cli
+
+SMALL_KERNEL = {"cases": {"shapes": [[5, 7, 8], [1, 9, 16]], "kv_heads": [6, 2]},
+                "kernel_checks": {"dropout_p": 0.0}}
+
+
+@pytest.mark.parametrize(("experiment", "overrides"), [
+    ("attn-check", {}),
+    ("attn-check", {"dtype": "bf16", "n_kv_heads": 1, "checks": ["masks", "sdpa"], "lengths": [4, 2]}),
+    ("attn-check", {"kernel": "torch:sdpa", "cases.shapes": [[1, 2, 3]], "kernel_checks.fully_masked_expect":
+                    {"bool": "zeros", "additive": "nan"}}),
+    ("route-sim", {"impl": "buggy_moe:Correct", "top_k": 1, "layer.seq": 8, "capacity_factor": None}),
+])
+def test_the_config_is_the_one_hydra_composes(experiment: str, overrides: dict) -> None:
+    from omegaconf import OmegaConf
+
+    texts = [checks._override_text(k, v) for k, v in overrides.items()]
+    ours = OmegaConf.to_container(checks.compose(experiment, overrides))
+    hydras = OmegaConf.to_container(compose(experiment, texts))
+    assert ours == hydras
+
+
+def test_a_correct_layer_passes_and_a_planted_one_fails_with_the_table() -> None:
+    verdict = tfmoe.assert_attention_conforms(buggy_attention.PlainMHA, profile="quick")
+    assert verdict.passed and {c.outcome for c in verdict.checks} == {"passed"}
+    assert {"sdpa_match", "grad_match", "dropout_rate", "kv_cache_decode"} <= {c.name for c in verdict.checks}
+    assert "chunked_match" not in {c.name for c in verdict.checks}  # quick: chunked judges chunked.impl, not the layer
+
+    verdict = tfmoe.check_attention(buggy_attention.ScaleByDModel, profile="quick")
+    assert not verdict.passed and verdict["sdpa_match"].outcome == "failed"
+    assert verdict["sdpa_match"].observed > verdict["sdpa_match"].limit
+    assert any("likely cause" in c for c in verdict.likely_causes), verdict.table()
+
+    exc = caught(tfmoe.assert_attention_conforms, buggy_attention.ScaleByDModel, checks=["sdpa", "invariances"])
+    assert isinstance(exc, AssertionError)
+    text = str(exc)
+    assert "check(s) failed" in text and "sdpa_match" in text and "head_counts" in text
+    assert "likely cause (inferred, not proven)" in text
+
+
+class LocalMHA(buggy_attention.PlainMHA):
+    """Importable by name: its spec is this module's."""
+
+
+def test_every_form_a_layer_can_take() -> None:
+    class Nested(buggy_attention.PlainMHA):  # not importable by name
+        pass
+
+    def factory(d_model, n_heads, causal=True, dropout=0.0):
+        return buggy_attention.PlainMHA(d_model, n_heads, causal=causal, dropout=dropout)
+
+    forms = {"class": (LocalMHA, "test_checks:LocalMHA"), "local class": (Nested, checks.OBJECTS_MODULE),
+             "factory": (factory, checks.OBJECTS_MODULE), "lambda": (lambda d, h, causal=True:
+                                                                     buggy_attention.PlainMHA(d, h, causal=causal),
+                                                                     checks.OBJECTS_MODULE),
+             "adapter instance": (TorchMHA(), checks.OBJECTS_MODULE), "spec": ("torch:mha", "torch:mha")}
+    for form, (layer, spec) in forms.items():
+        kwargs = {"fully_masked_policy": "any"} if form in ("adapter instance", "spec") else {}
+        verdict = tfmoe.check_attention(layer, checks=["sdpa"], **kwargs)
+        assert verdict.passed, f"{form}: {verdict.table()}"
+        assert verdict.impl.startswith(spec), form
+        assert "sdpa_match" in {c.name for c in verdict.checks}
+    left = [a for a in vars(sys.modules[checks.OBJECTS_MODULE]) if not a.startswith("__")]
+    assert not left  # nothing kept after the check
+
+    def buggy_factory(d_model, n_heads, causal=True):
+        return buggy_attention.ScaleByDModel(d_model, n_heads, causal=causal)
+
+    assert not tfmoe.check_attention(buggy_factory, checks=["sdpa"]).passed
+
+
+def test_kernels_and_moe_layers() -> None:
+    verdict = tfmoe.assert_kernel_conforms(buggy_kernels.plain_kernel, **SMALL_KERNEL)
+    assert verdict.experiment == "attn-check" and verdict.impl == "buggy_kernels:plain_kernel"
+    assert not tfmoe.check_kernel(buggy_kernels.kernel_ignores_scale, **SMALL_KERNEL).passed
+    assert not tfmoe.check_kernel(lambda q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                  enable_gqa=False: buggy_kernels.kernel_ignores_scale(q, k, v, attn_mask, dropout_p,
+                                                                                       is_causal, scale, enable_gqa),
+                                  **SMALL_KERNEL).passed
+
+    tfmoe.assert_moe_conforms(buggy_moe.Correct, layer={"seq": 8})
+    exc = caught(tfmoe.assert_moe_conforms, buggy_moe.NotRenormalised, layer={"seq": 8})
+    assert isinstance(exc, AssertionError) and "failed" in str(exc)
+
+
+@pytest.mark.parametrize(("call", "says"), [
+    (lambda: tfmoe.check_attention(buggy_attention.PlainMHA, heads=2), "unknown setting 'heads' for attn-check"),
+    (lambda: tfmoe.check_attention(buggy_attention.PlainMHA, causal="yes"), "causal='yes': expected true/false"),
+    (lambda: tfmoe.check_attention(buggy_attention.PlainMHA, d_model=10, n_heads=4), "not divisible by n_heads=4"),
+    (lambda: tfmoe.check_attention(buggy_attention.PlainMHA, profile="fast"), "profile='fast' is unknown"),
+    (lambda: tfmoe.check_attention(buggy_attention.PlainMHA(8, 2)), "instance: pass the class PlainMHA"),
+    (lambda: tfmoe.check_attention(buggy_attention.PlainMHA, impl="torch:mha"), "first argument of check_attention"),
+    (lambda: tfmoe.check_attention("no_such_module:Attn"), "cannot import 'no_such_module'"),
+    (lambda: tfmoe.check_attention(lambda d_model: None), "cannot take (d_model, n_heads, causal=...)"),
+    (lambda: tfmoe.check_kernel(buggy_kernels.plain_kernel, cases={"shapes": [[1, 2]]}), "cases.shapes="),
+    (lambda: tfmoe.check_moe(buggy_moe.Correct, top_k=9), "top_k"),
+    (lambda: tfmoe.check_attention(None), "pass the layer"),
+])
+def test_bad_settings_are_one_line_like_the_clis_exit_2(call, says: str) -> None:
+    exc = caught(call)
+    assert isinstance(exc, checks.BadSettings) and isinstance(exc, ValueError) and isinstance(exc, tfmoe.BadInput)
+    assert says in str(exc) and "\n" not in str(exc), str(exc)
+
+
+def test_record_writes_a_run_the_notebook_commands_read(tmp_path: Path) -> None:
+    verdict = tfmoe.check_attention(buggy_attention.ScaleByDModel, checks=["sdpa"], record=tmp_path / "runs",
+                                    dtype=torch.float32)
+    assert verdict.run_dir is not None and verdict.run_dir.parent == tmp_path / "runs" / "attn-check"
+    run = tfmoe.load_run(verdict.run_dir)
+    assert run.run["status"] == "failed"
+    assert set(run.checks["check"]) == {c.name for c in verdict.checks}
+    assert "sdpa_match" in (verdict.run_dir / "summary.md").read_text()
+    shown = run_cli(["show", verdict.run_dir.name], tmp_path)
+    assert shown.exit_code == 0 and "sdpa_match" in shown.stdout, shown.stdout + shown.stderr
+    replay = run_cli(["replay", verdict.run_dir.name], tmp_path)
+    assert replay.exit_code == 1, replay.stdout + replay.stderr  # the planted bug fails again, from the record
