@@ -18,6 +18,16 @@ class LayerSettings:
 
 
 @dataclass(frozen=True)
+class EPSettings:
+    """Expert parallelism (``ep_size`` >= 2: route_sim/expert_parallel.py); size 1 runs on one process."""
+
+    size: int = 1  # W ranks
+    impl: str | None = None  # null = the package's ExpertParallelMoE, or pkg.module:Class (ToyMoE + group=)
+    steps: int = 3  # forward+backward steps per rank
+    timeout_s: float = 60.0  # every collective's timeout
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every value a route-sim run reads, validated by :func:`settings`."""
 
@@ -39,3 +49,4 @@ class Settings:
     z_loss_coef: float
     bias_update_rate: float
     layer: LayerSettings  # the layer battery's
+    ep: EPSettings = EPSettings()  # expert parallelism (ep_size)
