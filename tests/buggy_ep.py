@@ -98,3 +98,21 @@ class Sleeps(ExpertParallelMoE):
         if self.rank == 1:
             time.sleep(3600)
         return super().forward(x)
+
+
+class RaisesInForward(ExpertParallelMoE):
+    """A user's layer whose forward raises on every rank: its checks fail, the exception leading the detail."""
+
+    def forward(self, x: torch.Tensor):
+        raise RuntimeError("planted: my dispatcher is not written yet")
+
+
+class EveryExpert(ExpertParallelMoE):
+    """Dense dispatch: every token is sent to every expert (the unchosen with weight 0), so the outputs stay right
+    but each token costs E expert rows and E*(W-1)/W rows on the wire: the counterexample to the claim that expert
+    compute per token stays flat while the All-to-All bytes per token follow k*(W-1)/W."""
+
+    def choose(self, probs: torch.Tensor):
+        weights, topk_idx = super().choose(probs)
+        rest = torch.argsort(probs, dim=-1, descending=True, stable=True)[:, self.top_k:]  # (T,E-k)
+        return torch.cat([weights, torch.zeros_like(rest, dtype=weights.dtype)], 1), torch.cat([topk_idx, rest], 1)

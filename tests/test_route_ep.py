@@ -26,6 +26,7 @@ from tfmoe.testing import compose, make_recorder, run_cli
 
 TESTS = Path(__file__).resolve().parent
 CHECKS = {"output", "grad_input", "grad_router", "grad_experts", "a2a_bytes", "loads", "drops", "step_time"}
+CLAIM = {"rows_per_token", "a2a_bytes_per_token"}  # the chapter's claim, judged on dropless runs
 GRADS = {"grad_input", "grad_router", "grad_experts"}
 # bug -> (the check it plants against, every check it fails at route-sim's defaults with ep_size=2)
 PLANTED = {
@@ -48,8 +49,8 @@ def judged(tmp_path_factory):
     each judged into its own recorder."""
     cfg = compose("route-sim", ["ep_size=2"])
     s = route_sim.settings(cfg)
-    impls = ["own", *(f"buggy_ep:{name}" for name in PLANTED)]
-    spec = ep.spec_for(s, 0, "fp32", impls)
+    impls = ["own", *(f"buggy_ep:{name}" for name in PLANTED), "buggy_ep:RaisesInForward"]
+    spec = ep.spec_for(s, 0, "fp32", impls, dropless=("own", "buggy_ep:EveryExpert"))
     old = os.getcwd()
     os.chdir(TESTS)  # buggy_ep importable by the workers, as a user's module beside them
     try:
@@ -57,16 +58,17 @@ def judged(tmp_path_factory):
     finally:
         os.chdir(old)
     recs = {}
-    for impl in impls:
+    for layer in spec["layers"]:
         rec = make_recorder(cfg)
-        ep.judge([r[impl] for r in result["ranks"]], result["world"], spec, rec)
-        recs[impl] = rec
+        ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"])
+        recs[layer["label"]] = rec
     return recs
 
 
 def test_package_layer_passes_every_check(judged):
     rec = judged["own"]
-    assert {c.check.removeprefix("ep.") for c in rec.checks_rows} == CHECKS
+    assert {c.check.removeprefix("ep.") for c in rec.checks_rows} == CHECKS | CLAIM
+    assert {c.check.removeprefix("ep.") for c in rec.checks_rows if not c.applicable} == CLAIM  # capacity 1.0
     assert failed(rec) == set(), [(c.check, c.observed, c.threshold) for c in rec.checks_rows if not c.passed]
     rows = pd.DataFrame(rec.metrics_rows)
     sent = rows[rows.name == "ep.rows_sent"]
@@ -85,6 +87,21 @@ def test_planted_ep_bug_fails_its_check(judged, bug):
     got = failed(judged[f"buggy_ep:{bug}"])
     assert target in got
     assert got == expected
+
+
+def test_claim_holds_dropless_and_dense_dispatch_falsifies_it(judged):
+    """Expert rows per token stay k and the All-to-All bytes per token follow 2*k*(W-1)/W*D*itemsize for the
+    package's layer; sending every token to every expert breaks both (and the loads and bytes checks)."""
+    own = judged["own@dropless"]
+    assert failed(own) == set() and all(c.applicable for c in own.checks_rows)
+    assert failed(judged["buggy_ep:EveryExpert@dropless"]) == CLAIM | {"loads", "a2a_bytes"}
+
+
+def test_users_exception_fails_every_check_naming_it(judged):
+    rec = judged["buggy_ep:RaisesInForward"]
+    assert failed(rec) == CHECKS | CLAIM
+    assert all(c.detail.startswith("rank 0 raised RuntimeError: planted: my dispatcher is not written yet")
+               for c in rec.checks_rows)
 
 
 @pytest.mark.parametrize("overrides, needle", [

@@ -89,6 +89,11 @@ class ExpertParallelMoE(nn.Module):
         self.last: DispatchStats | None = None
 
     # ---- the parts a planted bug replaces (tests/buggy_ep.py)
+    def choose(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """probs (T,E) -> (weights (T,k) renormalised to sum 1, experts (T,k) best first), as ToyMoE."""
+        weights, topk_idx = probs.topk(self.top_k, dim=-1)
+        return weights / weights.sum(dim=-1, keepdim=True), topk_idx
+
     def owner(self, expert: torch.Tensor) -> torch.Tensor:
         """(S,) global expert ids -> (S,) the rank holding each (blocked placement)."""
         return expert // self.local_experts
@@ -111,13 +116,13 @@ class ExpertParallelMoE(nn.Module):
 
     # ---- forward
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        W, L, k = self.world, self.local_experts, self.top_k
+        W, L = self.world, self.local_experts
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (T,D)
         t0 = time.perf_counter()
         probs = torch.softmax(self.router(flat), dim=-1)  # (T,E)
-        weights, topk_idx = probs.topk(k, dim=-1)  # (T,k)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, topk_idx = self.choose(probs)  # (T,k)
+        k = topk_idx.shape[1]
         keep, capacity = self.keep_mask(topk_idx)  # (T,k)
         kept = keep.reshape(-1).nonzero().squeeze(1)  # (S,) kept assignment ids
         expert = topk_idx.reshape(-1)[kept]  # (S,)

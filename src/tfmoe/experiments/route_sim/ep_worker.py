@@ -84,13 +84,14 @@ def header_bytes(world: int) -> float | None:
     return (after - before) / (world - 1)
 
 
-def run_layer(impl: str, spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+def run_layer(impl: str, capacity_factor: float | None, spec: dict[str, Any], rank: int, world: int
+              ) -> dict[str, Any]:
     dtype = DTYPES[spec["dtype"]]
     d, e, k, seed, n = spec["d_model"], spec["n_experts"], spec["top_k"], spec["seed"], spec["tokens"]
     local = e // world
     torch.manual_seed(seed)
     layer = load_class(impl)(d, spec["d_hidden"], e, k, group=dist.group.WORLD,
-                             capacity_factor=spec["capacity_factor"])
+                             capacity_factor=capacity_factor)
     redraw(layer.router, seed * 1000003)
     for j, expert in enumerate(layer.experts):
         redraw(expert, seed * 1000003 + 1 + rank * local + j)
@@ -142,7 +143,14 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = {impl: run_layer(impl, spec, rank, world) for impl in spec["impls"]}
+    results: dict[str, Any] = {}
+    for layer in spec["layers"]:  # {"label", "impl", "capacity_factor"}
+        try:
+            results[layer["label"]] = run_layer(layer["impl"], layer["capacity_factor"], spec, rank, world)
+        except Exception as exc:  # the user's layer raised: that layer's checks fail, naming it (tfmoe's: crash)
+            if layer["impl"] == "own":
+                raise
+            results[layer["label"]] = {"rank": rank, "raised": f"{type(exc).__name__}: {exc}"}
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(results, gathered if rank == 0 else None, dst=0)
     if rank == 0:

@@ -51,6 +51,10 @@ STARTUP_S = 120.0  # the launcher's and W workers' start (import torch) on a loa
 STOP_GRACE_S = 15.0  # after SIGTERM to the launcher, before SIGKILL to what is left
 
 
+CHECKS = ("output", "grad_input", "grad_router", "grad_experts", "a2a_bytes", "loads", "drops", "step_time",
+          "rows_per_token", "a2a_bytes_per_token")
+
+
 class RankFailed(RuntimeError):
     """A worker of an expert-parallel run died or raised: the message names the rank and how it ended."""
 
@@ -68,7 +72,7 @@ def launch(spec: dict[str, Any], world: int) -> dict[str, Any]:
     env[SPEC_ENV] = json.dumps(spec)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)  # the user's module, tfmoe
-    bound = STARTUP_S + spec["timeout_s"] * (len(spec["impls"]) * (spec["steps"] + 2) + 2)
+    bound = STARTUP_S + spec["timeout_s"] * (len(spec["layers"]) * (spec["steps"] + 2) + 2)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
                             start_new_session=True)
     try:
@@ -182,16 +186,22 @@ def _tol(plain_err: float, scale: float, dtype: torch.dtype) -> float:
 
 
 # ------------------------------------------------------------------------------------------ judging
-def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorder) -> dict[str, Any]:
-    """Record the per-rank metrics and the ep.* checks of one layer's gathered records; returns figures for the
-    summary."""
+def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorder,
+          capacity_factor: float | None) -> dict[str, Any]:
+    """Record the per-rank metrics and the ep.* checks of one layer's gathered records (run with
+    ``capacity_factor``); returns figures for the summary."""
     from tfmoe.experiments.route_sim.ep_worker import DTYPES, batch
 
     ranks = sorted(result, key=lambda r: r["rank"])
+    raised = [f"rank {r['rank']} raised {r['raised']}" for r in ranks if "raised" in r]
+    if raised:  # the user's layer: every check fails, its exception leading the detail
+        for name in CHECKS:  # the claim checks too
+            rec.check(PREFIX + name, False, None, None, "; ".join(raised)[:600])
+        return {"rows": [], "capacity": None, "local_tokens": spec["tokens"] // world, "itemsize": 0, "ratio": None}
     dtype = DTYPES[spec["dtype"]]
     n, d, e, k = spec["tokens"], spec["d_model"], spec["n_experts"], spec["top_k"]
     t, local = n // world, e // world
-    cap = capacity(t, k, e, spec["capacity_factor"])
+    cap = capacity(t, k, e, capacity_factor)
     itemsize = torch.finfo(dtype).bits // 8
     router, experts = rebuild(ranks, torch.float64)
     n_steps = len(ranks[0]["steps"])
@@ -296,8 +306,54 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
                   f"All-to-All), within 1/{STEP_FACTOR:g} .. {STEP_FACTOR:g}")
     else:
         rec.not_applicable(PREFIX + "step_time", "the layer reports no compute / All-to-All times (`last`)")
+    claim = claim_checks(rec, ranks, world, spec, cap, itemsize)
     return {"rows": rows_table, "capacity": cap, "local_tokens": t, "itemsize": itemsize,
-            "ratio": sorted(ratios)[len(ratios) // 2] if ratios else None}
+            "ratio": sorted(ratios)[len(ratios) // 2] if ratios else None, "claim": claim}
+
+
+def claim_checks(rec: Recorder, ranks: list[dict[str, Any]], world: int, spec: dict[str, Any], cap: int | None,
+                 itemsize: int) -> dict[str, float]:
+    """The chapter's claim, measured (dropless runs only): the expert rows computed per token stay k whatever E and
+    W (``ep.rows_per_token``), while the All-to-All payload per token in a forward is 2*k*(W-1)/W*D*itemsize
+    (dispatch and combine; ``ep.a2a_bytes_per_token``): a token's expert sits on another rank with probability
+    (W-1)/W whatever the experts' popularity, as long as routing does not depend on the token's rank. Tolerance:
+    4 standard deviations of a binomial count of the N*k assignments."""
+    names = ("rows_per_token", "a2a_bytes_per_token")
+    if cap is not None:
+        for name in names:
+            rec.not_applicable(PREFIX + name, "the claim is about dropless routing: run with capacity_factor=null")
+        return {}
+    n, d, k = spec["tokens"], spec["d_model"], spec["top_k"]
+    steps = len(ranks[0]["steps"])
+    stats = [[r["steps"][i]["stats"] for r in ranks] for i in range(steps)]
+    out: dict[str, float] = {}
+    if all(st is not None for row in stats for st in row):
+        per_token = [sum(int(st.received_load.sum()) for st in row) / n for row in stats]
+        worst = max(abs(v - k) for v in per_token)
+        rec.check(PREFIX + "rows_per_token", worst == 0, worst, 0.0,
+                  f"expert rows computed per token (all ranks) minus top_k={k}: the expert FLOPs per token")
+        out["rows_per_token"] = sum(per_token) / len(per_token)
+    else:
+        rec.not_applicable(PREFIX + "rows_per_token", "the layer keeps no dispatch statistics (`last`)")
+    if all(r["layout"] is not None and r["steps"][0]["wire_forward"] is not None for r in ranks):
+        payload = 0.0
+        for r in ranks:
+            calls, _bwd, meta = r["layout"]
+            overhead = (world - 1) * (meta + (r["header_bytes"] or 0.0) * calls)
+            payload += sum(s["wire_forward"] - overhead for s in r["steps"])
+        measured = payload / (n * steps)
+        p = (world - 1) / world
+        law = 2 * k * p * d * itemsize
+        sigma = math.sqrt(n * steps * k * p * (1 - p)) * 2 * d * itemsize / (n * steps)
+        rec.check(PREFIX + "a2a_bytes_per_token", abs(measured - law) <= 4 * sigma + 1e-9, measured, law,
+                  f"All-to-All payload bytes per token in a forward (measured on the wire) vs 2*k*(W-1)/W*D*"
+                  f"itemsize = {law:g}, within 4 sigma = {4 * sigma:.1f}")
+        rec.metric(PREFIX + "a2a_bytes_per_token", measured, world=world)
+        rec.metric(PREFIX + "a2a_bytes_per_token_law", law, world=world)
+        out["bytes_per_token"] = measured
+    else:
+        rec.not_applicable(PREFIX + "a2a_bytes_per_token", "the layer declares no collective layout (`layout`)")
+    return out
 
 
 def _compare(rec: Recorder, name: str, got: torch.Tensor | None, want: torch.Tensor, plain: torch.Tensor,
@@ -336,11 +392,15 @@ def per_rank_rows(facts: dict[str, Any], world: int) -> Rows:
     return table
 
 
-def spec_for(s: Any, seed: int, dtype: str, impls: list[str]) -> dict[str, Any]:
-    """What every worker reads (JSON): the sizes, the seed, the layers to run."""
+def spec_for(s: Any, seed: int, dtype: str, impls: list[str],
+             dropless: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What every worker reads (JSON): the sizes, the seed, the layers to run (labelled by their impl; those in
+    ``dropless`` once more as "<impl>@dropless", with capacity_factor None)."""
+    layers = [{"label": i, "impl": i, "capacity_factor": s.capacity_factor} for i in impls]
+    layers += [{"label": f"{i}@dropless", "impl": i, "capacity_factor": None} for i in dropless]
     return {"d_model": s.d_model, "d_hidden": s.d_hidden, "n_experts": s.n_experts, "top_k": s.top_k,
-            "capacity_factor": s.capacity_factor, "tokens": s.tokens, "seed": seed, "dtype": dtype,
-            "steps": s.ep.steps, "timeout_s": s.ep.timeout_s, "impls": impls}
+            "tokens": s.tokens, "seed": seed, "dtype": dtype, "steps": s.ep.steps, "timeout_s": s.ep.timeout_s,
+            "layers": layers}
 
 
 def run_ep(s: Any, rec: Recorder) -> None:
@@ -362,7 +422,7 @@ def run_ep(s: Any, rec: Recorder) -> None:
     t0 = time.perf_counter()
     result = launch(spec, s.ep.size)
     rec.timing("ep.launch", (time.perf_counter() - t0) * 1e3)
-    facts = judge([r[impl] for r in result["ranks"]], result["world"], spec, rec)
+    facts = judge([r[impl] for r in result["ranks"]], result["world"], spec, rec, s.capacity_factor)
     table = per_rank_rows(facts, result["world"])
     table.print_to(rec.console)
     cap = facts["capacity"] if facts["capacity"] is not None else "none (dropless)"
