@@ -157,6 +157,9 @@ def test_cli_ep_run_end_to_end(tmp_path, world):
     assert set(checks["check"]) == {f"ep.{c}" for c in CHECKS} and checks["passed"].all()
     metrics = pd.read_parquet(res.run_dir / "metrics.parquet")
     assert set(metrics[metrics.name == "ep.expert_load"]["rank"].dropna()) == set(range(world))
+    assert set(metrics[metrics.name == "ep.sim.tokens_per_s_per_rank"]["world"]) == {world, 8, 16, 32, 64, 128, 256,
+                                                                                      512, 1024}
+    assert (res.run_dir / "ep_scaling.png").stat().st_size > 0
     assert "Expert parallelism" in (res.run_dir / "summary.md").read_text()
 
 
@@ -206,3 +209,40 @@ def test_sigterm_interrupts_every_rank(tmp_path):
     assert alive == []
     run_dir = next((tmp_path / "runs" / "route-sim").iterdir())
     assert pd.read_parquet(run_dir / "run.parquet").iloc[0]["status"] == "interrupted"
+
+
+# ------------------------------------------------------------------------------------ the scaling model
+def _measured(popularity, world=2, ms_per_row=0.01):
+    import numpy as np
+
+    from tfmoe.experiments.route_sim.ep_scaling import Measured
+
+    return Measured(world, 256, 2, 16, 4, 2, np.asarray(popularity, dtype=float), ms_per_row, None)
+
+
+def test_scaling_model_bytes_law_and_balanced_straggler():
+    from tfmoe.experiments.route_sim.ep_scaling import simulate
+
+    points = simulate(_measured([0.25] * 4), (8, 64, 1024), 100.0, 10.0, seed=0)
+    for p in points:
+        assert p.bytes_per_token == pytest.approx(2 * 2 * (p.world - 1) / p.world * 16 * 4)
+        assert p.experts == 2 * p.world
+        assert 1.0 <= p.straggler < 1.5  # uniform popularity: multinomial noise only
+        assert p.step_ms == pytest.approx(p.compute_ms + p.a2a_ms)
+    assert points[0].tokens_per_s_per_rank > points[-1].tokens_per_s_per_rank  # latency * (W-1) grows
+    assert simulate(_measured([0.25] * 4), (8, 64), 100.0, 10.0, seed=0) == simulate(
+        _measured([0.25] * 4), (8, 64), 100.0, 10.0, seed=0)  # seeded
+
+
+def test_scaling_model_skewed_popularity_makes_a_straggler():
+    from tfmoe.experiments.route_sim.ep_scaling import simulate
+
+    even = simulate(_measured([0.25] * 4), (64,), 100.0, 10.0, seed=0)[0]
+    skewed = simulate(_measured([0.85, 0.05, 0.05, 0.05]), (64,), 100.0, 10.0, seed=0)[0]
+    assert skewed.straggler > 2 * even.straggler and skewed.compute_ms > even.compute_ms
+
+
+@pytest.mark.parametrize("value", ["[1]", "[8,x]", "7"])
+def test_bad_sim_ranks_refused(value):
+    with pytest.raises(BadInput, match="ep_sim_ranks"):
+        route_sim.settings(compose("route-sim", ["ep_size=2", f"ep_sim_ranks={value}"]))

@@ -307,8 +307,32 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
     else:
         rec.not_applicable(PREFIX + "step_time", "the layer reports no compute / All-to-All times (`last`)")
     claim = claim_checks(rec, ranks, world, spec, cap, itemsize)
-    return {"rows": rows_table, "capacity": cap, "local_tokens": t, "itemsize": itemsize,
-            "ratio": sorted(ratios)[len(ratios) // 2] if ratios else None, "claim": claim}
+    facts = {"rows": rows_table, "capacity": cap, "local_tokens": t, "itemsize": itemsize,
+             "ratio": sorted(ratios)[len(ratios) // 2] if ratios else None, "claim": claim,
+             "bytes_per_token": payload_per_token(ranks, world, n)}
+    if all(s["stats"] is not None for r in ranks for s in r["steps"]):
+        load = torch.zeros(e, dtype=torch.float64)
+        compute_ms = 0.0
+        for p, r in enumerate(ranks):
+            for s in r["steps"]:
+                load[p * local:(p + 1) * local] += s["stats"].received_load.double()
+                compute_ms += s["stats"].compute_ms
+        facts["popularity"] = (load / load.sum()).numpy()
+        facts["ms_per_row"] = compute_ms / max(float(load.sum()), 1.0)
+    return facts
+
+
+def payload_per_token(ranks: list[dict[str, Any]], world: int, n: int) -> float | None:
+    """All-to-All payload bytes per token in a forward, from the write counters: each rank's bytes written minus the
+    headers (measured) and the metadata its layout declares, summed over ranks, per token and step."""
+    if not all(r["layout"] is not None and r["steps"][0]["wire_forward"] is not None for r in ranks):
+        return None
+    payload = 0.0
+    for r in ranks:
+        calls, _bwd, meta = r["layout"]
+        overhead = (world - 1) * (meta + (r["header_bytes"] or 0.0) * calls)
+        payload += sum(s["wire_forward"] - overhead for s in r["steps"])
+    return payload / (n * len(ranks[0]["steps"]))
 
 
 def claim_checks(rec: Recorder, ranks: list[dict[str, Any]], world: int, spec: dict[str, Any], cap: int | None,
@@ -335,13 +359,8 @@ def claim_checks(rec: Recorder, ranks: list[dict[str, Any]], world: int, spec: d
         out["rows_per_token"] = sum(per_token) / len(per_token)
     else:
         rec.not_applicable(PREFIX + "rows_per_token", "the layer keeps no dispatch statistics (`last`)")
-    if all(r["layout"] is not None and r["steps"][0]["wire_forward"] is not None for r in ranks):
-        payload = 0.0
-        for r in ranks:
-            calls, _bwd, meta = r["layout"]
-            overhead = (world - 1) * (meta + (r["header_bytes"] or 0.0) * calls)
-            payload += sum(s["wire_forward"] - overhead for s in r["steps"])
-        measured = payload / (n * steps)
+    measured = payload_per_token(ranks, world, n)
+    if measured is not None:
         p = (world - 1) / world
         law = 2 * k * p * d * itemsize
         sigma = math.sqrt(n * steps * k * p * (1 - p)) * 2 * d * itemsize / (n * steps)
@@ -426,6 +445,7 @@ def run_ep(s: Any, rec: Recorder) -> None:
     table = per_rank_rows(facts, result["world"])
     table.print_to(rec.console)
     cap = facts["capacity"] if facts["capacity"] is not None else "none (dropless)"
+    model = scaling(s, rec, facts, result["world"])
     rec.summary("\n".join([
         f"## Expert parallelism: {s.ep.size} ranks, layer {impl}",
         "",
@@ -434,7 +454,38 @@ def run_ep(s: Any, rec: Recorder) -> None:
         "over steps (sent/received: rows to/from other ranks):",
         "",
         table.markdown(),
+        *model,
     ]))
+
+
+def scaling(s: Any, rec: Recorder, facts: dict[str, Any], world: int) -> list[str]:
+    """The scaling model (route_sim/ep_scaling.py) fed with this run's measurements: metrics ep.sim.* per W, the
+    plot ``ep_scaling``, and the summary's lines."""
+    from tfmoe.experiments.route_sim.ep_scaling import Measured, scaling_plot, simulate
+
+    if not s.ep.sim_ranks or "popularity" not in facts:
+        return []
+    m = Measured(world, facts["local_tokens"], s.n_experts // world, s.d_model, facts["itemsize"], s.top_k,
+                 facts["popularity"], facts["ms_per_row"], facts["bytes_per_token"])
+    points = simulate(m, tuple(sorted({world, *s.ep.sim_ranks})), s.ep.link_gbps, s.ep.latency_us, rec.seed)
+    table = Rows(f"scaling model: {s.ep.link_gbps:g} Gbit/s, {s.ep.latency_us:g} us per message, "
+                 f"{m.ms_per_row * 1e3:.2f} us per expert row (measured)",
+                 ["W", "experts", "straggler", "compute ms", "a2a ms", "step ms", "tokens/s/rank", "bytes/token"])
+    for p in points:
+        for name, value in (("tokens_per_s_per_rank", p.tokens_per_s_per_rank), ("bytes_per_token", p.bytes_per_token),
+                            ("straggler", p.straggler), ("step_ms", p.step_ms), ("compute_ms", p.compute_ms),
+                            ("a2a_ms", p.a2a_ms)):
+            rec.metric(PREFIX + "sim." + name, value, measured=name not in ("bytes_per_token", "straggler"),
+                       world=p.world)
+        table.add(p.world, p.experts, f"{p.straggler:.3f}", f"{p.compute_ms:.3f}", f"{p.a2a_ms:.3f}",
+                  f"{p.step_ms:.3f}", f"{p.tokens_per_s_per_rank:,.0f}", f"{p.bytes_per_token:.0f}")
+    rec.plot("ep_scaling", scaling_plot(m, points, s.ep.link_gbps, s.ep.latency_us))
+    table.print_to(rec.console)
+    measured = "" if m.bytes_per_token is None else f" (measured here at W={world}: {m.bytes_per_token:.1f})"
+    return ["", "### Beyond this machine (model, route_sim/ep_scaling.py; not measured)", "",
+            f"From this run: {m.tokens_per_rank} tokens per rank, {m.experts_per_rank} experts per rank (experts "
+            f"added with ranks), expert popularity and {m.ms_per_row * 1e3:.2f} us per expert row as measured; "
+            f"bytes per token 2k(W-1)/W x D x itemsize{measured}.", "", table.markdown()]
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -448,7 +499,7 @@ def most_ranks(available_bytes: int) -> int:
 
 def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
     """The ``ep_*`` keys, validated before anything starts (bad input: one line, exit 2)."""
-    from omegaconf import OmegaConf
+    from omegaconf import ListConfig, OmegaConf
 
     from tfmoe.errors import BadInput
     from tfmoe.experiments.route_sim.settings import EPSettings
@@ -461,8 +512,17 @@ def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
                        "ep_impl=null for the package's ExpertParallelMoE")
     steps = require_int(cfg, "ep_steps", 1)
     timeout = require_number(cfg, "ep_timeout_s", positive=True)
+    ranks = OmegaConf.select(cfg, "ep_sim_ranks", default=[])
+    ranks = list(ranks) if isinstance(ranks, (list, tuple, ListConfig)) else ranks
+    if not isinstance(ranks, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 2
+                                              for w in ranks):
+        raise BadInput(f"ep_sim_ranks={ranks!r} is not a list of integers >= 2: pass e.g. ep_sim_ranks=[8,64,1024] "
+                       "(or [] for no scaling model)")
+    link = require_number(cfg, "ep_link_gbps", positive=True)
+    latency = require_number(cfg, "ep_link_latency_us", minimum=0.0)
+    extra = (tuple(ranks), link, latency)
     if size == 1:
-        return EPSettings(1, impl, steps, timeout)
+        return EPSettings(1, impl, steps, timeout, *extra)
     divisors = [w for w in range(1, n_experts + 1) if n_experts % w == 0]
     if n_experts % size:
         raise BadInput(f"ep_size={size} does not divide n_experts={n_experts}: pass ep_size as one of "
@@ -487,4 +547,4 @@ def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
         raise BadInput(f"ep_size={size} is more worker processes than this machine can start (at most {limit}: "
                        f"{WORKER_BYTES / 2**20:.0f} MiB each in 80% of the available memory): pass ep_size="
                        f"{max(fits)} or less")
-    return EPSettings(size, impl, steps, timeout)
+    return EPSettings(size, impl, steps, timeout, *extra)

@@ -25,6 +25,9 @@ class EPSettings:
     impl: str | None = None  # null = the package's ExpertParallelMoE, or pkg.module:Class (ToyMoE + group=)
     steps: int = 3  # forward+backward steps per rank
     timeout_s: float = 60.0  # every collective's timeout
+    sim_ranks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)  # W the scaling model extrapolates to
+    link_gbps: float = 100.0  # the model's link bandwidth per rank (Gbit/s)
+    latency_us: float = 10.0  # ...and latency per message (microseconds)
 
 
 @dataclass(frozen=True)
