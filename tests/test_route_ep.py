@@ -154,12 +154,16 @@ def test_cli_ep_run_end_to_end(tmp_path, world):
     res, run = _run(tmp_path, f"ep_size={world}")
     assert res.exit_code == 0, res.stderr
     checks = pd.read_parquet(res.run_dir / "checks.parquet")
-    assert set(checks["check"]) == {f"ep.{c}" for c in CHECKS} and checks["passed"].all()
+    assert set(checks["check"]) == {f"ep.{c}" for c in CHECKS | CLAIM} | {
+        "ep.train.router_replicated", "ep.train.assignments_add_up"}
+    assert checks["passed"].all()
     metrics = pd.read_parquet(res.run_dir / "metrics.parquet")
     assert set(metrics[metrics.name == "ep.expert_load"]["rank"].dropna()) == set(range(world))
     assert set(metrics[metrics.name == "ep.sim.tokens_per_s_per_rank"]["world"]) == {world, 8, 16, 32, 64, 128, 256,
                                                                                       512, 1024}
-    assert (res.run_dir / "ep_scaling.png").stat().st_size > 0
+    assert (res.run_dir / "ep_scaling.png").stat().st_size > 0 and (res.run_dir / "ep_training.png").exists()
+    rows = metrics[metrics.name == "ep.train.rank_rows"]
+    assert set(rows["strategy"]) == {"none", "aux_loss", "z_loss", "aux_free"} and set(rows["rank"]) == set(range(world))
     assert "Expert parallelism" in (res.run_dir / "summary.md").read_text()
 
 

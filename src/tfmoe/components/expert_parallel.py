@@ -85,13 +85,16 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleList(
             nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
             for _ in range(self.local_experts))
+        self.register_buffer("selection_bias", torch.zeros(n_experts))  # aux-loss-free balancing: selection only
         self.layout = CollectiveLayout(3, 2, self.local_experts * 8)
         self.last: DispatchStats | None = None
 
     # ---- the parts a planted bug replaces (tests/buggy_ep.py)
     def choose(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """probs (T,E) -> (weights (T,k) renormalised to sum 1, experts (T,k) best first), as ToyMoE."""
-        weights, topk_idx = probs.topk(self.top_k, dim=-1)
+        """probs (T,E) -> (weights (T,k) renormalised to sum 1, experts (T,k) best first), as ToyMoE; experts are
+        chosen on probs + ``selection_bias`` (zeros unless aux-loss-free balancing moves it), weighted by probs."""
+        _, topk_idx = (probs.detach() + self.selection_bias).topk(self.top_k, dim=-1)
+        weights = probs.gather(-1, topk_idx)
         return weights / weights.sum(dim=-1, keepdim=True), topk_idx
 
     def owner(self, expert: torch.Tensor) -> torch.Tensor:

@@ -223,5 +223,7 @@ __all__ = ["Settings", "settings", "run", "sweep_plots", "layer_settings", "summ
 def tag_values(s: Settings) -> dict[str, tuple[str, ...]]:
     """The tag values a run with these settings records: the training simulation's strategies (none for a user's
     or a transformers layer, or steps=0). An expectation naming another is refused before the run."""
-    trains = s.layer.impl is None and s.steps > 0 and s.ep.size == 1
+    trains = s.layer.impl is None and s.steps > 0 and (s.ep.size == 1 or s.ep.impl is None)
+    if trains and s.ep.size > 1:  # expert-parallel training runs the strategies it supports
+        return {"strategy": tuple(route_ep.trained_strategies(s))}
     return {"strategy": tuple(s.strategies) if trains else ()}

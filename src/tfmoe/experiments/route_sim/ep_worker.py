@@ -138,6 +138,66 @@ def run_layer(impl: str, capacity_factor: float | None, spec: dict[str, Any], ra
     }
 
 
+TRAINED_STRATEGIES = ("none", "aux_loss", "z_loss", "aux_free")  # noisy_topk: not under EP yet
+
+
+def train(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """The training simulation under expert parallelism (the package's layer, fp32): route_sim.training's
+    ClusterTask, the router skewed so experts 0..k-1 win every token, Adam on MSE(x + out, y) over this rank's
+    shard of each batch (loss / W, so the expert gradients the All-to-All brings back are the global batch's);
+    the replicated router's gradient summed over ranks (all_reduce), the balancing loss computed on the rank's
+    tokens, the aux-free bias moved by the global load (all_reduce). Per step and rank: the loads routed (global),
+    the rows this rank's experts computed, dropped assignments, task loss."""
+    import torch.nn.functional as F
+
+    from tfmoe.components import moe
+    from tfmoe.components.expert_parallel import ExpertParallelMoE
+    from tfmoe.experiments.route_sim.training import ClusterTask
+
+    t = spec["train"]
+    d, e, k, seed, n = spec["d_model"], spec["n_experts"], spec["top_k"], spec["seed"], t["tokens"]
+    local, shard = e // world, slice(rank * n // world, (rank + 1) * n // world)
+    task = ClusterTask.make(d, t["clusters"], seed + 3)
+    out: dict[str, Any] = {}
+    for strategy in t["strategies"]:
+        torch.manual_seed(seed + 4)
+        layer = ExpertParallelMoE(d, spec["d_hidden"], e, k, group=dist.group.WORLD,
+                                  capacity_factor=t["capacity_factor"])
+        redraw(layer.router, seed * 1000003)
+        for j, expert in enumerate(layer.experts):
+            redraw(expert, seed * 1000003 + 1 + rank * local + j)
+        with torch.no_grad():
+            layer.router.weight[:k] += t["init_skew"] * task.offset / task.offset.norm() ** 2
+        opt = torch.optim.Adam(layer.parameters(), lr=t["lr"])
+        gen = torch.Generator().manual_seed(seed + 1)  # the same batches on every rank, every strategy
+        rows: dict[str, list] = {"load": [], "rank_rows": [], "dropped": [], "task_loss": [], "balance_loss": []}
+        for _step in range(t["steps"]):
+            xb, yb = task.sample(n, gen)
+            x, y = xb[shard], yb[shard]
+            mixture, probs = layer(x)
+            task_loss = F.mse_loss(x + mixture, y)
+            st = layer.last
+            balance = moe.switch_aux_loss(probs, st.topk_idx, t["aux_loss_coef"])
+            applied = {"aux_loss": balance,
+                       "z_loss": moe.router_z_loss(layer.router(x), t["z_loss_coef"])}.get(strategy, 0.0)
+            opt.zero_grad(set_to_none=True)
+            ((task_loss + applied) / world).backward()
+            dist.all_reduce(layer.router.weight.grad)  # the replicated router: data parallel
+            opt.step()
+            load = torch.bincount(st.topk_idx.reshape(-1), minlength=e)  # (E,) this rank's tokens, routed
+            dist.all_reduce(load)
+            if strategy == "aux_free":
+                moe.update_selection_bias(layer.selection_bias, load, t["bias_update_rate"])
+            rows["load"].append(load.clone())
+            rows["rank_rows"].append(int(st.received_load.sum()))
+            rows["dropped"].append(int((~st.keep).sum()))
+            rows["task_loss"].append(float(task_loss))
+            rows["balance_loss"].append(float(balance))
+        rows["router"] = layer.router.weight.detach().clone()
+        out[strategy] = rows
+    return out
+
+
 def main() -> int:
     spec = json.loads(os.environ[SPEC_ENV])
     torch.set_num_threads(1)
@@ -151,6 +211,8 @@ def main() -> int:
             if layer["impl"] == "own":
                 raise
             results[layer["label"]] = {"rank": rank, "raised": f"{type(exc).__name__}: {exc}"}
+    if spec.get("train"):
+        results["__train__"] = train(spec, rank, world)
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(results, gathered if rank == 0 else None, dst=0)
     if rank == 0:

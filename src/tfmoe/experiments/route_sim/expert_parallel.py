@@ -411,6 +411,23 @@ def per_rank_rows(facts: dict[str, Any], world: int) -> Rows:
     return table
 
 
+def trained_strategies(s: Any) -> list[str]:
+    """The strategies the training simulation runs under expert parallelism (ep_worker.TRAINED_STRATEGIES)."""
+    from tfmoe.experiments.route_sim.ep_worker import TRAINED_STRATEGIES
+
+    return [name for name in s.strategies if name in TRAINED_STRATEGIES]
+
+
+def train_spec(s: Any) -> dict[str, Any] | None:
+    """The training simulation's part of the spec (None when steps=0)."""
+    if s.steps == 0:
+        return None
+    return {"steps": s.steps, "tokens": s.train_tokens, "clusters": s.clusters, "init_skew": s.init_skew,
+            "lr": s.lr, "aux_loss_coef": s.aux_loss_coef, "z_loss_coef": s.z_loss_coef,
+            "bias_update_rate": s.bias_update_rate, "capacity_factor": s.capacity_factor,
+            "strategies": trained_strategies(s)}
+
+
 def spec_for(s: Any, seed: int, dtype: str, impls: list[str],
              dropless: tuple[str, ...] = ()) -> dict[str, Any]:
     """What every worker reads (JSON): the sizes, the seed, the layers to run (labelled by their impl; those in
@@ -435,6 +452,12 @@ def run_ep(s: Any, rec: Recorder) -> None:
 
         load_object(impl, "ep_impl")  # bad input (exit 2) here, before any worker starts
     spec = spec_for(s, rec.seed, dtype, [impl])
+    spec["train"] = train_spec(s) if impl == "own" else None
+    if spec["train"] is not None:
+        skipped = [name for name in s.strategies if name not in spec["train"]["strategies"]]
+        if skipped:
+            rec.note(f"training simulation under expert parallelism: {', '.join(skipped)} not run (not supported "
+                     "under ep_size yet)")
     rec.note(f"expert parallelism: {s.ep.size} ranks started by torch.distributed.run (gloo, CPU), "
              f"{s.n_experts // s.ep.size} experts and {s.tokens // s.ep.size} tokens per rank; collectives time "
              f"out after {s.ep.timeout_s:g} s")
@@ -446,6 +469,8 @@ def run_ep(s: Any, rec: Recorder) -> None:
     table.print_to(rec.console)
     cap = facts["capacity"] if facts["capacity"] is not None else "none (dropless)"
     model = scaling(s, rec, facts, result["world"])
+    if spec["train"] is not None:
+        model += training(spec, rec, [r["__train__"] for r in result["ranks"]], result["world"])
     rec.summary("\n".join([
         f"## Expert parallelism: {s.ep.size} ranks, layer {impl}",
         "",
@@ -486,6 +511,62 @@ def scaling(s: Any, rec: Recorder, facts: dict[str, Any], world: int) -> list[st
             f"From this run: {m.tokens_per_rank} tokens per rank, {m.experts_per_rank} experts per rank (experts "
             f"added with ranks), expert popularity and {m.ms_per_row * 1e3:.2f} us per expert row as measured; "
             f"bytes per token 2k(W-1)/W x D x itemsize{measured}.", "", table.markdown()]
+
+
+def training(spec: dict[str, Any], rec: Recorder, per_rank: list[dict[str, Any]], world: int) -> list[str]:
+    """The training simulation's per-rank records (tags strategy=, rank=; per step), its checks and plot, and the
+    summary's lines: per strategy, how unevenly the ranks' experts are loaded while it trains."""
+    from matplotlib.figure import Figure
+
+    t, k, e = spec["train"], spec["top_k"], spec["n_experts"]
+    n = t["tokens"]
+    fig = Figure(figsize=(9, 3.6))
+    ax1, ax2 = fig.subplots(1, 2)
+    table = Rows("training under expert parallelism: mean over the last 10% of steps",
+                 ["strategy", "rank imbalance (max/mean rows)", "expert CV", "dropped", "task loss"])
+    worst_router, worst_total = 0.0, 0
+    for strategy in t["strategies"]:
+        traces = [r[strategy] for r in per_rank]
+        imbalance, cv = [], []
+        for step in range(t["steps"]):
+            rows = [tr["rank_rows"][step] for tr in traces]
+            load = traces[0]["load"][step].double()
+            dropped = sum(tr["dropped"][step] for tr in traces)
+            worst_total = max(worst_total, abs(sum(rows) + dropped - n * k), int((load.sum() - n * k).abs()))
+            for p, value in enumerate(rows):
+                rec.metric(PREFIX + "train.rank_rows", value, step=step, strategy=strategy, rank=p)
+            imbalance.append(max(rows) / (sum(rows) / world) if sum(rows) else math.inf)
+            cv.append(float(load.std(unbiased=False) / load.mean()))
+            rec.metric(PREFIX + "train.rank_imbalance", imbalance[-1], step=step, strategy=strategy)
+            rec.metric(PREFIX + "train.cv", cv[-1], step=step, strategy=strategy)
+            rec.metric(PREFIX + "train.dropped_fraction", dropped / (n * k), step=step, strategy=strategy)
+            rec.metric(PREFIX + "train.task_loss", sum(tr["task_loss"][step] for tr in traces) / world, step=step,
+                       strategy=strategy)
+        worst_router = max(worst_router, *(float((tr["router"] - traces[0]["router"]).abs().max()) for tr in traces))
+        tail = slice(max(0, t["steps"] - max(1, t["steps"] // 10)), t["steps"])
+
+        def mean(v: list[float], tail: slice = tail) -> float:
+            return sum(v[tail]) / len(v[tail])
+
+        table.add(strategy, f"{mean(imbalance):.3f}", f"{mean(cv):.3f}",
+                  f"{mean([sum(tr['dropped'][i] for tr in traces) / (n * k) for i in range(t['steps'])]):.3f}",
+                  f"{mean([sum(tr['task_loss'][i] for tr in traces) / world for i in range(t['steps'])]):.4f}")
+        ax1.plot(imbalance, label=strategy)
+        ax2.plot(cv, label=strategy)
+    rec.check(PREFIX + "train.router_replicated", worst_router == 0.0, worst_router, 0.0,
+              "the router after training, every rank minus rank 0 (its gradient is all-reduced)")
+    rec.check(PREFIX + "train.assignments_add_up", worst_total == 0, worst_total, 0.0,
+              "every step: rows computed on all ranks + dropped = tokens*k, and the routed loads sum to tokens*k")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel(f"max / mean rows over {world} ranks")
+    ax1.legend(fontsize=7)
+    ax2.set_xlabel("step")
+    ax2.set_ylabel(f"CV of the {e} experts' loads")
+    fig.tight_layout()
+    rec.plot("ep_training", fig)
+    table.print_to(rec.console)
+    return ["", f"### Training simulation under expert parallelism: {t['steps']} steps x {n} tokens "
+            f"({n // world} per rank), init_skew {t['init_skew']:g}", "", table.markdown()]
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -530,6 +611,10 @@ def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
     if tokens % size:
         raise BadInput(f"tokens={tokens} is not divisible by ep_size={size}: pass tokens={tokens // size * size or size}"
                        f" (a multiple of {size})")
+    train_tokens, steps_train = cfg.get("train_tokens"), cfg.get("steps")
+    if isinstance(steps_train, int) and steps_train > 0 and isinstance(train_tokens, int) and train_tokens % size:
+        raise BadInput(f"train_tokens={train_tokens} is not divisible by ep_size={size}: pass train_tokens="
+                       f"{train_tokens // size * size or size} (or steps=0 for no training simulation)")
     if cfg.get("impl") is not None:
         raise BadInput(f"impl={cfg.get('impl')!r} names a single-process layer: with ep_size={size} pass the "
                        "expert-parallel layer as ep_impl=module:Class (and impl=null)")
