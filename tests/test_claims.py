@@ -29,11 +29,11 @@ def test_six_claims_listed_as_json_and_table_without_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     body = json.loads(out.stdout)
-    assert len(body) == 6 and all({"claim", "experiment", "check", "overrides"} <= set(c) for c in body)
+    assert len(body) == 7 and all({"claim", "experiment", "check", "overrides"} <= set(c) for c in body)
     assert {c["experiment"] for c in body} <= set(EXPERIMENTS) and all(c["check"] for c in body)
     assert [c["key"] for c in body] == ["tokens", "attention_by_content", "encoder_vs_decoder",
                                         "attention_mixes_ffn_per_token", "parallel_training_serial_generation",
-                                        "moe_params_not_compute"]
+                                        "moe_params_not_compute", "ep_bytes_not_flops"]
 
 
 def test_table_format(workdir: Path) -> None:
@@ -60,7 +60,10 @@ def test_every_claim_check_is_recorded_by_its_experiment(claim: claims.Claim) ->
     source = "".join(p.read_text() for p in (REPO / "src" / "tfmoe" / "experiments").rglob("*.py"))
     for check in claim.checks:
         base = re.split(r"[\[.]", check)[0]  # round_trip[cl100k_base] / moe_active_lt_total.T32_D16
-        assert re.search(rf"[\"']{re.escape(base)}[\"'\[{{]", source), f"no experiment records {check}"
+        prefixed = check.partition(".")[2]  # ep.rows_per_token: PREFIX + "rows_per_token"
+        assert re.search(rf"[\"']{re.escape(base)}[\"'\[{{]", source) or \
+            (prefixed and re.search(rf"PREFIX \+ [\"']{re.escape(prefixed)}[\"']", source)), \
+            f"no experiment records {check}"
 
 
 def test_verdicts_from_a_checks_table() -> None:
@@ -124,4 +127,4 @@ def test_claims_run_one_claim_holds_and_a_planted_counterexample_is_falsified(wo
 def test_all_six_claims_hold(workdir: Path) -> None:
     r = run_cli(["claims", "--run"], workdir)
     assert r.exit_code == 0, r.stdout
-    assert r.stdout.count("-> holds ->") == 6
+    assert r.stdout.count("-> holds ->") == 7

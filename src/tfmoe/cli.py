@@ -325,7 +325,8 @@ def claims_cmd(
     fmt: Annotated[ClaimsFormat, typer.Option("--format")] = ClaimsFormat.table,
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
-    """The chapter's six self-test claims: experiment, overrides and the check(s) that would fail were each false."""
+    """The chapter's seven claims (six self-test, one expert-parallel): experiment, overrides and the check(s)
+    that would fail were each false."""
     from tfmoe.harness.launching import claims
 
     if not run:

@@ -33,6 +33,7 @@ from tfmoe.adapters.moe_layers import LayerSizes
 from tfmoe.components import moe
 from tfmoe.errors import BadInput
 from tfmoe.experiments.route_sim import course as route_course
+from tfmoe.experiments.route_sim import expert_parallel as route_ep
 from tfmoe.experiments.route_sim import layer as route_layer
 from tfmoe.experiments.route_sim import training as route_training
 from tfmoe.experiments.route_sim.course import CourseResult
@@ -93,6 +94,7 @@ def settings(cfg: DictConfig) -> Settings:
         bias_update_rate=require_number(cfg, "bias_update_rate", minimum=0.0, fix=COEF_FIX),
         layer=layer_settings(cfg, n_experts, top_k, score_func),
         expect_divergence=finite.expect_divergence(cfg),
+        ep=route_ep.ep_settings(cfg, n_experts, tokens),  # expert parallelism (ep_size)
     )
     if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before the run starts
         refuse_oversized(built, str(cfg.get("dtype")), memory.host_available_bytes(), "the host's")
@@ -206,6 +208,9 @@ def run(s: Settings, rec: Recorder) -> None:
 
     from tfmoe.memory import available_memory_bytes
 
+    if s.ep.size > 1:  # expert parallelism: W ranks under torch.distributed.run (route_sim/expert_parallel.py)
+        route_ep.run_ep(s, rec)
+        return
     # on the run's own device (a CUDA run's memory is not the host's)
     refuse_oversized(s, "fp64" if rec.dtype == torch.float64 else "fp32", available_memory_bytes(rec.device),
                      f"{rec.device}'s")
@@ -263,5 +268,7 @@ __all__ = ["Settings", "settings", "run", "sweep_plots", "layer_settings", "summ
 def tag_values(s: Settings) -> dict[str, tuple[str, ...]]:
     """The tag values a run with these settings records: the training simulation's strategies (none for a user's
     or a transformers layer, or steps=0). An expectation naming another is refused before the run."""
-    trains = s.layer.impl is None and s.steps > 0
+    trains = s.layer.impl is None and s.steps > 0 and (s.ep.size == 1 or s.ep.impl is None)
+    if trains and s.ep.size > 1:  # expert-parallel training runs the strategies it supports
+        return {"strategy": tuple(route_ep.trained_strategies(s))}
     return {"strategy": tuple(s.strategies) if trains else ()}

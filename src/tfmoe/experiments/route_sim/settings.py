@@ -21,6 +21,19 @@ class LayerSettings:
 
 
 @dataclass(frozen=True)
+class EPSettings:
+    """Expert parallelism (``ep_size`` >= 2: route_sim/expert_parallel.py); size 1 runs on one process."""
+
+    size: int = 1  # W ranks
+    impl: str | None = None  # null = the package's ExpertParallelMoE, or pkg.module:Class (ToyMoE + group=)
+    steps: int = 3  # forward+backward steps per rank
+    timeout_s: float = 60.0  # every collective's timeout
+    sim_ranks: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024)  # W the scaling model extrapolates to
+    link_gbps: float = 100.0  # the model's link bandwidth per rank (Gbit/s)
+    latency_us: float = 10.0  # ...and latency per message (microseconds)
+
+
+@dataclass(frozen=True)
 class Settings:
     """Every value a route-sim run reads, validated by :func:`settings`."""
 
@@ -43,3 +56,4 @@ class Settings:
     bias_update_rate: float
     layer: LayerSettings  # the layer battery's
     expect_divergence: bool = False  # a stress test: the training simulation must go non-finite (tfmoe.finite)
+    ep: EPSettings = EPSettings()  # expert parallelism (ep_size)

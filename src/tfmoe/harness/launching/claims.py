@@ -1,4 +1,5 @@
-"""The chapter's six self-test claims (本章自测), each as a run that could falsify it.
+"""The chapter's six self-test claims (本章自测), and its MoE section's claim about expert parallelism, each as a
+run that could falsify it.
 
 Each claim names one experiment, the overrides that make the run small, and the check(s) that would fail were the
 claim false; ``falsified_by`` names the tests that plant a counterexample and see those checks fail.
@@ -84,6 +85,16 @@ CLAIMS: tuple[Claim, ...] = (
           ("tests/test_claims.py::test_dense_moe_fails_moe_compute_flat_in_experts",
            "tests/test_claims.py::test_an_always_on_expert_fails_moe_compute_flat_in_experts",
            "tests/test_complexity.py::test_moe_checks_fail_on_planted_layer_bugs")),
+    Claim("ep_bytes_not_flops",
+          "Expert parallelism keeps each token's expert compute flat (k experts, however many experts and ranks) "
+          "while its All-to-All bytes grow with k·(W−1)/W: a token's expert sits on another rank with "
+          "probability (W−1)/W",
+          "route-sim", ("ep_size=4", "capacity_factor=null", "tokens=1024"),
+          ("ep.rows_per_token", "ep.a2a_bytes_per_token"),
+          "a layer that sends every token to every expert computes E rows per token, not k, and writes "
+          "2·E·(W−1)/W rows per token on the wire, far outside 4 sigma of 2·k·(W−1)/W (the bytes are measured "
+          "by the workers' write counters, apart from the dispatcher's split sizes)",
+          ("tests/test_route_ep.py::test_claim_holds_dropless_and_dense_dispatch_falsifies_it",)),
 )
 
 
@@ -100,8 +111,8 @@ def as_records() -> list[dict[str, object]]:
 
 
 def claims_table() -> Rows:
-    """The six claims: experiment, overrides and the check(s) that would fail were each false."""
-    table = Rows("the chapter's six claims (tfmoe claims --run runs them)",
+    """The seven claims: experiment, overrides and the check(s) that would fail were each false."""
+    table = Rows("the chapter's seven claims (tfmoe claims --run runs them)",
                  ["claim", "experiment", "overrides", "check(s) that would fail were it false"])
     for c in CLAIMS:
         table.add(c.claim, c.experiment, " ".join(c.overrides) or "(defaults)", c.checks)

@@ -1,0 +1,252 @@
+"""route-sim ep_size=W: expert parallelism across processes started by torch.distributed.run (gloo, CPU).
+
+One launch at route-sim's defaults (ep_size=2) runs the package's layer and every planted bug of tests/buggy_ep.py
+in the same process group; each bug must fail its check, and exactly the checks listed (the others a bug
+disturbs for real: a wrong placement also sends other bytes, a global capacity's all_gather writes bytes too).
+The end-to-end CLI runs (ep_size=2 and 4) and the faults (a SIGKILLed rank, SIGTERM, a stuck rank) start a
+launcher each and are marked slow: ``pytest tests/test_route_ep.py -m slow``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tfmoe.errors import BadInput
+from tfmoe.experiments import route_sim
+from tfmoe.experiments.route_sim import expert_parallel as ep
+from tfmoe.testing import compose, make_recorder, run_cli
+
+TESTS = Path(__file__).resolve().parent
+CHECKS = {"output", "grad_input", "grad_router", "grad_experts", "a2a_bytes", "loads", "drops", "step_time"}
+CLAIM = {"rows_per_token", "a2a_bytes_per_token"}  # the chapter's claim, judged on dropless runs
+GRADS = {"grad_input", "grad_router", "grad_experts"}
+# bug -> (the check it plants against, every check it fails at route-sim's defaults with ep_size=2)
+PLANTED = {
+    "RoundRobin": ("loads", {"output", *GRADS, "a2a_bytes", "loads"}),
+    "EqualSplits": ("a2a_bytes", {"a2a_bytes"}),
+    "NoWeights": ("output", {"output", *GRADS}),
+    "NoAutograd": ("grad_experts", {"grad_input", "grad_experts", "a2a_bytes"}),
+    "GlobalCapacity": ("drops", {"output", *GRADS, "a2a_bytes", "loads", "drops"}),
+    "UntimedStall": ("step_time", {"step_time"}),
+}
+
+
+def failed(rec) -> set[str]:
+    return {c.check.removeprefix("ep.") for c in rec.checks_rows if not c.passed}
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory):
+    """One torch.distributed.run launch at the defaults + ep_size=2: the package's layer and every planted bug,
+    each judged into its own recorder."""
+    cfg = compose("route-sim", ["ep_size=2"])
+    s = route_sim.settings(cfg)
+    impls = ["own", *(f"buggy_ep:{name}" for name in PLANTED), "buggy_ep:RaisesInForward"]
+    spec = ep.spec_for(s, 0, "fp32", impls, dropless=("own", "buggy_ep:EveryExpert"))
+    old = os.getcwd()
+    os.chdir(TESTS)  # buggy_ep importable by the workers, as a user's module beside them
+    try:
+        result = ep.launch(spec, 2)
+    finally:
+        os.chdir(old)
+    recs = {}
+    for layer in spec["layers"]:
+        rec = make_recorder(cfg)
+        ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"])
+        recs[layer["label"]] = rec
+    return recs
+
+
+def test_package_layer_passes_every_check(judged):
+    rec = judged["own"]
+    assert {c.check.removeprefix("ep.") for c in rec.checks_rows} == CHECKS | CLAIM
+    assert {c.check.removeprefix("ep.") for c in rec.checks_rows if not c.applicable} == CLAIM  # capacity 1.0
+    assert failed(rec) == set(), [(c.check, c.observed, c.threshold) for c in rec.checks_rows if not c.passed]
+    rows = pd.DataFrame(rec.metrics_rows)
+    sent = rows[rows.name == "ep.rows_sent"]
+    assert set(sent["rank"]) == {0, 1} and set(sent["peer"]) == {0, 1} and set(sent["step"]) == {0, 1, 2}
+    # what one rank sends a peer, the peer receives
+    recv = rows[rows.name == "ep.rows_received"].set_index(["step", "rank", "peer"])["value"]
+    for (step, rank, peer), value in sent.set_index(["step", "rank", "peer"])["value"].items():
+        assert recv[(step, peer, rank)] == value
+    wire = rows[rows.name == "ep.wire_bytes"]
+    assert (wire["value"] > 0).all()  # bytes really crossed the wire between the two processes
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_planted_ep_bug_fails_its_check(judged, bug):
+    target, expected = PLANTED[bug]
+    got = failed(judged[f"buggy_ep:{bug}"])
+    assert target in got
+    assert got == expected
+
+
+def test_claim_holds_dropless_and_dense_dispatch_falsifies_it(judged):
+    """Expert rows per token stay k and the All-to-All bytes per token follow 2*k*(W-1)/W*D*itemsize for the
+    package's layer; sending every token to every expert breaks both (and the loads and bytes checks)."""
+    own = judged["own@dropless"]
+    assert failed(own) == set() and all(c.applicable for c in own.checks_rows)
+    assert failed(judged["buggy_ep:EveryExpert@dropless"]) == CLAIM | {"loads", "a2a_bytes"}
+
+
+def test_users_exception_fails_every_check_naming_it(judged):
+    rec = judged["buggy_ep:RaisesInForward"]
+    assert failed(rec) == CHECKS | CLAIM
+    assert all(c.detail.startswith("rank 0 raised RuntimeError: planted: my dispatcher is not written yet")
+               for c in rec.checks_rows)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["ep_size=3"], "ep_size=3 does not divide n_experts=8: pass ep_size as one of 1, 2, 4, 8"),
+    (["ep_size=8", "tokens=100"], "tokens=100 is not divisible by ep_size=8: pass tokens=96"),
+    (["ep_size=0"], "ep_size"),
+    (["ep_size=2", "impl=buggy_moe:Correct"], "with ep_size=2 pass the expert-parallel layer as ep_impl="),
+    (["ep_size=2", "dtype=bf16"], "pass dtype=fp32 or dtype=fp64"),
+    (["ep_size=2", "device=cuda"], "pass device=cpu"),
+    (["ep_size=2", "ep_impl=nocolon"], "is not 'python.module:Class'"),
+    (["ep_size=4096", "n_experts=4096", "tokens=4096"], "more worker processes than this machine can start"),
+])
+def test_bad_ep_settings_refused_before_anything_starts(overrides, needle):
+    with pytest.raises(BadInput) as err:
+        route_sim.settings(compose("route-sim", overrides))
+    assert needle in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_bad_ep_size_is_exit_2_in_one_line(tmp_path):
+    res = run_cli(["route-sim", "ep_size=3"], tmp_path)
+    assert res.exit_code == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: ep_size=3 does not divide n_experts=8: pass ep_size as one of 1, 2, 4, 8"]
+
+
+def test_failure_line_names_the_rank():
+    stderr = ("...\nRoot Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
+              "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 12)\n")
+    assert ep.failure_line(stderr, 1, 2) == "expert-parallel worker rank 1 of 2 failed (killed by SIGKILL)"
+    assert "a rank of 4" in ep.failure_line("", 1, 4)
+
+
+def test_capacity_rule_is_exact():
+    assert ep.capacity(50, 2, 8, 1.0) == 13  # ceil(12.5)
+    assert ep.capacity(25, 1, 5, 1.2) == 6  # 6.000..04 in floats would give 7
+    assert ep.capacity(50, 2, 8, None) is None
+
+
+# ------------------------------------------------------------------------------------ slow: whole runs
+def _run(tmp_path: Path, *args: str):
+    res = run_cli(["route-sim", *args], tmp_path)
+    run = pd.read_parquet(res.run_dir / "run.parquet").iloc[0]
+    return res, run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_cli_ep_run_end_to_end(tmp_path, world):
+    res, run = _run(tmp_path, f"ep_size={world}")
+    assert res.exit_code == 0, res.stderr
+    checks = pd.read_parquet(res.run_dir / "checks.parquet")
+    assert set(checks["check"]) == {f"ep.{c}" for c in CHECKS | CLAIM} | {
+        "ep.train.router_replicated", "ep.train.assignments_add_up"}
+    assert checks["passed"].all()
+    metrics = pd.read_parquet(res.run_dir / "metrics.parquet")
+    assert set(metrics[metrics.name == "ep.expert_load"]["rank"].dropna()) == set(range(world))
+    assert set(metrics[metrics.name == "ep.sim.tokens_per_s_per_rank"]["world"]) == {world, 8, 16, 32, 64, 128, 256,
+                                                                                      512, 1024}
+    assert (res.run_dir / "ep_scaling.png").stat().st_size > 0 and (res.run_dir / "ep_training.png").exists()
+    rows = metrics[metrics.name == "ep.train.rank_rows"]
+    assert set(rows["strategy"]) == {"none", "aux_loss", "z_loss", "aux_free"} and set(rows["rank"]) == set(range(world))
+    assert "Expert parallelism" in (res.run_dir / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_the_run_crashed_naming_it(tmp_path):
+    (tmp_path / "buggy_ep.py").write_text((TESTS / "buggy_ep.py").read_text())
+    t0 = time.monotonic()
+    res, run = _run(tmp_path, "ep_size=2", "ep_impl=buggy_ep:DiesOnRank1")
+    assert res.exit_code == 3 and run["status"] == "crashed"
+    assert "rank 1 of 2 failed (killed by SIGKILL)" in run["error"]
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.slow
+def test_stuck_rank_times_out(tmp_path):
+    """Rank 1 never returns: rank 0's collective times out after ep_timeout_s, and the run ends crashed."""
+    (tmp_path / "buggy_ep.py").write_text((TESTS / "buggy_ep.py").read_text())
+    t0 = time.monotonic()
+    res, run = _run(tmp_path, "ep_size=2", "ep_impl=buggy_ep:Sleeps", "ep_timeout_s=5")
+    assert res.exit_code == 3 and run["status"] == "crashed"
+    assert "expert-parallel worker rank" in run["error"]
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.slow
+def test_sigterm_interrupts_every_rank(tmp_path):
+    import psutil
+
+    (tmp_path / "buggy_ep.py").write_text((TESTS / "buggy_ep.py").read_text())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-m", "tfmoe.cli", "route-sim", "ep_size=2", "ep_impl=buggy_ep:Sleeps"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    workers: list = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(workers) < 2:
+        time.sleep(0.5)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "ep_worker" in " ".join(p.cmdline()) and "torch.distributed.run" not in " ".join(p.cmdline())]
+    assert len(workers) == 2, "the two workers never started"
+    time.sleep(3)  # they are inside the step now (rank 1 sleeping, rank 0 waiting in the All-to-All)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert time.monotonic() - t0 < 30
+    _gone, alive = psutil.wait_procs(workers, timeout=5)
+    assert alive == []
+    run_dir = next((tmp_path / "runs" / "route-sim").iterdir())
+    assert pd.read_parquet(run_dir / "run.parquet").iloc[0]["status"] == "interrupted"
+
+
+# ------------------------------------------------------------------------------------ the scaling model
+def _measured(popularity, world=2, ms_per_row=0.01):
+    import numpy as np
+
+    from tfmoe.experiments.route_sim.ep_scaling import Measured
+
+    return Measured(world, 256, 2, 16, 4, 2, np.asarray(popularity, dtype=float), ms_per_row, None)
+
+
+def test_scaling_model_bytes_law_and_balanced_straggler():
+    from tfmoe.experiments.route_sim.ep_scaling import simulate
+
+    points = simulate(_measured([0.25] * 4), (8, 64, 1024), 100.0, 10.0, seed=0)
+    for p in points:
+        assert p.bytes_per_token == pytest.approx(2 * 2 * (p.world - 1) / p.world * 16 * 4)
+        assert p.experts == 2 * p.world
+        assert 1.0 <= p.straggler < 1.5  # uniform popularity: multinomial noise only
+        assert p.step_ms == pytest.approx(p.compute_ms + p.a2a_ms)
+    assert points[0].tokens_per_s_per_rank > points[-1].tokens_per_s_per_rank  # latency * (W-1) grows
+    assert simulate(_measured([0.25] * 4), (8, 64), 100.0, 10.0, seed=0) == simulate(
+        _measured([0.25] * 4), (8, 64), 100.0, 10.0, seed=0)  # seeded
+
+
+def test_scaling_model_skewed_popularity_makes_a_straggler():
+    from tfmoe.experiments.route_sim.ep_scaling import simulate
+
+    even = simulate(_measured([0.25] * 4), (64,), 100.0, 10.0, seed=0)[0]
+    skewed = simulate(_measured([0.85, 0.05, 0.05, 0.05]), (64,), 100.0, 10.0, seed=0)[0]
+    assert skewed.straggler > 2 * even.straggler and skewed.compute_ms > even.compute_ms
+
+
+@pytest.mark.parametrize("value", ["[1]", "[8,x]", "7"])
+def test_bad_sim_ranks_refused(value):
+    with pytest.raises(BadInput, match="ep_sim_ranks"):
+        route_sim.settings(compose("route-sim", ["ep_size=2", f"ep_sim_ranks={value}"]))
