@@ -201,3 +201,19 @@ def test_declared_router_precision_in_the_config_is_read():
     assert check_row(rec, "routing_weights").threshold > 1000 * check_row(plain, "routing_weights").threshold
     assert check_row(rec, "batch_independence").threshold == check_row(plain, "batch_independence").threshold
     assert not [c for c in rec.checks_rows if not c.passed]
+
+
+def test_an_adapters_declarations_are_read(monkeypatch):
+    """MoEAdapter.lacks / expert_dtype / router_dtype (a torch.dtype, the older form, still works)."""
+    import adapted_moe
+    import torch
+
+    plain = default_battery("adapted_moe:SoftmaxAfterTopKAdapter")
+    monkeypatch.setattr(adapted_moe.SoftmaxAfterTopKAdapter, "lacks", ("bf16",), raising=False)
+    monkeypatch.setattr(adapted_moe.SoftmaxAfterTopKAdapter, "router_dtype", torch.bfloat16, raising=False)
+    monkeypatch.setattr(adapted_moe.SoftmaxAfterTopKAdapter, "expert_dtype", "fp16", raising=False)
+    rec = default_battery("adapted_moe:SoftmaxAfterTopKAdapter")
+    assert not check_row(rec, "finite.bf16").applicable and check_row(rec, "finite.fp16").applicable
+    assert check_row(rec, "routing_weights").threshold > 1000 * check_row(plain, "routing_weights").threshold
+    assert check_row(rec, "output_vs_reference").detail.startswith("experts compute in float16 (declared)")
+    assert not [c for c in rec.checks_rows if not c.passed]

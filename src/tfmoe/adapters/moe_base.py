@@ -18,9 +18,14 @@ of :mod:`tfmoe.components.moe_reference` does that from the declared semantics):
 6. ``reference_weights(module)``: the layer's weights in float64 as a :class:`~tfmoe.components.moe_reference.
    LayerWeights` (router (E, D), experts, shared expert), so the reference never calls the layer.
 
-Optional: ``half_precision_unsupported`` (why fp16/bf16 copies cannot run: their checks become n/a, the
-exception in the note), ``router_dtype`` (the precision the layer computes its combine weights in, None = the
-run's dtype), ``notes(module)``.
+Optional declarations (read by :func:`tfmoe.capabilities.declared`, with the config's ``lacks`` and
+``layer.router_dtype`` / ``layer.expert_dtype``): ``lacks`` (features the layer lacks: ``fp16``, ``bf16`` make their
+``finite.<dtype>`` check n/a and a run in that dtype exit 2), ``half_precision_unsupported`` (why fp16/bf16 copies
+cannot run: lacking both, with that reason), ``router_dtype`` (the precision the layer computes its combine weights
+in, None = the run's dtype), ``expert_dtype`` (the precision its experts compute in: the output is judged against
+the plain mixture with experts in that dtype; undeclared, a lower precision is detected and named), and
+``notes(module)``. ``reference_weights`` rebuilds every expert from its weights (``MlpExpert``, ``GluExpert``,
+``ChunkedGluExpert``): the reference never runs the layer's expert modules.
 """
 
 from __future__ import annotations
@@ -78,7 +83,9 @@ class MoEAdapter(ABC):
 
     spec: str = "?"
     half_precision_unsupported: str = ""
-    router_dtype: torch.dtype | None = None
+    lacks: tuple[str, ...] = ()
+    router_dtype: torch.dtype | str | None = None
+    expert_dtype: torch.dtype | str | None = None
 
     @abstractmethod
     def build(self, sizes: LayerSizes, seed: int) -> nn.Module: ...
@@ -114,12 +121,13 @@ class AdaptedLayer(LayerUnderTest):
     """A :class:`MoEAdapter` as the battery's layer under test."""
 
     logits_in_fp32 = False
+    router_precision = None  # the run's dtype unless the adapter declares router_dtype (read by the battery)
 
     def __init__(self, adapter: MoEAdapter, sizes: LayerSizes, seq: int):
         self.adapter, self.sizes, self.label = adapter, sizes, adapter.spec
         self.declared = adapter.semantics(sizes, seq)
         self.semantics = self.declared.routing(sizes.top_k, seq)
-        self.router_precision = adapter.router_dtype
+        # the declared router precision is applied by the battery (tfmoe.capabilities), as any declaration
         self.half_precision_unsupported = adapter.half_precision_unsupported
         self.exposes_probs = type(adapter).router_probs is not MoEAdapter.router_probs
 
