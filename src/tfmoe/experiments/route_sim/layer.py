@@ -165,11 +165,11 @@ def check_output(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: re
             plains[name], limits[name] = limit(DTYPES[name])
             rec.metric(f"{PREFIX}output.plain_{name}_error", plains[name])
         found = caps.explaining_precision(err, run_name, limits)
-        if found is not None:
-            o.expert_dtype = DTYPES[found]
-            note = caps.precision_note("experts", found, err, plains[found], detected=True)
+        if found is not None:  # rule 4: undeclared, so it fails at the run's dtype, naming the cause and the fix
+            o.expert_dtype = DTYPES[found]  # the invariance limits follow it: one failure for one cause
+            note = "CAUSE: " + caps.precision_note("experts", found, err, plains[found], detected=True,
+                                                   declaration="layer.expert_dtype")
             detail += f"; plain {str(dtype).removeprefix('torch.')} mixture error {plain_err:.3g}, limit {tol:.3g}"
-            plain_err, tol = plains[found], limits[found]
         elif limits:
             detail += ("; no lower expert precision explains it (" + ", ".join(
                 f"plain {LONG[n]} {plains[n]:.2g}, limit {limits[n]:.2g}" for n in limits) + ")")
