@@ -132,3 +132,29 @@ def test_record_writes_a_run_the_notebook_commands_read(tmp_path: Path) -> None:
     assert shown.exit_code == 0 and "sdpa_match" in shown.stdout, shown.stdout + shown.stderr
     replay = run_cli(["replay", verdict.run_dir.name], tmp_path)
     assert replay.exit_code == 1, replay.stdout + replay.stderr  # the planted bug fails again, from the record
+
+
+PROBE = """
+import json, sys
+import tfmoe, tfmoe.checks, tfmoe.pytest_plugin
+before = sorted({m.split(".")[0] for m in sys.modules})
+verdict = tfmoe.check_attention("tfmoe.components.attention:MultiHeadSelfAttention", checks=["sdpa"])
+after = sorted({m.split(".")[0] for m in sys.modules})
+print(json.dumps({"passed": verdict.passed, "before": before, "after": after}))
+"""
+
+
+def test_importing_the_api_costs_nothing_and_a_check_uses_no_hydra() -> None:
+    """`import tfmoe` (and the plugin, which pytest loads in every session) imports no torch, OmegaConf or Hydra;
+    a check imports torch and OmegaConf but never Hydra, pandas or matplotlib (no launcher, no parquet, no plot)."""
+    import json
+    import os
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["passed"]
+    assert not {"torch", "omegaconf", "hydra", "pandas", "numpy"} & set(got["before"]), got["before"]
+    assert not {"hydra", "pandas", "matplotlib", "pyarrow"} & set(got["after"]), got["after"]
