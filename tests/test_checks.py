@@ -109,7 +109,7 @@ def test_kernels_and_moe_layers() -> None:
     (lambda: tfmoe.check_attention(buggy_attention.PlainMHA(8, 2)), "instance: pass the class PlainMHA"),
     (lambda: tfmoe.check_attention(buggy_attention.PlainMHA, impl="torch:mha"), "first argument of check_attention"),
     (lambda: tfmoe.check_attention("no_such_module:Attn"), "cannot import 'no_such_module'"),
-    (lambda: tfmoe.check_attention(lambda d_model: None), "cannot take (d_model, n_heads, causal=...)"),
+    (lambda: tfmoe.check_attention(lambda d_model: None), "as a factory it cannot take (d_model, n_heads, causal=...)"),
     (lambda: tfmoe.check_kernel(buggy_kernels.plain_kernel, cases={"shapes": [[1, 2]]}), "cases.shapes="),
     (lambda: tfmoe.check_moe(buggy_moe.Correct, top_k=9), "top_k"),
     (lambda: tfmoe.check_attention(None), "pass the layer"),
