@@ -4,6 +4,7 @@ one Hydra composes; record= writes a run directory the notebook commands read.""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -158,3 +159,28 @@ def test_importing_the_api_costs_nothing_and_a_check_uses_no_hydra() -> None:
     assert got["passed"]
     assert not {"torch", "omegaconf", "hydra", "pandas", "numpy"} & set(got["before"]), got["before"]
     assert not {"hydra", "pandas", "matplotlib", "pyarrow"} & set(got["after"]), got["after"]
+
+
+def test_a_verdict_lists_not_applicable_checks_and_never_counts_them() -> None:
+    rows = (checks.CheckResult("sdpa_match", "passed", 1e-8, 1e-7, "ok"),
+            checks.CheckResult("fully_masked_rows", "n/a", None, None, "not applicable: the layer declares it lacks "
+                               "padding_mask"),
+            checks.CheckResult("kv_cache_decode", "failed", 0.5, 1e-6, "off"))
+    verdict = checks.Verdict("attn-check", "my:Attn", rows)
+    assert not verdict.passed and verdict.failed == (rows[2],)
+    assert checks.Verdict("attn-check", "my:Attn", rows[:2]).passed  # n/a is not a failure
+    lines = verdict.table().splitlines()
+    assert "1 check(s) failed" in lines[0]
+    assert any(line.split()[:2] == ["fully_masked_rows", "n/a"] for line in lines)
+    assert verdict["kv_cache_decode"].outcome == "failed"
+    assert "no check 'gradcheck' in this verdict" in str(caught(verdict.__getitem__, "gradcheck"))
+
+
+@pytest.mark.parametrize(("p", "samples"), [(0.1, 25281), (0.9, 25281), (0.5, 70225), (0.0, 1000), (1e-6, 1000),
+                                            (0.999, 1000), (1.5, 100_000), ("x", 100_000), (True, 100_000)])
+def test_the_quick_dropout_draws_enough_for_a_false_alarm_below_1e_7(p, samples: int) -> None:
+    """5.3 standard deviations of the sampled rate fit in dropout_rate's fixed limit 0.01 (a bad p is left to
+    settings(cfg), which refuses it in one line)."""
+    assert checks.quick_dropout_samples(p) == samples
+    if isinstance(p, float) and 0 < p < 1 and samples > 1000:
+        assert 5.3 * math.sqrt(p * (1 - p) / samples) <= 0.01 < 5.3 * math.sqrt(p * (1 - p) / (samples - 1))
