@@ -184,3 +184,15 @@ def test_the_quick_dropout_draws_enough_for_a_false_alarm_below_1e_7(p, samples:
     assert checks.quick_dropout_samples(p) == samples
     if isinstance(p, float) and 0 < p < 1 and samples > 1000:
         assert 5.3 * math.sqrt(p * (1 - p) / samples) <= 0.01 < 5.3 * math.sqrt(p * (1 - p) / (samples - 1))
+
+
+@pytest.mark.slow
+def test_the_api_benchmark_runs_to_its_end() -> None:
+    """benchmarks/bench_api.py times every case it names (its figures are docs/checking-your-own-layers.md's)."""
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_api.py"
+    r = subprocess.run([sys.executable, str(bench), "1"], capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for label in ("attention", "kernel", "moe"):
+        assert any(line.startswith(label) and "CLI same case" in line for line in r.stdout.splitlines()), r.stdout
