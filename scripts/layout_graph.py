@@ -4,9 +4,9 @@
     python scripts/layout_graph.py --check   # exit 1 when docs/layout.md is not current (tests/test_layout_graph.py)
 
 Parts (nodes): toolkit (the top-level modules experiments use), components, adapters, each experiment package,
-each harness room, registry (the list of experiments, which loads their packages by name), cli and
-testing (helpers for tests). An edge A --> B means some module of A imports some
-module of B (at module level, inside a function, or under TYPE_CHECKING), read with ``ast``.
+each harness room, registry (the list of experiments, which loads their packages by name), cli,
+testing (helpers for tests), checks (the Python API) and pytest_plugin. An edge A --> B means some module of A
+imports some module of B (at module level, inside a function, or under TYPE_CHECKING), read with ``ast``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ END = "<!-- /layout-graph -->"
 def part_of(module: str) -> str:
     """The part a module belongs to: tfmoe.experiments.route_sim.layer -> experiments/route_sim."""
     parts = module.split(".")
-    if module in ("tfmoe.cli", "tfmoe.registry", "tfmoe.testing"):
+    if module in ("tfmoe.cli", "tfmoe.registry", "tfmoe.testing", "tfmoe.checks", "tfmoe.pytest_plugin"):
         return parts[1]
     if len(parts) >= 2 and parts[1] in ("components", "adapters"):
         return parts[1]

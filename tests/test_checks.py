@@ -4,6 +4,7 @@ one Hydra composes; record= writes a run directory the notebook commands read.""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def test_kernels_and_moe_layers() -> None:
     (lambda: tfmoe.check_attention(buggy_attention.PlainMHA(8, 2)), "instance: pass the class PlainMHA"),
     (lambda: tfmoe.check_attention(buggy_attention.PlainMHA, impl="torch:mha"), "first argument of check_attention"),
     (lambda: tfmoe.check_attention("no_such_module:Attn"), "cannot import 'no_such_module'"),
-    (lambda: tfmoe.check_attention(lambda d_model: None), "cannot take (d_model, n_heads, causal=...)"),
+    (lambda: tfmoe.check_attention(lambda d_model: None), "as a factory it cannot take (d_model, n_heads, causal=...)"),
     (lambda: tfmoe.check_kernel(buggy_kernels.plain_kernel, cases={"shapes": [[1, 2]]}), "cases.shapes="),
     (lambda: tfmoe.check_moe(buggy_moe.Correct, top_k=9), "top_k"),
     (lambda: tfmoe.check_attention(None), "pass the layer"),
@@ -132,3 +133,66 @@ def test_record_writes_a_run_the_notebook_commands_read(tmp_path: Path) -> None:
     assert shown.exit_code == 0 and "sdpa_match" in shown.stdout, shown.stdout + shown.stderr
     replay = run_cli(["replay", verdict.run_dir.name], tmp_path)
     assert replay.exit_code == 1, replay.stdout + replay.stderr  # the planted bug fails again, from the record
+
+
+PROBE = """
+import json, sys
+import tfmoe, tfmoe.checks, tfmoe.pytest_plugin
+before = sorted({m.split(".")[0] for m in sys.modules})
+verdict = tfmoe.check_attention("tfmoe.components.attention:MultiHeadSelfAttention", checks=["sdpa"])
+after = sorted({m.split(".")[0] for m in sys.modules})
+print(json.dumps({"passed": verdict.passed, "before": before, "after": after}))
+"""
+
+
+def test_importing_the_api_costs_nothing_and_a_check_uses_no_hydra() -> None:
+    """`import tfmoe` (and the plugin, which pytest loads in every session) imports no torch, OmegaConf or Hydra;
+    a check imports torch and OmegaConf but never Hydra, pandas or matplotlib (no launcher, no parquet, no plot)."""
+    import json
+    import os
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["passed"]
+    assert not {"torch", "omegaconf", "hydra", "pandas", "numpy"} & set(got["before"]), got["before"]
+    assert not {"hydra", "pandas", "matplotlib", "pyarrow"} & set(got["after"]), got["after"]
+
+
+def test_a_verdict_lists_not_applicable_checks_and_never_counts_them() -> None:
+    rows = (checks.CheckResult("sdpa_match", "passed", 1e-8, 1e-7, "ok"),
+            checks.CheckResult("fully_masked_rows", "n/a", None, None, "not applicable: the layer declares it lacks "
+                               "padding_mask"),
+            checks.CheckResult("kv_cache_decode", "failed", 0.5, 1e-6, "off"))
+    verdict = checks.Verdict("attn-check", "my:Attn", rows)
+    assert not verdict.passed and verdict.failed == (rows[2],)
+    assert checks.Verdict("attn-check", "my:Attn", rows[:2]).passed  # n/a is not a failure
+    lines = verdict.table().splitlines()
+    assert "1 check(s) failed" in lines[0]
+    assert any(line.split()[:2] == ["fully_masked_rows", "n/a"] for line in lines)
+    assert verdict["kv_cache_decode"].outcome == "failed"
+    assert "no check 'gradcheck' in this verdict" in str(caught(verdict.__getitem__, "gradcheck"))
+
+
+@pytest.mark.parametrize(("p", "samples"), [(0.1, 25281), (0.9, 25281), (0.5, 70225), (0.0, 1000), (1e-6, 1000),
+                                            (0.999, 1000), (1.5, 100_000), ("x", 100_000), (True, 100_000)])
+def test_the_quick_dropout_draws_enough_for_a_false_alarm_below_1e_7(p, samples: int) -> None:
+    """5.3 standard deviations of the sampled rate fit in dropout_rate's fixed limit 0.01 (a bad p is left to
+    settings(cfg), which refuses it in one line)."""
+    assert checks.quick_dropout_samples(p) == samples
+    if isinstance(p, float) and 0 < p < 1 and samples > 1000:
+        assert 5.3 * math.sqrt(p * (1 - p) / samples) <= 0.01 < 5.3 * math.sqrt(p * (1 - p) / (samples - 1))
+
+
+@pytest.mark.slow
+def test_the_api_benchmark_runs_to_its_end() -> None:
+    """benchmarks/bench_api.py times every case it names (its figures are docs/checking-your-own-layers.md's)."""
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_api.py"
+    r = subprocess.run([sys.executable, str(bench), "1"], capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for label in ("attention", "kernel", "moe"):
+        assert any(line.startswith(label) and "CLI same case" in line for line in r.stdout.splitlines()), r.stdout

@@ -92,3 +92,12 @@ def test_a_misused_marker_is_one_line(pytester: pytest.Pytester) -> None:
     out = result.stdout.str()
     assert "takes one layer and keyword settings, got 2" in out
     assert "@pytest.mark.tfmoe_attention: unknown setting 'heads' for attn-check" in out
+
+
+def test_the_docs_show_the_shipped_example() -> None:
+    """docs/checking-your-own-layers.md shows the example's tests as the file has them (the file is what runs)."""
+    docs = (EXAMPLES.parent / "checking-your-own-layers.md").read_text(encoding="utf-8")
+    block = docs.split("# test_my_attention.py", 1)[1].split("```", 1)[0]
+    start = "def test_my_attention_conforms"
+    shipped = (EXAMPLES / "test_my_attention.py").read_text(encoding="utf-8")
+    assert block[block.index(start):].strip() == shipped[shipped.index(start):].strip()

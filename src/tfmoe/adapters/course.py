@@ -53,8 +53,9 @@ class CourseInterface(AttentionAdapter):
         try:
             init_sig.bind(8, 2, causal=True)
         except TypeError as exc:
-            raise BadInput(f"impl={spec!r}: factory {name}{init_sig} cannot take (d_model, n_heads, causal=...) "
-                           f"({exc}): a factory takes the course's constructor arguments") from None
+            raise BadInput(f"impl={spec!r} is a function {name}{init_sig}, not a torch.nn.Module subclass, and as a "
+                           f"factory it cannot take (d_model, n_heads, causal=...) ({exc}): point impl at your "
+                           "attention class, or a factory taking the course's constructor arguments") from None
         try:
             with seeded(0):
                 probe = factory(8, 2, causal=True)
