@@ -51,6 +51,7 @@ class BlockAttentionAdapter(AttentionAdapter):
 
     block = Block
     takes_dropout = False
+    returns_weights = False  # forward returns (output, None)
 
     def build(self, d_model, n_heads, *, n_kv_heads, causal, dropout, seed, dtype, device):
         with seeded(seed):
