@@ -172,13 +172,16 @@ def precision_diagnosis(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, p
 
 
 def record_comparison(layer: LayerUnderTest, name: str, comparison: str, c: Comparison, detail: str,
-                       evidence: dict[str, torch.Tensor]) -> None:
+                       evidence: dict[str, torch.Tensor], yardstick: torch.dtype | None = None) -> None:
+    """One comparison's metrics and check; ``yardstick`` is the plain implementation's dtype when it is not the
+    run's (a declared compute_dtype)."""
     tag = str(layer.dtype).removeprefix("torch.")
+    plain_tag = tag if yardstick is None else str(yardstick).removeprefix("torch.")
     layer.rec.metric("max_abs_err", c.err, comparison=comparison, dtype=tag)
     layer.rec.metric("max_rel_err", c.rel_err, comparison=comparison, dtype=tag)
     layer.rec.metric("plain_max_abs_err", c.plain_err, comparison=comparison, dtype=tag)
     layer.rec.metric("threshold", c.threshold, comparison=comparison, dtype=tag)
     layer.rec.check(name, c.passed, c.err, c.threshold,
-                  f"{detail}; max abs err {c.err:.3g} (rel {c.rel_err:.3g}) vs plain {tag} {c.plain_err:.3g}; "
+                  f"{detail}; max abs err {c.err:.3g} (rel {c.rel_err:.3g}) vs plain {plain_tag} {c.plain_err:.3g}; "
                   f"threshold 2·plain + {c.atol:.2g}", evidence=evidence)
 

@@ -59,7 +59,7 @@ def check_sdpa(layer: LayerUnderTest) -> None:
                           f"declared compute_dtype {tag}: "
                           + caps.precision_note("the layer", caps.precision_name(tag, "compute_dtype"), c.err,
                                                 c.plain_err, detected=False),
-                          layer.evidence(out=out, ref=ref))
+                          layer.evidence(out=out, ref=ref), yardstick=declared)
         layer.rec.note(f"sdpa_match judged at the declared compute_dtype {tag}, not the run's "
                        f"{str(layer.dtype).removeprefix('torch.')}")
     else:
@@ -110,12 +110,16 @@ def check_left_padding(layer: LayerUnderTest) -> None:
     if out.shape != ref.shape:
         raise ContractError(f"output shape {tuple(out.shape)} != {tuple(ref.shape)} on the left-padded probe")
     c = compare(out, ref, plain, yard, valid)
+    cause = ""
+    if declared is None and not c.passed and math.isfinite(c.err):
+        coarse = precision_diagnosis(out, ref, x.to(ref.dtype), layer.proj(), mask, valid, layer.dtype)
+        cause = _precision_cause(coarse, c, layer.dtype) if coarse else ""
     record_comparison(layer, "left_padding_match", "module_vs_sdpa_left_padded", c,
                       f"left-padded probe (row 1's first {int((~pm[1]).sum())} of {s.T} positions padded, "
                       f"causal={s.causal}): module vs SDPA on the real query rows"
                       + ("" if declared is None else f", judged at the declared compute_dtype "
-                         f"{str(declared).removeprefix('torch.')}"),
-                      {"x": x, "padding_mask": pm, "out": out, "ref": ref})
+                         f"{str(declared).removeprefix('torch.')}") + cause,
+                      {"x": x, "padding_mask": pm, "out": out, "ref": ref}, yardstick=declared)
 
 
 
