@@ -102,7 +102,7 @@ def test_exact_zero_gradients_and_long_reductions_do_not_fail_a_correct_kernel()
     dv, accumulated in blocks by SDPA (5x the plain error). The accumulation floors keep both within the rule."""
     checks, rec = battery("torch:sdpa", "cases.shapes=[[239,1,64]]", "cases.masks=[none]", "cases.kv_heads=[6,1]")
     assert not failed(checks), {n: checks[n].detail for n in failed(checks)}
-    dq = [r for r in rec.metrics_rows if r["name"] == "err" and r["tensor"] == "dq"]
+    dq = [r for r in rec.metrics_rows if r["name"] == "err" and r["tensor"] == "dq" and r["family"] != "dropout"]
     assert all(r["plain_err"] == 0 for r in dq) and any(r["value"] > 0 for r in dq)  # the case that needs a floor
 
 
