@@ -341,9 +341,11 @@ DEFAULT_CATCHER = {"kernel_hides_a_key_in_long_rows": "kernel_scale", "kernel_fp
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the default matrix: ~26 s of CPU, minutes of wall time on a loaded machine
 @pytest.mark.parametrize("bug", [p[0] for p in PLANTED + PLANTED_OWN])
 def test_planted_bug_fails_the_default_config(bug):
-    """`tfmoe attn-check kernel=buggy_kernels:<bug>` with no options (about a minute each on 1 thread)."""
+    """`tfmoe attn-check kernel=buggy_kernels:<bug>` with no options (about a minute each on 1 thread):
+    `make test-slow`, or `.venv/bin/pytest -m slow tests/test_attn_kernels.py -k default_config`."""
     rec = run_recorded("attn-check", [f"kernel=buggy_kernels:{bug}"])
     checks = {c.check: c for c in rec.checks_rows if c.applicable}
     family = DEFAULT_CATCHER.get(bug) or dict((b, f) for b, f in PLANTED)[bug]
@@ -418,6 +420,7 @@ def test_cli_planted_bug_exit_1_names_the_family(tmp_path):
 
 # ------------------------------------------------------------------------------------ the default matrix
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~26 s of CPU (the weights probe included), minutes of wall time on a loaded machine
 @pytest.mark.parametrize("kernel", ["torch:sdpa", "torch:sdpa-math"])  # math: the 5.7x forward (issue 22)
 def test_default_matrix_on_sdpa_passes(kernel):
     rec = run_recorded("attn-check", [f"kernel={kernel}"])
