@@ -130,7 +130,8 @@ def test_a_fault_in_a_built_in_wrapper_is_tfmoes(monkeypatch):
     real = module.chunked_attention
     monkeypatch.setattr(module, "chunked_attention", lambda *a, **kw: real(*a, **{**kw, "block_size": 0}))
     with pytest.raises(AdapterError, match=r"kernel=tfmoe:chunked: raised ValueError: block_size=0 must be >= 1 "
-                                           r"in the forward of case .* at chunked_attention.py:\d+") as err:
+                                           r"in the forward(?: with a one-hot v \(weights probe\))? of case .* at "
+                                           r"chunked_attention.py:\d+") as err:
         run_recorded("attn-check", ["kernel=tfmoe:chunked", *SMALL])
     assert "built-in kernel tfmoe:chunked" in str(err.value)
 
@@ -140,7 +141,7 @@ def test_a_fault_in_the_battery_itself_is_tfmoes_with_a_users_kernel(monkeypatch
     def broken(*args, **kwargs):
         raise ZeroDivisionError("float division by zero")
 
-    monkeypatch.setattr(kernel_judging, "reordered_yardstick", broken)
+    monkeypatch.setattr(kernel_judging, "measured_weights_atol", broken)
     with pytest.raises(AdapterError, match="while judging case .*tfmoe's kernel battery, a bug of tfmoe") as err:
         run_recorded("attn-check", ["kernel=buggy_kernels:plain_kernel", *SMALL])
     assert "raised ZeroDivisionError: float division by zero" in str(err.value)

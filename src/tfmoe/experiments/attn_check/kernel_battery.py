@@ -247,8 +247,9 @@ def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, ca
         rec.metric("case_passed", float(o.status == "pass"), status=o.status, **case.tags())
         if backward and o.status == "pass":
             bwd = run_dropout_backward(kernel, case, inp, dtype, seed, s.grad_factor, rec)
-    else:
-        o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, backward, s.grad_factor, rec)
+    else:  # the weights first: the output's and gradients' floors are measured on them where they passed
+        probe, read = run_weights_probe(kernel, case, inp, dtype, rec)
+        o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, backward, s.grad_factor, rec, read)
         if o.policy != "none":
             policies.setdefault(case.mask, set()).add(o.policy)
         rec.metric("case_passed", float(o.status == "pass"), status=o.status, policy=o.policy, **case.tags())
@@ -259,9 +260,9 @@ def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, ca
         backward_outcomes[i] = not_run or Outcome(case, "n/a", f"{case.label()}: {decl.why('backward')}")
     else:
         backward_outcomes[i] = not_run or Outcome(case, "blocked", f"{case.label()}: its forward did not pass")
-    if family not in ("dropout", "long_rows"):  # dropout reads its own weights; long rows: ceil(Tk/D) calls
+    if family != "dropout":  # dropout reads its own weights
         weights_outcomes[i] = (not_run or Outcome(case, "blocked", f"{case.label()}: its forward did not pass")
-                               if o.status != "pass" else run_weights_probe(kernel, case, inp, dtype, rec))
+                               if o.status != "pass" else probe)
     return o
 
 

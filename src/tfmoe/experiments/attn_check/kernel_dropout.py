@@ -11,7 +11,11 @@ exactly (one nonzero term per sum), P the fp64 reference's softmax weights. From
   approximation to the binomial; N >= 10^4 in the default probe, so the approximation is good to far below it);
 - ``rescale``: every weight is either dropped (r = 0) or kept and rescaled (r = 1), within the dtype's rounding
   (2 × the plain same-dtype softmax's relative error + 8 eps); out[..., Tk:] is 0;
-- ``seed``: the same torch seed gives a bit-identical output, and different seeds different masks.
+  and FlashAttention's own rule on the same read: each output within 2 × the plain same-dtype softmax's error
+  (with that call's mask) + rounding of (P∘m/(1-p)), the fp64 weights with the kernel's mask;
+- ``seed``: the same torch seed gives a bit-identical output, and different seeds different masks;
+- the backward (:func:`run_dropout_backward`, judged in kernel_backward): dq, dk, dv against the fp64 reference's
+  with the forward's own mask.
 """
 
 from __future__ import annotations
@@ -87,6 +91,11 @@ def run_dropout_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.d
     finite = bool(torch.isfinite(out).all())
     rescale = float(torch.where(kept, (r - 1.0).abs(), r.abs()).max()) if finite else math.inf
     tail = float(out[..., Tk:].abs().max()) if D > Tk and finite else 0.0
+    # FlashAttention's rule on the same read: each output against the fp64 weights with that call's own mask,
+    # beside the plain same-dtype softmax with that mask (catches a rescale off by less than the relative limit)
+    masked = [judge(o[..., :Tk], ref * (r_n > 0.5) / (1.0 - p), (plain * (r_n > 0.5).to(dtype) / (1.0 - p)), dtype,
+                    2.0) for o, r_n in zip(outs, r, strict=True)] if finite else []
+    worst_masked = max(masked, key=lambda j: j.ratio) if masked else None
     same = torch.equal(again, outs[0])
     varies = seeds < 2 or any(not torch.equal(kept[0], kept[i]) for i in range(1, seeds))
     rec.metric("dropout_keep_rate", rate, p=p, n=n, bound=bound, **case.tags())
@@ -102,6 +111,11 @@ def run_dropout_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.d
                         + (f" (kept weights come out rescaled by {_digits(float(r[kept].median()) / (1 - p), 1 / (1 - p))}"
                            f", not 1/(1-p) = {_digits(1 / (1 - p), float(r[kept].median()) / (1 - p))})"
                            if finite and bool(kept.any()) and rescale > tol else ""))
+    if worst_masked is not None and not worst_masked.passed and not problems:
+        problems.append("the output against the weights with its own mask, (P∘mask/(1-p))·v: "
+                        + worst_masked.text("out") + f" (kept weights come out rescaled by "
+                        f"{_digits(float(r[kept].median()) / (1 - p), 1 / (1 - p))}, not 1/(1-p) = "
+                        f"{_digits(1 / (1 - p), float(r[kept].median()) / (1 - p))})")
     if not same:
         problems.append("the same torch seed gave a different output (the mask does not follow torch's RNG)")
     if not varies:
@@ -110,7 +124,8 @@ def run_dropout_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.d
               f"rescale err {rescale:.3g} (limit {tol:.3g}); same seed bit-identical: {'yes' if same else 'NO'}")
     if problems:
         detail = f"{case.label()}: " + "; ".join(problems)
-    ratio = max(abs(rate - (1.0 - p)) / bound, rescale / tol if tol > 0 else 0.0, 0.0 if same and varies else math.inf)
+    ratio = max(abs(rate - (1.0 - p)) / bound, rescale / tol if tol > 0 else 0.0, 0.0 if same and varies else math.inf,
+                worst_masked.ratio if worst_masked is not None else 0.0)
     return Outcome(case, "fail" if problems else "pass", detail, ratio,
                    evidence={**evidence, "out": outs[0], "weights_ref": ref} if problems else {})
 

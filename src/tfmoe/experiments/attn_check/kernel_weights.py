@@ -57,8 +57,11 @@ def read_weights(fn, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor | None
     return got, tail
 
 
-def run_weights_probe(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, rec: Recorder) -> Outcome:
-    """Read the case's weights exactly (module docstring) and judge them on the rows that see a key."""
+def run_weights_probe(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, rec: Recorder
+                      ) -> tuple[Outcome, torch.Tensor | None]:
+    """Read the case's weights exactly (module docstring) and judge them on the rows that see a key. Returns the
+    outcome and, when it passed, the weights read (B,Hq,Tq,Tk) float64: the output's and the gradients' floors
+    are then measured on them (kernel_judging.measured_weights_atol, accumulation_atols)."""
     B, Hq, Tq, D = inp.q.shape
     Tk = inp.k.shape[2]
     evidence = {"q": inp.q, "k": inp.k, **{n: t for n, t in inp.kwargs.items() if isinstance(t, torch.Tensor)}}
@@ -69,9 +72,9 @@ def run_weights_probe(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.
     except NotImplementedError as exc:
         from tfmoe.capabilities import not_implemented_detail
 
-        return Outcome(case, "n/a", f"{case.label()}: weights probe: {not_implemented_detail(exc)}")
+        return Outcome(case, "n/a", f"{case.label()}: weights probe: {not_implemented_detail(exc)}"), None
     except Exception as exc:  # the user's kernel raised: this case fails; tfmoe's error crashes the run
-        return raised_outcome(kernel, case, exc, "forward with a one-hot v (weights probe)", evidence)
+        return raised_outcome(kernel, case, exc, "forward with a one-hot v (weights probe)", evidence), None
     s = 1.0 / math.sqrt(D) if case.scale is None else case.scale
     with torch.no_grad():
         _, ref = reference_attention(inp.q, inp.k, inp.v, inp.visible, inp.bias, case.scale, return_weights=True)
@@ -106,9 +109,9 @@ def run_weights_probe(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.
     ratio = math.inf if leaked.any() or lost.any() or tail > 0 else (rel / tol if tol > 0 else 0.0)
     if problems:
         return Outcome(case, "fail", f"{case.label()}: weights read through a one-hot v: " + "; ".join(problems),
-                       ratio, evidence={**evidence, "weights_kernel": got, "weights_ref": ref})
+                       ratio, evidence={**evidence, "weights_kernel": got, "weights_ref": ref}), None
     return Outcome(case, "pass", f"{case.label()}: weights exact (hidden keys 0, visible keys > 0); max relative "
-                   f"error {rel:.3g} vs limit {tol:.3g}", ratio)
+                   f"error {rel:.3g} vs limit {tol:.3g}", ratio), got
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor, inp: CaseInputs, dtype: torch.dtype) -> float:
