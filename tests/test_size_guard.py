@@ -108,6 +108,12 @@ def test_a_huge_size_is_refused_naming_the_dominant_knob_and_a_fix_that_is_accep
     assert f"{dominant} dominates it" in message and "GiB available" in message
     fix = _advice(message)
     assert fix[0].startswith(f"{dominant}=") and int(fix[0].split("=")[1]) < HUGE
+    given = dict(o.split("=") for o in overrides)
+    module_cfg = compose(experiment, overrides)
+    lowered = re.search(r": lower (.*) \(at most about", message)[1].split(" and ")
+    for k, v in (f.split("=") for f in fix):  # no advice to set what is already set (a pinned T/D only repeats it)
+        if k in lowered:
+            assert str(given.get(k, OmegaConf.select(module_cfg, k))) != v, (k, v, message)
     module.settings(compose(experiment, [*overrides, *fix]))  # the advised fix is itself accepted
 
 

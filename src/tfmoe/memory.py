@@ -152,7 +152,7 @@ def size_advice(estimate: Callable[[dict[str, int]], int], knobs: dict[str, Knob
             sizes[key] = fits
             for earlier in reversed(lowered[:-1]):
                 sizes[earlier] = _largest_fitting(estimate, knobs, sizes, earlier, budget) or sizes[earlier]
-            return [(k, sizes[k]) for k in lowered]
+            return [(k, sizes[k]) for k in lowered if sizes[k] != knobs[k].value]  # never advise what is already so
         sizes[key] = knobs[key].floor(sizes)
     return []
 
