@@ -341,7 +341,7 @@ def test_cli_end_to_end_saves_matrices_pictures_and_trace(workdir):
     res = run_cli(["arch"], workdir)
     assert res.exit_code == 0, res.stdout + res.stderr
     run = load_run(res.run_dir)
-    assert run.checks["passed"].all() and len(run.checks) == 9
+    assert run.checks["passed"].all() and len(run.checks) == 10  # 9 + finite
     t = run.tensors
     assert t["visibility_encoder"].shape == (8, 8) and t["visibility_encoder"].eq(1).all()
     assert torch.equal(t["visibility_decoder"].long(), torch.tril(torch.ones(8, 8, dtype=torch.long)))

@@ -476,6 +476,39 @@ def test_run_warns_on_implausible_timings_but_passes(monkeypatch):
     m = pd.DataFrame(rec.metrics_rows).set_index("name")["value"]
     assert m["timings_plausible"] == 0.0 and m["peak_fraction_max"] > cxc.PLAUSIBLE_PEAK_FRACTION
     assert any("NOT trustworthy" in n and "threads" in n and "load average" in n for n in rec.notes)
+    # threads=1 is the default: no advice to set what is already set (issue 29, item 8)
+    warning = next(n for n in rec.notes if "NOT trustworthy" in n)
+    assert "threads=1" not in warning.split("load average")[1], warning
+    # the plots' measured panels carry the same mark: the run's own figure and a sweep's
+    groups = rec.figures["complexity_groups"]
+    assert "NOT trustworthy" in groups.axes[1].get_title()
+    assert "NOT trustworthy" not in groups.axes[0].get_title()  # the analytic panel is unaffected
+    figs = cx.sweep_plots(pd.DataFrame(rec.metrics_rows))
+    panel = figs["sweep_attention_vs_ffn"].axes[1]
+    assert "NOT trustworthy" in panel.get_title() and "T=32 D=16" in panel.get_title()
+    assert any(line.get_marker() == "x" for line in panel.get_lines())
+
+
+def test_a_trustworthy_sweep_panel_carries_no_mark():
+    from tfmoe.testing import run_recorded
+
+    rec = run_recorded("complexity", QUICK)
+    rows = [r for r in rec.metrics_rows if r["name"] != "timings_plausible"]
+    rows += [{"name": "timings_plausible", "value": 1.0, "T": 32, "D": 16, "limit": cxc.PLAUSIBLE_PEAK_FRACTION}]
+    panel = cx.sweep_plots(pd.DataFrame(rows))["sweep_attention_vs_ffn"].axes[1]
+    assert "NOT trustworthy" not in panel.get_title()
+
+
+@pytest.mark.parametrize(("threads", "cpus", "load", "says", "never"), [
+    (1, 2, 0.2, "threads is already 1", "set threads=1"),  # nothing to change: says so
+    (4, 2, 0.2, "set threads=1 (this run used 4)", "quieter"),
+    (1, 2, 3.5, "quieter machine (1-min load average 3.5 on 2 CPUs)", "set threads=1"),
+    (2, 16, 9.0, "set threads=1 (this run used 2) and run on a quieter machine", "already"),
+    (1, None, 0.0, "threads is already 1", "set threads"),
+])
+def test_rerun_advice_never_asks_for_what_is_already_set(threads, cpus, load, says, never):
+    advice = cxc.rerun_advice(threads, cpus, load)
+    assert says in advice and never not in advice, advice
 
 
 @pytest.mark.parametrize("dtype,extra", [("bf16", []), ("fp64", ["B=2"])])

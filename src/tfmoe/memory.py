@@ -79,12 +79,18 @@ MEMORY_FRACTION = 0.8  # of the memory available: what a run may plan to use
 
 @dataclass(frozen=True)
 class Knob:
-    """One size key of a config, as the guard may lower it: its value, the smallest value the settings accept and
-    the step its values must keep (a d_model that must stay a multiple of n_heads)."""
+    """One size key of a config, as the guard may lower it: its value, the smallest value the settings accept (a
+    number, or a function of the other sizes: route-sim's n_experts >= top_k) and the step its values must keep (a
+    d_model that must stay a multiple of n_heads)."""
 
     value: int
-    minimum: int = 1
+    minimum: int | Callable[[dict[str, int]], int] = 1
     multiple: int = 1
+
+    def floor(self, sizes: dict[str, int]) -> int:
+        """The smallest accepted value (a multiple of the step) given the other sizes."""
+        low = self.minimum(sizes) if callable(self.minimum) else self.minimum
+        return -(-low // self.multiple) * self.multiple
 
 
 def host_available_bytes() -> int:
@@ -94,17 +100,24 @@ def host_available_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def _largest_fitting(estimate: Callable[[dict[str, int]], int], sizes: dict[str, int], key: str, knob: Knob,
-                     budget: float) -> int | None:
-    """The largest value of ``key`` (a multiple of its step, at least its minimum, below its value) whose estimate
-    fits ``budget`` with the other sizes as given; None when not even the minimum fits."""
-    low = -(-knob.minimum // knob.multiple) * knob.multiple  # smallest accepted multiple
-    if estimate({**sizes, key: low}) > budget:
+def _accepted(estimate: Callable[[dict[str, int]], int], knobs: dict[str, Knob], sizes: dict[str, int],
+              budget: float) -> bool:
+    return estimate(sizes) <= budget and all(sizes[k] >= kb.floor(sizes) for k, kb in knobs.items())
+
+
+def _largest_fitting(estimate: Callable[[dict[str, int]], int], knobs: dict[str, Knob], sizes: dict[str, int],
+                     key: str, budget: float) -> int | None:
+    """The largest value of ``key`` (a multiple of its step, at least its floor, at most its value) whose estimate
+    fits ``budget`` and keeps every knob at or above its floor, the other sizes as given; None when not even the
+    floor fits."""
+    knob = knobs[key]
+    low = knob.floor(sizes)
+    if not _accepted(estimate, knobs, {**sizes, key: low}, budget):
         return None
     lo, hi = low // knob.multiple, max(low, knob.value) // knob.multiple  # in units of the step
     while lo < hi:  # estimates grow with each size: the largest fitting multiple
         mid = (lo + hi + 1) // 2
-        if estimate({**sizes, key: mid * knob.multiple}) <= budget:
+        if _accepted(estimate, knobs, {**sizes, key: mid * knob.multiple}, budget):
             lo = mid
         else:
             hi = mid - 1
@@ -115,21 +128,32 @@ def size_advice(estimate: Callable[[dict[str, int]], int], knobs: dict[str, Knob
                 budget: float) -> list[tuple[str, int]]:
     """The knobs to lower, most dominant first, with a value for each, such that the estimate fits ``budget``.
 
-    The dominant knob is the one whose lowering to its minimum shrinks the estimate most. It is lowered to the
-    largest value that fits; only when not even its minimum fits is it set to its minimum and the next knob (by
-    the same rule) lowered as well. Empty when nothing can fit."""
+    The dominant knob is the one whose lowering to its floor (with the knobs whose floor it holds up: route-sim's
+    top_k for n_experts) shrinks the estimate most. It is lowered to the
+    largest value that fits; only when not even its floor fits is it set to its floor and the next knob (by the
+    same rule) lowered as well, after which the earlier ones are raised back as far as still fits. Empty when
+    nothing can fit."""
     sizes = {k: kb.value for k, kb in knobs.items()}
-    advice: list[tuple[str, int]] = []
+    lowered: list[str] = []
     free = dict(knobs)
+
+    def freed(k: str) -> int:  # the estimate with k at its floor, and the knobs k held up (floor > half their value)
+        z = {**sizes, k: free[k].floor(sizes)}
+        held = {j: kb.floor(z) for j, kb in free.items()
+                if j != k and 2 * kb.floor(sizes) > sizes[j] and 2 * kb.floor(z) <= sizes[j]}
+        return estimate({**z, **held})
+
     while free:
-        key = min(free, key=lambda k: (estimate({**sizes, k: free[k].minimum}), k))
-        knob = free.pop(key)
-        fits = _largest_fitting(estimate, sizes, key, knob, budget)
+        key = min(free, key=lambda k: (freed(k), k))
+        del free[key]
+        fits = _largest_fitting(estimate, knobs, sizes, key, budget)
+        lowered.append(key)
         if fits is not None:
-            return [*advice, (key, fits)]
-        lowest = -(-knob.minimum // knob.multiple) * knob.multiple
-        sizes[key] = lowest
-        advice.append((key, lowest))
+            sizes[key] = fits
+            for earlier in reversed(lowered[:-1]):
+                sizes[earlier] = _largest_fitting(estimate, knobs, sizes, earlier, budget) or sizes[earlier]
+            return [(k, sizes[k]) for k in lowered if sizes[k] != knobs[k].value]  # never advise what is already so
+        sizes[key] = knobs[key].floor(sizes)
     return []
 
 

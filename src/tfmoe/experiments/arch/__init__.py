@@ -106,7 +106,7 @@ def estimated_bytes(z: dict[str, int], dtype: str) -> int:
 def size_knobs(s: Settings) -> dict[str, Knob]:
     """arch's size keys as the guard may lower them (d_model stays a multiple of 2·n_heads, vocab_size >= T)."""
     step = s.n_heads * 2 if s.rope else math.lcm(s.n_heads, 2)
-    return {"vocab_size": Knob(s.vocab_size, minimum=max(s.seq_len, s.tgt_len)),
+    return {"vocab_size": Knob(s.vocab_size, minimum=lambda z: max(z["seq_len"], z["tgt_len"])),
             "d_model": Knob(s.d_model, minimum=step, multiple=step), "n_layers": Knob(s.n_layers),
             "n_classes": Knob(s.n_classes, minimum=2), "batch_size": Knob(s.batch_size),
             "seq_len": Knob(s.seq_len, minimum=2), "tgt_len": Knob(s.tgt_len, minimum=2)}

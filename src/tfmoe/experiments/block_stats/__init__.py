@@ -97,7 +97,7 @@ def settings(cfg: DictConfig) -> Settings:
     d_model, n_heads = require_int(cfg, "d_model"), require_int(cfg, "n_heads")
     if d_model % n_heads != 0:
         raise BadInput(f"d_model={d_model} is not divisible by n_heads={n_heads}: pick n_heads dividing d_model "
-                       f"(e.g. n_heads={max(h for h in range(1, n_heads + 1) if d_model % h == 0)})")
+                       f"(e.g. n_heads={max(h for h in range(1, min(n_heads, d_model) + 1) if d_model % h == 0)})")
     vocab_size = require_int(cfg, "vocab_size", 2)
     batch_size = require_int(cfg, "batch_size")
     seq_len = require_int(cfg, "seq_len", 2)

@@ -35,6 +35,7 @@ from tfmoe.experiments.complexity.checks import (
     moe_match_outcome,
     moe_outcome,
     params_outcome,
+    rerun_advice,
     sdpa_outcome,
     timings_outcome,
     timings_plausibility,
@@ -304,9 +305,10 @@ def measure_group(rec: Recorder, s: Settings, shape: cm.BlockShape, e: int) -> d
     if not plausible.passed:
         import psutil
 
-        warning = (f"timings of T={T} D={D} are NOT trustworthy: {plausible.detail}; {torch.get_num_threads()} "
-                   f"torch threads on {psutil.cpu_count()} CPUs, 1-min load average {psutil.getloadavg()[0]:.1f}. "
-                   "Rerun with threads=1 on a quiet machine; the FLOP/parameter/memory checks are unaffected.")
+        threads, cpus, load = torch.get_num_threads(), psutil.cpu_count(), psutil.getloadavg()[0]
+        warning = (f"timings of T={T} D={D} are NOT trustworthy: {plausible.detail}; {threads} torch threads on "
+                   f"{cpus} CPUs, 1-min load average {load:.1f}. {rerun_advice(threads, cpus, load)}; the "
+                   "FLOP/parameter/memory checks are unaffected.")
         rec.note(warning)
         rec.print(f"[bold yellow]warning:[/] {warning}")
     rec.metric("time_per_token_ms", times["prefill"][0] / T, mode="prefill", **tag)

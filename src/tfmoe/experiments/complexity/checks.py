@@ -150,6 +150,19 @@ def timings_outcome(times_ms: dict[str, float]) -> Outcome:
                    f"{len(times_ms)} timings; not finite or <= 0: {bad or 'none'}")
 
 
+def rerun_advice(threads: int, cpus: int | None, load: float) -> str:
+    """What to change before rerunning implausible timings, from what was measured, and never a setting that is
+    already so: ``threads=1`` only when more threads ran; a quieter machine only when the 1-min load average says
+    the CPUs were busy (>= 1, or >= half the CPUs); otherwise that neither explains it."""
+    busy = load >= max(1.0, 0.5 * (cpus or 1))
+    fixes = ([f"set threads=1 (this run used {threads})"] if threads > 1 else []) + (
+        [f"run on a quieter machine (1-min load average {load:.1f} on {cpus} CPUs)"] if busy else [])
+    if fixes:
+        return "Rerun: " + " and ".join(fixes)
+    return (f"threads is already 1 and the 1-min load average ({load:.1f} on {cpus} CPUs) shows no other load: "
+            "rerun to see whether it persists")
+
+
 def timings_plausibility(fractions: dict[str, float], limit: float = PLAUSIBLE_PEAK_FRACTION) -> Outcome:
     """Are the timings physically possible? Every finite ``peak_fraction`` (keyed ``component.stat``) <= ``limit``.
 

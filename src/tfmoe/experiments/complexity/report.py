@@ -93,6 +93,17 @@ def _clock(times: tuple[float, float, float]) -> float:
     return times[2] if math.isfinite(times[2]) else times[0]
 
 
+UNTRUSTED = "NOT trustworthy"
+
+
+def mark_untrusted(ax: Any, where: list[str]) -> None:
+    """Mark a panel of measured times whose timings failed ``timings_plausible`` (the run's warning, on the plot)."""
+    ax.set_title(f"{ax.get_title()}\n{UNTRUSTED}: implausible timings at {', '.join(where)}", color="red",
+                 fontsize=9)
+    ax.text(0.5, 0.5, UNTRUSTED, transform=ax.transAxes, ha="center", va="center", fontsize=20, color="red",
+            alpha=0.25, rotation=25)
+
+
 def groups_figure(rows: list[dict[str, Any]]) -> Any:
     """Share of analytic forward FLOPs vs share of measured time (CPU clock where measured) per component."""
     from matplotlib.figure import Figure
@@ -114,6 +125,10 @@ def groups_figure(rows: list[dict[str, Any]]) -> Any:
             bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
         ax.set_title(title)
         ax.set_ylim(0, 1)
+    untrusted = [label.replace("\n", " ") for label, r in zip(labels, rows, strict=True)
+                 if not r["plausible"].passed]
+    if untrusted:  # the run's warning, on the panel it concerns
+        mark_untrusted(ax_t, untrusted)
     ax_f.set_ylabel("share of the block")
     ax_t.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.suptitle("Where a block's work goes: T² attention terms grow past the FFN at T > d_ff")
@@ -124,7 +139,8 @@ def groups_figure(rows: list[dict[str, Any]]) -> Any:
 def sweep_plots(df: Any) -> dict[str, Any]:
     """Top: analytic attention-score FLOPs (QKᵀ + ·V, ∝ T²) vs FFN FLOPs (∝ T) against T, one colour per D,
     crossover ★ at T = d_ff. Bottom: the measured times of the same two parts in each sweep job (CPU-clock
-    median where recorded, else wall median)."""
+    median where recorded, else wall median); a job whose timings failed ``timings_plausible`` is marked x and the
+    panel titled NOT trustworthy, as the job's warning says."""
     import numpy as np
     from matplotlib.figure import Figure
 
@@ -172,5 +188,14 @@ def sweep_plots(df: Any) -> dict[str, Any]:
     ax_t.set_xlabel("T (tokens)")
     ax_t.set_ylabel(f"measured ms ({'CPU clock' if stat == 'cpu' else 'wall'} median)")
     ax_t.legend(fontsize=7, loc="upper left")
+    flags = df[df["name"] == "timings_plausible"]
+    bad = flags[flags["value"] == 0.0]
+    if len(bad):  # the jobs' warnings, on the panel they concern: the jobs marked x
+        for _, row in bad.iterrows():
+            D, T = row["D"], row["T"]
+            if (D, T) in times.index:
+                y = float(times.loc[(D, T), ["scores", "softmax", "attn_v"]].sum())
+                ax_t.plot([T], [y], marker="x", ms=14, mew=3, color="red", zorder=5)
+        mark_untrusted(ax_t, [f"T={int(T)} D={int(D)}" for D, T in sorted(set(zip(bad["D"], bad["T"], strict=True)))])
     fig.tight_layout()
     return {"sweep_attention_vs_ffn": fig}

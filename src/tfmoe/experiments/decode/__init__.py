@@ -118,6 +118,10 @@ def settings(cfg: DictConfig) -> Settings:
     if max(s.timing_lengths, default=0) > s.max_len:
         raise BadInput(f"timing_lengths up to {max(s.timing_lengths)} exceed max_len={s.max_len}: "
                        "shorten them or raise max_len")
+    prompt = len(s.prompt_ids) if s.prompt_ids is not None else len(s.prompt)  # characters: the vocabulary's tokens
+    if prompt + max(s.max_new_tokens, s.check_tokens) > s.max_len:  # as prompt_tensor, before any run starts
+        raise BadInput(f"prompt ({prompt} tokens) + {max(s.max_new_tokens, s.check_tokens)} new tokens exceeds "
+                       f"max_len={s.max_len}: shorten the prompt, lower max_new_tokens/check_tokens or raise max_len")
     if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before anything is allocated
         refuse_oversized(s, str(cfg.get("dtype")), memory.host_available_bytes(), "the host's")
     return s
@@ -136,18 +140,23 @@ def estimated_bytes(z: dict[str, int], dtype: str, n_heads: int) -> int:
     train_acts = 3 * n_layers * block_activation_elements(z["batch_size"] * block, d, n_heads, block)
     train = 4 * (6 * params + train_acts + 3 * z["batch_size"] * block * v)
     decode = (DTYPE_BYTES.get(dtype, 4) + 4) * (z["beam_width"] * t * (v + 2 * n_layers * d) + 2 * t * t * n_heads)
-    return train + decode + 16 * z["chi2_draws"] + 400 * z["train_steps"]
+    tokens = 8 * (z["beam_width"] + 4) * (z["max_new_tokens"] + z["check_tokens"])  # the generated ids
+    return train + decode + tokens + 16 * z["chi2_draws"] + 400 * z["train_steps"]
 
 
 def refuse_oversized(s: Settings, dtype: str, available: int, where: str) -> None:
     """BadInput (exit 2) naming the size that dominates the estimate and a value of it that fits (max_len stays
     above what the other settings need of it, d_model a multiple of n_heads)."""
     prompt = len(s.prompt_ids) if s.prompt_ids is not None else len(s.prompt)
-    longest = max(s.block_size, max(s.timing_lengths, default=2), prompt + max(s.max_new_tokens, s.check_tokens))
+    timing = max(s.timing_lengths, default=2)
+
+    def longest(z: dict[str, int]) -> int:  # what max_len must hold
+        return max(z["block_size"], timing, prompt + max(z["max_new_tokens"], z["check_tokens"]))
     knobs = {"d_model": Knob(s.d_model, s.n_heads, s.n_heads), "n_layers": Knob(s.n_layers),
              "max_len": Knob(s.max_len, minimum=longest), "batch_size": Knob(s.batch_size),
              "block_size": Knob(s.block_size, minimum=2), "beam_width": Knob(s.beam_width),
-             "chi2_draws": Knob(s.chi2_draws, minimum=100), "train_steps": Knob(s.train_steps, minimum=0)}
+             "chi2_draws": Knob(s.chi2_draws, minimum=100), "train_steps": Knob(s.train_steps, minimum=min(s.train_steps, 1)),
+             "max_new_tokens": Knob(s.max_new_tokens, minimum=0), "check_tokens": Knob(s.check_tokens, minimum=2)}
     memory.refuse_oversized(lambda z: estimated_bytes(z, dtype, s.n_heads), knobs, available, where, "decode")
 
 

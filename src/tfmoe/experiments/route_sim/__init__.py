@@ -123,6 +123,12 @@ def _layer_params(z: dict[str, int], shared_hidden: int = 0) -> int:
     return z["n_experts"] * (2 * d * h + d + h) + d * z["n_experts"] + 2 * d * shared_hidden
 
 
+def _course_bytes(z: dict[str, int], dtype: str) -> int:
+    """The course case: its per-token tensors (fitted) and its layer with the float64 copy the reference makes."""
+    e = 8 if dtype == "fp64" else 4
+    return int(z["tokens"] * _per_token(z) * DTYPE_FACTOR.get(dtype, 1.0)) + (e + 8) * _layer_params(z)
+
+
 def estimated_bytes(z: dict[str, int], dtype: str, strategies: int, own_layer: bool) -> int:
     """Peak bytes of the largest part of a run with sizes ``z`` (config key -> value): the course case (its
     per-token tensors, fitted, and the layer with its float64 copy), the training simulation (Adam's four copies of
@@ -133,7 +139,7 @@ def estimated_bytes(z: dict[str, int], dtype: str, strategies: int, own_layer: b
     battery = 2 * (e + 8) * _layer_params(z, z["layer.shared_hidden"]) + 4 * battery_tokens * _per_token(z)
     if not own_layer:
         return battery
-    course = int(z["tokens"] * _per_token(z) * DTYPE_FACTOR.get(dtype, 1.0)) + (e + 8) * _layer_params(z)
+    course = _course_bytes(z, dtype)
     d = z["d_model"]
     training = 0 if z["steps"] == 0 else (16 * _layer_params(z) + 4 * d * d * (z["clusters"] + z["train_tokens"])
                                           + 3 * z["train_tokens"] * _per_token(z)
@@ -142,18 +148,18 @@ def estimated_bytes(z: dict[str, int], dtype: str, strategies: int, own_layer: b
 
 
 def size_knobs(s: Settings) -> dict[str, Knob]:
-    """route-sim's size keys as the guard may lower them (n_experts stays >= top_k)."""
+    """route-sim's size keys as the guard may lower them (n_experts stays >= top_k; steps >= 1, as steps=0 would
+    not shrink a size but drop the training simulation)."""
     return {"tokens": Knob(s.tokens), "d_model": Knob(s.d_model), "d_hidden": Knob(s.d_hidden),
-            "n_experts": Knob(s.n_experts, minimum=s.top_k), "top_k": Knob(s.top_k),
-            "train_tokens": Knob(s.train_tokens), "clusters": Knob(s.clusters), "steps": Knob(s.steps, minimum=0),
+            "n_experts": Knob(s.n_experts, minimum=lambda z: z["top_k"]), "top_k": Knob(s.top_k),
+            "train_tokens": Knob(s.train_tokens), "clusters": Knob(s.clusters), "steps": Knob(s.steps, minimum=min(s.steps, 1)),  # 1, not 0: steps=0 drops a part, it is no size
             "layer.batch": Knob(s.layer.batch, minimum=2), "layer.seq": Knob(s.layer.seq),
             "layer.shared_hidden": Knob(s.layer.sizes.shared_hidden)}
 
 
 def estimated_course_bytes(s: Settings, dtype: str) -> int:
-    """Peak bytes the course case allocates for ``s.tokens`` tokens (fitted, see BYTES_PER_TOKEN)."""
-    z = {k: kb.value for k, kb in size_knobs(s).items()}
-    return int(s.tokens * _per_token(z) * DTYPE_FACTOR.get(dtype, 1.0))
+    """Peak bytes the course case allocates for ``s.tokens`` tokens (fitted, see BYTES_PER_TOKEN), with its layer."""
+    return _course_bytes({k: kb.value for k, kb in size_knobs(s).items()}, dtype)
 
 
 def refuse_oversized(s: Settings, dtype: str, available: int, where: str) -> None:
