@@ -259,3 +259,89 @@ def test_failures_add_and_conclude_on_a_read_only_file_system_exit_2_in_one_line
     assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "cannot write" in r.stderr and "conclusions.parquet" in r.stderr and "Read-only file system" in r.stderr
     assert (point / "failures.md").read_text() == "# Failures log\n"
+
+
+# ------------------------------------------------------------------ issue 29, item 5: damaged runs say what is damaged
+@pytest.fixture
+def settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The catalog takes every directory as settled (its racy window, catalog.RACY_S, set to 0): a run directory
+    that lost its run.parquet a moment ago is then one already (in use, after RACY_S seconds)."""
+    from tfmoe.harness.store import catalog
+
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)
+
+
+def test_a_run_without_run_parquet_is_listed_unreadable_not_dropped(fake_experiment, settled) -> None:
+    from tfmoe.testing import launched
+
+    _, (gone,) = launched(fake_experiment, [])
+    _, (kept,) = launched(fake_experiment, ["seed=1"])
+    root = gone.parents[1]
+    assert run_cli(["runs", "--runs-root", str(root)], root.parent).exit_code == 0  # the catalog holds both as ok
+    (gone / rundir.RUN_FILE).unlink()
+    for fresh in (False, True):  # a catalog that knew the run, and one built afresh
+        if fresh:
+            (root / ".tfmoe-catalog.sqlite3").unlink()
+        listing = json.loads(run_cli(["runs", "--format", "json", "--runs-root", str(root)], root.parent).stdout)
+        assert {r["run_id"]: r["status"] for r in listing} == {gone.name: "unreadable", kept.name: "ok"}, listing
+        sql = run_cli(["sql", "SELECT run_id, status FROM runs ORDER BY status", "--format", "json",
+                       "--runs-root", str(root)], root.parent)
+        assert json.loads(sql.stdout) == [{"run_id": kept.name, "status": "ok"},
+                                          {"run_id": gone.name, "status": "unreadable"}], sql.stdout + sql.stderr
+        assert "run.parquet is missing" in sql.stderr
+    show = run_cli(["show", gone.name, "--runs-root", str(root)], root.parent)
+    assert show.exit_code == 2 and "run.parquet is missing" in show.stderr and len(show.stderr.splitlines()) == 1
+
+
+def test_a_missing_config_is_named_and_never_counted_as_a_difference(fake_experiment, capsys) -> None:
+    from tfmoe.harness.launching.launch import replay
+    from tfmoe.testing import launched
+
+    _, (a,) = launched(fake_experiment, [])
+    _, (b,) = launched(fake_experiment, [])
+    (a / ".hydra" / "config.yaml").unlink()
+    root = a.parents[1]
+    show = run_cli(["show", str(a), "--runs-root", str(root)], root.parent)
+    assert show.exit_code == 0 and "config missing" in show.stdout, show.stdout
+    d = run_cli(["diff", str(a), str(b), "--runs-root", str(root)], root.parent)
+    assert "config missing in A" in d.stdout and "key(s) differ" not in d.stdout, d.stdout
+    assert d.exit_code == 0, d.stdout  # nothing that was compared differs (timings aside)
+    capsys.readouterr()
+    assert replay(str(a), root) == 0
+    out = capsys.readouterr().out
+    assert "config missing in A" in out and out.rstrip().endswith("reproduced"), out
+
+
+def test_replay_of_an_interrupted_original_says_so(fake_experiment, capsys) -> None:
+    from tfmoe.harness.launching.launch import replay
+    from tfmoe.testing import launched
+
+    with pytest.raises(KeyboardInterrupt):
+        launched(fake_experiment, ["mode=interrupt"])
+    (old,) = [p.parent for p in Path("runs").glob("fake/*/run.parquet")]
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):  # the replay is interrupted the same way (same config)
+        replay(str(old), Path("runs"))
+    lost = launched(fake_experiment, [])[1][0]
+    frame = rundir.read_parquet(lost / rundir.RUN_FILE)
+    frame["status"] = "running"
+    frame["pid"] = 2**22 + 12345  # no such process: `lost`
+    frame.to_parquet(lost / rundir.RUN_FILE)
+    capsys.readouterr()
+    code = replay(str(lost), Path("runs"))
+    out = capsys.readouterr().out
+    assert "was lost" in out and ("NOT comparable" in out or "as far as the original went" in out), out
+    assert code in (0, 1)
+
+
+def test_export_warns_about_each_run_it_skipped_and_exits_1(fake_experiment, settled, tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    from tfmoe.testing import launched
+
+    _, (gone,) = launched(fake_experiment, [])
+    _, (kept,) = launched(fake_experiment, ["seed=1"])
+    (gone / rundir.RUN_FILE).unlink()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    r = run_cli(["export", "mlflow", "--tracking-uri", uri, "--runs-root", "runs"], tmp_path)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert "exported 1 run(s)" in r.stdout and f"not exported, unreadable: {gone.name}" in r.stderr, r.stderr

@@ -273,11 +273,13 @@ def export_mlflow_cmd(
         "--tracking-uri", help="MLflow tracking store (default: ./mlflow.db).")] = "sqlite:///mlflow.db",
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
-    """Export runs to MLflow: params, metrics, tags, artifacts; a sweep becomes a parent run. Idempotent."""
+    """Export runs to MLflow: params, metrics, tags, artifacts; a sweep becomes a parent run. Idempotent. Exit 1
+    when a run was skipped as unreadable (each named on stderr)."""
     from tfmoe.harness.reading import export_mlflow
 
     with bad_input_exits_2():
-        export_mlflow.report(export_mlflow.export(list(runs or []), runs_root, tracking_uri), tracking_uri)
+        code = export_mlflow.report(export_mlflow.export(list(runs or []), runs_root, tracking_uri), tracking_uri)
+    raise typer.Exit(code)
 
 
 @app.command("sweep-complete")

@@ -188,7 +188,11 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
     for package, recorded, locked in _drift(data.run):
         print(f"version drift: {package} {recorded} in this run, {locked} in requirements.lock "
               "(`make setup` installs the locked versions)")
-    if fmt == "md":
+    if data.config_missing:
+        said = (f"config missing: {data.path}/.hydra/config.yaml is not in the run directory (the overrides above "
+                "are what the run recorded)")
+        print(f"\n### config\n\n{said}" if fmt == "md" else said)
+    elif fmt == "md":
         print("\n### config\n\n```yaml\n" + data.config + "```")
     else:
         console.print("[bold]config[/]\n" + escape(data.config))  # the user's text, never markup
@@ -321,11 +325,15 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
     import pandas as pd
 
     sections: dict[str, pd.DataFrame] = {}
-    ca, cb = _config_dict(a), _config_dict(b)
-    sections["config"] = pd.DataFrame([
-        {"key": k, "A": cell(ca.get(k, "(absent)")), "B": cell(cb.get(k, "(absent)")),
-         "differs": not _same(ca.get(k, "(absent)"), cb.get(k, "(absent)"))}
-        for k in sorted(set(ca) | set(cb))])
+    if a.config_missing or b.config_missing:  # nothing to compare: say so, never invent differences
+        sections["config"] = pd.DataFrame([{"key": ".hydra/config.yaml", "A": "missing" if a.config_missing else "kept",
+                                            "B": "missing" if b.config_missing else "kept", "differs": False}])
+    else:
+        ca, cb = _config_dict(a), _config_dict(b)
+        sections["config"] = pd.DataFrame([
+            {"key": k, "A": cell(ca.get(k, "(absent)")), "B": cell(cb.get(k, "(absent)")),
+             "differs": not _same(ca.get(k, "(absent)"), cb.get(k, "(absent)"))}
+            for k in sorted(set(ca) | set(cb))])
     sections["environment"] = pd.DataFrame([
         {"key": k, "A": cell(a.run.get(k)), "B": cell(b.run.get(k)), "differs": cell(a.run.get(k)) != cell(b.run.get(k))}
         for k in ENV_KEYS])
@@ -479,7 +487,11 @@ def diff_summary(sections: dict[str, pd.DataFrame], top: int = 3) -> dict[str, A
 def _print_summary(summary: dict[str, Any]) -> None:
     keys = summary["config_keys"]
     cfg = ", ".join(f"{k['key']}: {k['A']} -> {k['B']}" for k in keys[:8]) + (" …" if len(keys) > 8 else "")
-    print(f"config: {len(keys)} key(s) differ{' (' + cfg + ')' if keys else ''}")
+    if summary.get("config_missing"):
+        print(f"config missing in {' and '.join(summary['config_missing'])} (.hydra/config.yaml): configs not "
+              "compared; the verdict rests on the metrics, tensors and checks")
+    else:
+        print(f"config: {len(keys)} key(s) differ{' (' + cfg + ')' if keys else ''}")
     print(f"differ: {summary['metrics_differ']} of {summary['metrics_total']} metric rows, "
           f"{summary['tensors_differ']} of {summary['tensors_total']} tensors, "
           f"{summary['checks_differ']} of {summary['checks_total']} checks"
@@ -557,6 +569,7 @@ def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, f
         everything["metrics"] = _focus(dict(everything), metric, None, keep=True)["metrics"]
     hidden = _focus(focused, metric, top if top is not None else None if fmt == "json" or all_rows else 20)
     summary = diff_summary(everything)
+    summary["config_missing"] = [side for side, d in (("A", a), ("B", b)) if d.config_missing]
     context = _measured_changes(everything.get("metrics", pd.DataFrame()))
     if fmt == "json":
         print(json.dumps({"A": str(a.path), "B": str(b.path), "differs": differs, "summary": summary,
