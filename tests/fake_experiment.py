@@ -1,6 +1,7 @@
 """A tiny experiment for testing the notebook core's promises (statuses, exit codes, crash/interrupt safety).
 
-``mode`` picks the behaviour: ok | fail_check | crash | interrupt | bad_input | sigterm | sigusr2 | exit.
+``mode`` picks the behaviour: ok | fail_check | crash | interrupt | bad_input | sigterm | sigusr2 | exit |
+not_applicable.
 It keeps the experiment contract (registry.ExperimentModule) like every real experiment. ``bad_input`` is refused
 in run(), as a problem only the run can find (a missing file, an unimportable module) would be.
 """
@@ -19,7 +20,7 @@ from tfmoe.errors import BadInput
 from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int
 
-MODES = ("ok", "fail_check", "crash", "interrupt", "bad_input", "sigterm", "sigusr2", "exit")
+MODES = ("ok", "fail_check", "crash", "interrupt", "bad_input", "sigterm", "sigusr2", "exit", "not_applicable")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ def run(s: Settings, rec: Recorder) -> None:
             sys.exit(5)
     if s.mode == "bad_input":
         raise BadInput("mode=bad_input was asked for: pick another mode")
+    if s.mode == "not_applicable":  # a check this "layer" cannot be judged on (Recorder.not_applicable)
+        rec.not_applicable("needs_a_feature", "not applicable: the layer declares it lacks the feature")
     rec.check("always_true_for_ok", s.mode != "fail_check", 1.0, 0.0, "planted failure when mode=fail_check",
               evidence={"x": x})
     wall_ms = rec.time("sum", lambda: x.sum(), repeats=3)

@@ -20,7 +20,13 @@ from tfmoe.harness.store.notebook import (
     resolve_run,
     where_running,
 )
-from tfmoe.harness.store.rundir import EXPECTATIONS_FILE, is_missing, read_parquet
+from tfmoe.harness.store.rundir import (
+    EXPECTATIONS_FILE,
+    check_applicable,
+    checks_cell,
+    is_missing,
+    read_parquet,
+)
 from tfmoe.status import Status, exit_code_for, worst_exit_code
 from tfmoe.tables import Rows, cell, from_frame, print_rows
 
@@ -56,9 +62,8 @@ def _runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
     for d in run_dirs:  # only run.parquet and checks.parquet: the summary needs no tensors or metrics
         run = read_run_row(d)
         checks = read_parquet(d / "checks.parquet") if (d / "checks.parquet").exists() else pd.DataFrame()
-        n_ok = int(checks["passed"].sum()) if not checks.empty else 0
         rows.append({"run_id": run["run_id"], "experiment": run["experiment"], "status": run["status"],
-                     "checks": f"{n_ok}/{len(checks)}", "expected": _expectations_cell(d),
+                     "checks": checks_cell(checks.to_dict("records")), "expected": _expectations_cell(d),
                      "wall_s": round(float(run["wall_s"] or 0.0), 2), "path": str(d)})
     df = pd.DataFrame(rows)
     if not df.empty and (df["expected"] == "").all():
@@ -198,7 +203,8 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
         console.print("[bold]config[/]\n" + escape(data.config))  # the user's text, never markup
     checks = data.rows("checks")
     if checks:
-        print_records(checks, fmt, "checks")
+        shown = [{**c, "passed": c["passed"] if check_applicable(c) else "n/a"} for c in checks]
+        print_records(shown, fmt, f"checks {checks_cell(checks)}", drop=("applicable",))
         for inference in _inferences(data):
             print(inference.line())
     expectations = data.rows("expectations")
@@ -368,8 +374,7 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
     else:
         sections["metrics"] = pd.DataFrame(columns=["name", "differs"])
     # checks whose pass/fail changed
-    cka = dict(zip(a.checks.get("check", []), a.checks.get("passed", []), strict=False))
-    ckb = dict(zip(b.checks.get("check", []), b.checks.get("passed", []), strict=False))
+    cka, ckb = ({r["check"]: r["passed"] if check_applicable(r) else "n/a" for r in d.rows("checks")} for d in (a, b))
     sections["checks"] = pd.DataFrame([
         {"check": k, "A": cka.get(k), "B": ckb.get(k), "differs": not _same(cka.get(k), ckb.get(k))}
         for k in sorted(set(cka) | set(ckb))])

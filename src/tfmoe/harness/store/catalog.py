@@ -30,7 +30,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tfmoe.harness.store.rundir import RUN_FILE, TABLE_FILES, atomic_replace, python_values, read_parquet
+from tfmoe.harness.store.rundir import (
+    RUN_FILE,
+    TABLE_FILES,
+    atomic_replace,
+    python_values,
+    read_parquet,
+    with_applicable,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -309,9 +316,13 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
     checks_file = run_dir / TABLE_FILES["checks"]
     passed = total = 0
     if checks_file.exists():
-        try:
-            col = pq.ParquetFile(checks_file).read(columns=["passed"]).column("passed").to_pylist()
-            passed, total = sum(bool(x) for x in col), len(col)
+        try:  # the judged checks: a not-applicable row (rundir.with_applicable) is neither passed nor counted
+            parquet = pq.ParquetFile(checks_file)
+            table = with_applicable(parquet.read(columns=[c for c in ("passed", "applicable")
+                                                          if c in parquet.schema_arrow.names]))
+            rows = table.to_pylist()
+            passed = sum(bool(r["passed"]) and r["applicable"] is not False for r in rows)
+            total = sum(r["applicable"] is not False for r in rows)
         except Exception:
             pass
     row["checks_passed"], row["checks_total"] = passed, total

@@ -306,7 +306,7 @@ def checks_table(checks: Any) -> Rows:
     """The checks table of summary.md: each check (recorder CheckRows), passed, observed, threshold."""
     table = Rows("checks", ["check", "passed", "observed", "threshold"])
     for c in checks:
-        table.add(c.check, "yes" if c.passed else "**NO**", _fmt(c.observed), _fmt(c.threshold))
+        table.add(c.check, rundir.check_mark(vars(c), no="**NO**"), _fmt(c.observed), _fmt(c.threshold))
     return table
 
 
@@ -554,6 +554,7 @@ def load_run(path: str | Path) -> RunData:
     try:
         tables = {key: read_table(path / name) if (path / name).exists() else None
                   for key, name in RUN_TABLE_FILES.items()}
+        tables["checks"] = rundir.with_applicable(tables.get("checks"))  # a run older than the column: applicable
     except UnreadableFile as exc:
         raise UnreadableFile(exc.path, f"{exc}; {rerun_advice(path)}") from None
     cfg_file = path / ".hydra" / "config.yaml"
