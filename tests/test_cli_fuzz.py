@@ -192,6 +192,7 @@ FOUND = [
     ("shift-labels", ["seed=9223372036854775808"]),
     ("route-sim", ["+zz_nosuch=1"]),
     ("shift-labels", ["tensor_max_numel=-1"]),
+    ("route-sim", ["impl='1'"]),  # F-edges: the form was checked only inside the run, after its directory existed
 ]
 
 
