@@ -345,3 +345,58 @@ def test_export_warns_about_each_run_it_skipped_and_exits_1(fake_experiment, set
     r = run_cli(["export", "mlflow", "--tracking-uri", uri, "--runs-root", "runs"], tmp_path)
     assert r.exit_code == 1, r.stdout + r.stderr
     assert "exported 1 run(s)" in r.stdout and f"not exported, unreadable: {gone.name}" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------ issue 29, item 8: diff's headline, show's width
+def test_a_metric_that_only_scales_with_a_changed_coefficient_is_not_the_headline(fake_experiment) -> None:
+    """aux_loss_coef 0.01 -> 0.1 headlined balance_loss +900 % (the loss includes its coefficient): such rows are
+    marked `scales with the config` and the headline is left to the changes that are not."""
+    from tfmoe.testing import launched
+
+    _, (a,) = launched(fake_experiment, ["coef=0.01"])
+    _, (b,) = launched(fake_experiment, ["coef=0.1"])
+    r = run_cli(["diff", str(a), str(b)], a.parents[2])
+    assert "scales with the config, not headlined: scaled_loss (5 row(s), coef 0.01 -> 0.1: x10)" in r.stdout, r.stdout
+    assert "largest: scaled_loss" not in r.stdout and r.exit_code == 1  # it is still a difference
+    body = json.loads(run_cli(["diff", str(a), str(b), "--format", "json"], a.parents[2]).stdout)
+    assert body["summary"]["largest_metric_changes"] == []
+    assert {m["scaled_by"] for m in body["metrics"] if m["name"] == "scaled_loss"} == {"coef 0.01 -> 0.1: x10"}
+
+
+def test_the_headline_ranks_series_by_where_they_end() -> None:
+    """route-sim's case: every strategy's balance_loss x10 (`none` never trains on it), aux_loss's CV moves a
+    little at its last step, the per-step rows of one series must not fill the headline."""
+    import pandas as pd
+
+    from tfmoe.harness.reading.reports import _headline, _mark_scaled
+
+    config = pd.DataFrame([{"key": "aux_loss_coef", "A": "0.01", "B": "0.1", "differs": True}])
+    rows = [{"name": "balance_loss", "step": s, "tags": f"strategy={st}", "A": 0.025 * (s + 1),
+             "B": 0.25 * (s + 1) * (1 if st == "none" else 0.97), "differs": True} for s in range(3)
+            for st in ("none", "aux_loss")]
+    rows += [{"name": "cv", "step": s, "tags": "strategy=aux_loss", "A": 1.022 + s, "B": (0.998 if s == 2 else 5.0) + s,
+              "differs": True} for s in range(3)]
+    for r in rows:
+        r["rel_delta"] = (r["B"] - r["A"]) / abs(r["A"])
+    marked = _mark_scaled(pd.DataFrame(rows), config)
+    assert set(marked[marked["scaled_by"] != ""]["tags"]) == {"strategy=none"}  # only exact x10 rows
+    head = _headline(marked[marked["scaled_by"] == ""])
+    assert list(zip(head["name"], head["step"], strict=True)) == [("balance_loss", 2), ("cv", 2)]  # one per series
+    assert _headline(marked.iloc[0:0]).empty
+
+
+def test_show_fits_a_sensible_width_when_not_a_terminal(fake_experiment, monkeypatch) -> None:
+    """`show RUN > file` wrote lines up to 2,799 characters; now 120 wide unless --full-width (or COLUMNS)."""
+    from tfmoe.testing import launched
+
+    _, (run,) = launched(fake_experiment, ["mode=fail_check"])
+    checks = rundir.read_parquet(run / "checks.parquet")
+    checks["detail"] = "a user's exception text, as long as they come: " + "word " * 60  # 350 characters
+    rundir.write_parquet(checks, run / "checks.parquet", schema=rundir.CHECKS_SCHEMA)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    narrow = run_cli(["show", str(run)], run.parents[2])
+    assert narrow.exit_code == 0 and max(len(line) for line in narrow.stdout.splitlines()) <= 120, narrow.stdout
+    full = run_cli(["show", str(run), "--full-width"], run.parents[2])
+    assert max(len(line) for line in full.stdout.splitlines()) > 120
+    monkeypatch.setenv("COLUMNS", "90")
+    assert max(len(line) for line in run_cli(["show", str(run)], run.parents[2]).stdout.splitlines()) <= 90

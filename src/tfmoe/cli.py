@@ -202,13 +202,16 @@ def runs_cmd(
 def show_cmd(
     run: Annotated[str, typer.Argument(help="Run path, run id, unique prefix, or 'latest'.")],
     fmt: Annotated[Format, typer.Option("--format")] = Format.table,
+    full_width: Annotated[bool, typer.Option(
+        "--full-width", help="Each table at its natural width (default: fit the terminal, or 120 columns "
+                             "when the output is a file or a pipe; COLUMNS sets another).")] = False,
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """One run: config, environment, checks, metrics, timings, tensors, plots."""
     from tfmoe.harness.reading import reports
 
     with bad_input_exits_2():
-        reports.show(run, runs_root, fmt.value)
+        reports.show(run, runs_root, fmt.value, full_width=full_width)
 
 
 @app.command("diff")
