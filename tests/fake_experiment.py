@@ -28,14 +28,14 @@ class Settings:
     mode: str
     steps: int
     plugin: str | None  # plugin=module:Name: a user's module, imported the way attn-check imports impl=
-    coef: float = 1.0  # scales `scaled_loss`, as a loss coefficient scales the loss a run reports
+    coef: float | None = None  # set: a `scaled_loss` metric, scaled by it as a loss coefficient scales a loss
 
 
 def settings(cfg: DictConfig) -> Settings:
     if cfg.mode not in MODES:
         raise BadInput(f"mode={cfg.mode!r} is not a fake-experiment mode: pass one of {', '.join(MODES)}")
     return Settings(mode=str(cfg.mode), steps=require_int(cfg, "steps"), plugin=cfg.get("plugin") or None,
-                    coef=float(cfg.get("coef", 1.0)))
+                    coef=None if cfg.get("coef") is None else float(cfg.coef))
 
 
 def run(s: Settings, rec: Recorder) -> None:
@@ -47,7 +47,8 @@ def run(s: Settings, rec: Recorder) -> None:
     rec.tensor("x", x)
     for step in range(s.steps):
         rec.metric("loss", float(x.double().abs().mean()) / (step + 1), step=step, variant="a")
-        rec.metric("scaled_loss", s.coef * float(x.double().abs().mean()) / (step + 1), step=step, variant="a")
+        if s.coef is not None:
+            rec.metric("scaled_loss", s.coef * float(x.double().abs().mean()) / (step + 1), step=step, variant="a")
         if s.mode == "interrupt" and step == 2:
             raise KeyboardInterrupt
         if s.mode == "crash" and step == 2:

@@ -126,7 +126,7 @@ def test_show_diff_runs_print_the_users_text_literally_never_as_rich_markup(tmp_
     ran = run_cli(["shift-labels", "--expect", "sequence_loss[sequence=1] < 100"], where)
     assert ran.exit_code == 0, ran.stderr
     assert f"run directory: {ran.run_dir}" in ran.stdout.replace("\n", "")
-    shown = run_cli(["show", str(ran.run_dir)], where)
+    shown = run_cli(["show", str(ran.run_dir), "--full-width"], where)  # each cell whole, on one line
     assert "cli1: sequence_loss[sequence=1] < 100" in shown.stdout  # the config as recorded
     assert "sequence_loss[sequence=1]" in shown.stdout.split("expectations")[1]  # and its table
     assert "[bold]lab" in shown.stdout
