@@ -28,7 +28,8 @@ def fake_experiment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     conf = tmp_path / "conf"
     conf.mkdir()
     shutil.copy(REPO / "conf" / "base.yaml", conf / "base.yaml")
-    (conf / "fake.yaml").write_text("defaults:\n  - base\n  - _self_\nexperiment: fake\nmode: ok\nsteps: 5\nplugin: null\ninput: null\n")
+    (conf / "fake.yaml").write_text("defaults:\n  - base\n  - _self_\nexperiment: fake\nmode: ok\nsteps: 5\nplugin: null\ninput: null\n"
+                                    "coef: null\n")
     exp = registry.Experiment("fake", "fake", "fake", "a test experiment")
     monkeypatch.setitem(registry.EXPERIMENTS, "fake", exp)
     monkeypatch.setitem(sys.modules, "tfmoe.experiments.fake", module)

@@ -310,6 +310,7 @@ def _tables_from_frames(run_dir: Path, fmt: str) -> dict[str, str]:
     if fmt == "json":
         return {k: f'"{k}": ' + json.dumps(df.to_dict("records"), default=lambda v: v.tolist()
                                           if hasattr(v, "tolist") else v.isoformat()) for k, df in frames.items()}
+    frames["checks"] = frames["checks"].drop(columns=["applicable"])  # the table shows n/a in `passed` instead
     return {k: from_frame(df).markdown() for k, df in frames.items()}
 
 

@@ -126,7 +126,7 @@ def test_show_diff_runs_print_the_users_text_literally_never_as_rich_markup(tmp_
     ran = run_cli(["shift-labels", "--expect", "sequence_loss[sequence=1] < 100"], where)
     assert ran.exit_code == 0, ran.stderr
     assert f"run directory: {ran.run_dir}" in ran.stdout.replace("\n", "")
-    shown = run_cli(["show", str(ran.run_dir)], where)
+    shown = run_cli(["show", str(ran.run_dir), "--full-width"], where)  # each cell whole, on one line
     assert "cli1: sequence_loss[sequence=1] < 100" in shown.stdout  # the config as recorded
     assert "sequence_loss[sequence=1]" in shown.stdout.split("expectations")[1]  # and its table
     assert "[bold]lab" in shown.stdout
@@ -259,3 +259,144 @@ def test_failures_add_and_conclude_on_a_read_only_file_system_exit_2_in_one_line
     assert r.exit_code == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "cannot write" in r.stderr and "conclusions.parquet" in r.stderr and "Read-only file system" in r.stderr
     assert (point / "failures.md").read_text() == "# Failures log\n"
+
+
+# ------------------------------------------------------------------ issue 29, item 5: damaged runs say what is damaged
+@pytest.fixture
+def settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The catalog takes every directory as settled (its racy window, catalog.RACY_S, set to 0): a run directory
+    that lost its run.parquet a moment ago is then one already (in use, after RACY_S seconds)."""
+    from tfmoe.harness.store import catalog
+
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)
+
+
+def test_a_run_without_run_parquet_is_listed_unreadable_not_dropped(fake_experiment, settled) -> None:
+    from tfmoe.testing import launched
+
+    _, (gone,) = launched(fake_experiment, [])
+    _, (kept,) = launched(fake_experiment, ["seed=1"])
+    root = gone.parents[1]
+    assert run_cli(["runs", "--runs-root", str(root)], root.parent).exit_code == 0  # the catalog holds both as ok
+    (gone / rundir.RUN_FILE).unlink()
+    for fresh in (False, True):  # a catalog that knew the run, and one built afresh
+        if fresh:
+            (root / ".tfmoe-catalog.sqlite3").unlink()
+        listing = json.loads(run_cli(["runs", "--format", "json", "--runs-root", str(root)], root.parent).stdout)
+        assert {r["run_id"]: r["status"] for r in listing} == {gone.name: "unreadable", kept.name: "ok"}, listing
+        sql = run_cli(["sql", "SELECT run_id, status FROM runs ORDER BY status", "--format", "json",
+                       "--runs-root", str(root)], root.parent)
+        assert json.loads(sql.stdout) == [{"run_id": kept.name, "status": "ok"},
+                                          {"run_id": gone.name, "status": "unreadable"}], sql.stdout + sql.stderr
+        assert "run.parquet is missing" in sql.stderr
+    show = run_cli(["show", gone.name, "--runs-root", str(root)], root.parent)
+    assert show.exit_code == 2 and "run.parquet is missing" in show.stderr and len(show.stderr.splitlines()) == 1
+
+
+def test_a_missing_config_is_named_and_never_counted_as_a_difference(fake_experiment, capsys) -> None:
+    from tfmoe.harness.launching.launch import replay
+    from tfmoe.testing import launched
+
+    _, (a,) = launched(fake_experiment, [])
+    _, (b,) = launched(fake_experiment, [])
+    (a / ".hydra" / "config.yaml").unlink()
+    root = a.parents[1]
+    show = run_cli(["show", str(a), "--runs-root", str(root)], root.parent)
+    assert show.exit_code == 0 and "config missing" in show.stdout, show.stdout
+    d = run_cli(["diff", str(a), str(b), "--runs-root", str(root)], root.parent)
+    assert "config missing in A" in d.stdout and "key(s) differ" not in d.stdout, d.stdout
+    assert d.exit_code == 0, d.stdout  # nothing that was compared differs (timings aside)
+    capsys.readouterr()
+    assert replay(str(a), root) == 0
+    out = capsys.readouterr().out
+    assert "config missing in A" in out and out.rstrip().endswith("reproduced"), out
+
+
+def test_replay_of_an_interrupted_original_says_so(fake_experiment, capsys) -> None:
+    from tfmoe.harness.launching.launch import replay
+    from tfmoe.testing import launched
+
+    with pytest.raises(KeyboardInterrupt):
+        launched(fake_experiment, ["mode=interrupt"])
+    (old,) = [p.parent for p in Path("runs").glob("fake/*/run.parquet")]
+    capsys.readouterr()
+    with pytest.raises(KeyboardInterrupt):  # the replay is interrupted the same way (same config)
+        replay(str(old), Path("runs"))
+    lost = launched(fake_experiment, [])[1][0]
+    frame = rundir.read_parquet(lost / rundir.RUN_FILE)
+    frame["status"] = "running"
+    frame["pid"] = 2**22 + 12345  # no such process: `lost`
+    frame.to_parquet(lost / rundir.RUN_FILE)
+    capsys.readouterr()
+    code = replay(str(lost), Path("runs"))
+    out = capsys.readouterr().out
+    assert "was lost" in out and ("NOT comparable" in out or "as far as the original went" in out), out
+    assert code in (0, 1)
+
+
+def test_export_warns_about_each_run_it_skipped_and_exits_1(fake_experiment, settled, tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    from tfmoe.testing import launched
+
+    _, (gone,) = launched(fake_experiment, [])
+    _, (kept,) = launched(fake_experiment, ["seed=1"])
+    (gone / rundir.RUN_FILE).unlink()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    r = run_cli(["export", "mlflow", "--tracking-uri", uri, "--runs-root", "runs"], tmp_path)
+    assert r.exit_code == 1, r.stdout + r.stderr
+    assert "exported 1 run(s)" in r.stdout and f"not exported, unreadable: {gone.name}" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------ issue 29, item 8: diff's headline, show's width
+def test_a_metric_that_only_scales_with_a_changed_coefficient_is_not_the_headline(fake_experiment) -> None:
+    """aux_loss_coef 0.01 -> 0.1 headlined balance_loss +900 % (the loss includes its coefficient): such rows are
+    marked `scales with the config` and the headline is left to the changes that are not."""
+    from tfmoe.testing import launched
+
+    _, (a,) = launched(fake_experiment, ["coef=0.01"])
+    _, (b,) = launched(fake_experiment, ["coef=0.1"])
+    r = run_cli(["diff", str(a), str(b)], a.parents[2])
+    assert "scales with the config, not headlined: scaled_loss (5 row(s), coef 0.01 -> 0.1: x10)" in r.stdout, r.stdout
+    assert "largest: scaled_loss" not in r.stdout and r.exit_code == 1  # it is still a difference
+    body = json.loads(run_cli(["diff", str(a), str(b), "--format", "json"], a.parents[2]).stdout)
+    assert body["summary"]["largest_metric_changes"] == []
+    assert {m["scaled_by"] for m in body["metrics"] if m["name"] == "scaled_loss"} == {"coef 0.01 -> 0.1: x10"}
+
+
+def test_the_headline_ranks_series_by_where_they_end() -> None:
+    """route-sim's case: every strategy's balance_loss x10 (`none` never trains on it), aux_loss's CV moves a
+    little at its last step, the per-step rows of one series must not fill the headline."""
+    import pandas as pd
+
+    from tfmoe.harness.reading.reports import _headline, _mark_scaled
+
+    config = pd.DataFrame([{"key": "aux_loss_coef", "A": "0.01", "B": "0.1", "differs": True}])
+    rows = [{"name": "balance_loss", "step": s, "tags": f"strategy={st}", "A": 0.025 * (s + 1),
+             "B": 0.25 * (s + 1) * (1 if st == "none" else 0.97), "differs": True} for s in range(3)
+            for st in ("none", "aux_loss")]
+    rows += [{"name": "cv", "step": s, "tags": "strategy=aux_loss", "A": 1.022 + s, "B": (0.998 if s == 2 else 5.0) + s,
+              "differs": True} for s in range(3)]
+    for r in rows:
+        r["rel_delta"] = (r["B"] - r["A"]) / abs(r["A"])
+    marked = _mark_scaled(pd.DataFrame(rows), config)
+    assert set(marked[marked["scaled_by"] != ""]["tags"]) == {"strategy=none"}  # only exact x10 rows
+    head = _headline(marked[marked["scaled_by"] == ""])
+    assert list(zip(head["name"], head["step"], strict=True)) == [("balance_loss", 2), ("cv", 2)]  # one per series
+    assert _headline(marked.iloc[0:0]).empty
+
+
+def test_show_fits_a_sensible_width_when_not_a_terminal(fake_experiment, monkeypatch) -> None:
+    """`show RUN > file` wrote lines up to 2,799 characters; now 120 wide unless --full-width (or COLUMNS)."""
+    from tfmoe.testing import launched
+
+    _, (run,) = launched(fake_experiment, ["mode=fail_check"])
+    checks = rundir.read_parquet(run / "checks.parquet")
+    checks["detail"] = "a user's exception text, as long as they come: " + "word " * 60  # 350 characters
+    rundir.write_parquet(checks, run / "checks.parquet", schema=rundir.CHECKS_SCHEMA)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    narrow = run_cli(["show", str(run)], run.parents[2])
+    assert narrow.exit_code == 0 and max(len(line) for line in narrow.stdout.splitlines()) <= 120, narrow.stdout
+    full = run_cli(["show", str(run), "--full-width"], run.parents[2])
+    assert max(len(line) for line in full.stdout.splitlines()) > 120
+    monkeypatch.setenv("COLUMNS", "90")
+    assert max(len(line) for line in run_cli(["show", str(run)], run.parents[2]).stdout.splitlines()) <= 90

@@ -202,13 +202,16 @@ def runs_cmd(
 def show_cmd(
     run: Annotated[str, typer.Argument(help="Run path, run id, unique prefix, or 'latest'.")],
     fmt: Annotated[Format, typer.Option("--format")] = Format.table,
+    full_width: Annotated[bool, typer.Option(
+        "--full-width", help="Each table at its natural width (default: fit the terminal, or 120 columns "
+                             "when the output is a file or a pipe; COLUMNS sets another).")] = False,
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
     """One run: config, environment, checks, metrics, timings, tensors, plots."""
     from tfmoe.harness.reading import reports
 
     with bad_input_exits_2():
-        reports.show(run, runs_root, fmt.value)
+        reports.show(run, runs_root, fmt.value, full_width=full_width)
 
 
 @app.command("diff")
@@ -273,11 +276,13 @@ def export_mlflow_cmd(
         "--tracking-uri", help="MLflow tracking store (default: ./mlflow.db).")] = "sqlite:///mlflow.db",
     runs_root: RunsRoot = DEFAULT_RUNS_ROOT,
 ) -> None:
-    """Export runs to MLflow: params, metrics, tags, artifacts; a sweep becomes a parent run. Idempotent."""
+    """Export runs to MLflow: params, metrics, tags, artifacts; a sweep becomes a parent run. Idempotent. Exit 1
+    when a run was skipped as unreadable (each named on stderr)."""
     from tfmoe.harness.reading import export_mlflow
 
     with bad_input_exits_2():
-        export_mlflow.report(export_mlflow.export(list(runs or []), runs_root, tracking_uri), tracking_uri)
+        code = export_mlflow.report(export_mlflow.export(list(runs or []), runs_root, tracking_uri), tracking_uri)
+    raise typer.Exit(code)
 
 
 @app.command("sweep-complete")

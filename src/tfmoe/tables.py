@@ -67,9 +67,16 @@ class Rows:
         cols = [max([len(str(h)), *(len(r[i]) for r in texts)]) for i, h in enumerate(self.columns)]
         return max(sum(cols) + 3 * len(cols) + 1, len(self.title))
 
-    def print_to(self, console: Console) -> None:
-        """Print on ``console``: fitted to a terminal, at natural width when redirected."""
-        if console.is_terminal:
+    def print_to(self, console: Console, fit: int | None = None) -> None:
+        """Print on ``console``: fitted to a terminal (or to ``fit`` columns), at natural width when redirected."""
+        if fit is not None:
+            width, saved = fit, console.width
+            console.width = width
+            try:
+                console.print(self.rich(width))
+            finally:
+                console.width = saved
+        elif console.is_terminal:
             console.print(self.rich(console.width))
         else:
             width, saved = max(console.width, self.natural_width()), console.width
@@ -109,15 +116,16 @@ class Rows:
         return Group(*blocks)
 
 
-def print_rows(table: Rows, fmt: str, console: Console) -> None:
+def print_rows(table: Rows, fmt: str, console: Console, fit: int | None = None) -> None:
     """``table`` on stdout as md (a ``### title`` heading, then the markdown table, or ``(none)``) or on
-    ``console`` as a terminal table (json is its caller's: it knows its values' types)."""
+    ``console`` as a terminal table, fitted to ``fit`` columns when given (json is its caller's: it knows its
+    values' types)."""
     if fmt == "md":
         if table.title:
             print(f"\n### {table.title}\n")
         print(table.markdown() if table.rows and table.columns else "(none)")
     else:
-        table.print_to(console)
+        table.print_to(console, fit)
 
 
 def from_frame(df: Any, title: str = "") -> Rows:

@@ -175,6 +175,10 @@ def layer_settings(cfg: DictConfig, n_experts: int, top_k: int, score_func: str)
     if impl is not None and (not isinstance(impl, str) or not impl.strip()):
         raise BadInput(f"impl={impl!r} is not a string: pass impl=hf:mixtral, impl=pkg.module:Class, or "
                        "impl=null for the package's own layer")
+    module_name, _, name = (impl or "x:y").strip().partition(":")
+    if not module_name or not name:  # the form, before any run directory (the import itself is the run's)
+        raise BadInput(f"impl={impl!r} is not 'pkg.module:Class' nor 'hf:<model type>': write e.g. "
+                       "impl=my_moe:ToyMoE or impl=hf:mixtral")
     norm = OmegaConf.select(cfg, "layer.norm_topk_prob")
     if not isinstance(norm, bool):
         raise BadInput(f"layer.norm_topk_prob={norm!r} is not a boolean: pass true or false")

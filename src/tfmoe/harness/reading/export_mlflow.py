@@ -410,7 +410,10 @@ def export(refs: list[str], runs_root: Path, tracking_uri: str = DEFAULT_URI) ->
     return done
 
 
-def report(done: Exported, tracking_uri: str) -> None:
+def report(done: Exported, tracking_uri: str) -> int:
+    """Print what was exported; the exit code: 1 when a run was skipped as unreadable (one stderr line each: the
+    export is incomplete, and a script should notice), else 0 (a run still running is said, not an error: export
+    again once it ends)."""
     print(f"exported {len(done.exported)} run(s) ({len(done.sweeps)} sweep parent run(s)) to {tracking_uri}; "
           f"{len(done.already)} already there")
     if done.completed:
@@ -423,4 +426,5 @@ def report(done: Exported, tracking_uri: str) -> None:
     if tracking_uri.startswith("sqlite:///"):
         print(f"browse: mlflow ui --backend-store-uri {tracking_uri}, then open "
               + ", ".join(f"http://127.0.0.1:5000/#/experiments/{i}/runs ({n})" for n, i in done.experiments.items()))
+    return 1 if done.unreadable else 0
 

@@ -20,7 +20,13 @@ from tfmoe.harness.store.notebook import (
     resolve_run,
     where_running,
 )
-from tfmoe.harness.store.rundir import EXPECTATIONS_FILE, is_missing, read_parquet
+from tfmoe.harness.store.rundir import (
+    EXPECTATIONS_FILE,
+    check_applicable,
+    checks_cell,
+    is_missing,
+    read_parquet,
+)
 from tfmoe.status import Status, exit_code_for, worst_exit_code
 from tfmoe.tables import Rows, cell, from_frame, print_rows
 
@@ -56,9 +62,8 @@ def _runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
     for d in run_dirs:  # only run.parquet and checks.parquet: the summary needs no tensors or metrics
         run = read_run_row(d)
         checks = read_parquet(d / "checks.parquet") if (d / "checks.parquet").exists() else pd.DataFrame()
-        n_ok = int(checks["passed"].sum()) if not checks.empty else 0
         rows.append({"run_id": run["run_id"], "experiment": run["experiment"], "status": run["status"],
-                     "checks": f"{n_ok}/{len(checks)}", "expected": _expectations_cell(d),
+                     "checks": checks_cell(checks.to_dict("records")), "expected": _expectations_cell(d),
                      "wall_s": round(float(run["wall_s"] or 0.0), 2), "path": str(d)})
     df = pd.DataFrame(rows)
     if not df.empty and (df["expected"] == "").all():
@@ -151,15 +156,43 @@ def print_frame(df: pd.DataFrame, fmt: str, title: str = "") -> None:
 
 
 # --------------------------------------------------------------------------------------------- show
+SHOW_WIDTH = 120  # `show` into a file or a pipe: its tables fit this many columns (COLUMNS overrides it)
+_FIT: list[int | None] = [None]  # the width `show` fits its tables to now (None: print_rows' own rule)
+
+
+def show_width(full_width: bool) -> int | None:
+    """The columns `show` fits its tables to: the terminal's, else $COLUMNS or SHOW_WIDTH; None (each table at
+    its natural width) with ``--full-width``."""
+    import os
+
+    if full_width:
+        return None
+    if console.is_terminal:
+        return console.width
+    try:
+        return max(40, int(os.environ.get("COLUMNS", "")))
+    except ValueError:
+        return SHOW_WIDTH
+
+
 def print_records(rows: list[dict[str, Any]], fmt: str, title: str, drop: tuple[str, ...] = ()) -> None:
     """A table's rows (notebook.RunData.rows: pandas' values, pandas not imported) as a md or terminal table, like
     :func:`print_frame` prints the same table as a DataFrame; ``drop``: columns left out (those it has)."""
     columns = [c for c in (rows[0] if rows else {}) if c not in drop]
-    print_rows(Rows(title, columns, [tuple(r[c] for c in columns) for r in rows]), fmt, console)
+    print_rows(Rows(title, columns, [tuple(r[c] for c in columns) for r in rows]), fmt, console, _FIT[0])
 
 
-def show(ref: str, runs_root: Path, fmt: str) -> None:
-    """`tfmoe show`: one run's record, read with pyarrow alone (no pandas: start-up is most of its time)."""
+def show(ref: str, runs_root: Path, fmt: str, full_width: bool = False) -> None:
+    """`tfmoe show`: one run's record, read with pyarrow alone (no pandas: start-up is most of its time); its
+    tables fit the terminal, or :func:`show_width` when redirected (``full_width``: each at its natural width)."""
+    _FIT[0] = show_width(full_width)
+    try:
+        _show(ref, runs_root, fmt)
+    finally:
+        _FIT[0] = None
+
+
+def _show(ref: str, runs_root: Path, fmt: str) -> None:
     data = load_run(resolve_run(ref, runs_root))
     no_values = ("values",)
     if fmt == "json":
@@ -188,13 +221,18 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
     for package, recorded, locked in _drift(data.run):
         print(f"version drift: {package} {recorded} in this run, {locked} in requirements.lock "
               "(`make setup` installs the locked versions)")
-    if fmt == "md":
+    if data.config_missing:
+        said = (f"config missing: {data.path}/.hydra/config.yaml is not in the run directory (the overrides above "
+                "are what the run recorded)")
+        print(f"\n### config\n\n{said}" if fmt == "md" else said)
+    elif fmt == "md":
         print("\n### config\n\n```yaml\n" + data.config + "```")
     else:
         console.print("[bold]config[/]\n" + escape(data.config))  # the user's text, never markup
     checks = data.rows("checks")
     if checks:
-        print_records(checks, fmt, "checks")
+        shown = [{**c, "passed": c["passed"] if check_applicable(c) else "n/a"} for c in checks]
+        print_records(shown, fmt, f"checks {checks_cell(checks)}", drop=("applicable",))
         for inference in _inferences(data):
             print(inference.line())
     expectations = data.rows("expectations")
@@ -212,7 +250,9 @@ def show(ref: str, runs_root: Path, fmt: str) -> None:
         print_records(tensors, fmt, "tensors", drop=no_values)
     plots = data.plots
     if plots:
-        print("plots: " + ", ".join(str(p) for p in plots))
+        line = "plots: " + ", ".join(str(p) for p in plots)
+        fits = _FIT[0] is None or len(line) <= _FIT[0]
+        print(line if fits else "plots:\n" + "\n".join(f"  {p}" for p in plots))
     _show_conclusions(data.path)
 
 
@@ -321,11 +361,15 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
     import pandas as pd
 
     sections: dict[str, pd.DataFrame] = {}
-    ca, cb = _config_dict(a), _config_dict(b)
-    sections["config"] = pd.DataFrame([
-        {"key": k, "A": cell(ca.get(k, "(absent)")), "B": cell(cb.get(k, "(absent)")),
-         "differs": not _same(ca.get(k, "(absent)"), cb.get(k, "(absent)"))}
-        for k in sorted(set(ca) | set(cb))])
+    if a.config_missing or b.config_missing:  # nothing to compare: say so, never invent differences
+        sections["config"] = pd.DataFrame([{"key": ".hydra/config.yaml", "A": "missing" if a.config_missing else "kept",
+                                            "B": "missing" if b.config_missing else "kept", "differs": False}])
+    else:
+        ca, cb = _config_dict(a), _config_dict(b)
+        sections["config"] = pd.DataFrame([
+            {"key": k, "A": cell(ca.get(k, "(absent)")), "B": cell(cb.get(k, "(absent)")),
+             "differs": not _same(ca.get(k, "(absent)"), cb.get(k, "(absent)"))}
+            for k in sorted(set(ca) | set(cb))])
     sections["environment"] = pd.DataFrame([
         {"key": k, "A": cell(a.run.get(k)), "B": cell(b.run.get(k)), "differs": cell(a.run.get(k)) != cell(b.run.get(k))}
         for k in ENV_KEYS])
@@ -356,12 +400,11 @@ def diff_runs(a: RunData, b: RunData, all_rows: bool) -> dict[str, pd.DataFrame]
             tags = " ".join(f"{k}={r[k]}" for k in keys if k not in ("name", "step") and r[k] != "")
             rows.append({"name": r["name"], "step": r.get("step", ""), "tags": tags, "A": va, "B": vb,
                          "delta": delta, "rel_delta": rel, "measured": measured, "differs": bool(differs)})
-        sections["metrics"] = pd.DataFrame(rows)
+        sections["metrics"] = _mark_scaled(pd.DataFrame(rows), sections["config"])
     else:
         sections["metrics"] = pd.DataFrame(columns=["name", "differs"])
     # checks whose pass/fail changed
-    cka = dict(zip(a.checks.get("check", []), a.checks.get("passed", []), strict=False))
-    ckb = dict(zip(b.checks.get("check", []), b.checks.get("passed", []), strict=False))
+    cka, ckb = ({r["check"]: r["passed"] if check_applicable(r) else "n/a" for r in d.rows("checks")} for d in (a, b))
     sections["checks"] = pd.DataFrame([
         {"check": k, "A": cka.get(k), "B": ckb.get(k), "differs": not _same(cka.get(k), ckb.get(k))}
         for k in sorted(set(cka) | set(ckb))])
@@ -454,11 +497,13 @@ def diff_summary(sections: dict[str, pd.DataFrame], top: int = 3) -> dict[str, A
     cfg = differing("config")
     metrics = differing("metrics")
     largest = []
+    scaled = metrics[metrics["scaled_by"].astype(str) != ""] if "scaled_by" in metrics else metrics.iloc[0:0]
     if len(metrics) and "rel_delta" in metrics:
-        order = pd.to_numeric(metrics["rel_delta"], errors="coerce").abs().fillna(-1).sort_values(ascending=False).index
-        for r in metrics.loc[order].head(top).itertuples(index=False):
+        for r in _headline(metrics.drop(index=scaled.index)).head(top).itertuples(index=False):
             where = " ".join(x for x in (f"step {r.step}" if r.step not in ("", None) else "", r.tags) if x)
             largest.append({"metric": r.name, "where": where, "A": r.A, "B": r.B, "rel_delta": r.rel_delta})
+    scaled_names = [{"metric": name, "by": str(g["scaled_by"].iloc[0]), "rows": len(g)}
+                    for name, g in scaled.groupby("name", sort=True)] if len(scaled) else []
     tensors = differing("tensors")
     worst_tensors = []
     if len(tensors):
@@ -473,17 +518,24 @@ def diff_summary(sections: dict[str, pd.DataFrame], top: int = 3) -> dict[str, A
         "checks_differ": len(differing("checks")), "checks_total": len(sections.get("checks", [])),
         "environment_keys": list(differing("environment")["key"]) if len(differing("environment")) else [],
         "largest_metric_changes": largest, "largest_tensor_changes": worst_tensors,
+        "scaled_with_config": scaled_names,
     }
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
     keys = summary["config_keys"]
     cfg = ", ".join(f"{k['key']}: {k['A']} -> {k['B']}" for k in keys[:8]) + (" …" if len(keys) > 8 else "")
-    print(f"config: {len(keys)} key(s) differ{' (' + cfg + ')' if keys else ''}")
+    if summary.get("config_missing"):
+        print(f"config missing in {' and '.join(summary['config_missing'])} (.hydra/config.yaml): configs not "
+              "compared; the verdict rests on the metrics, tensors and checks")
+    else:
+        print(f"config: {len(keys)} key(s) differ{' (' + cfg + ')' if keys else ''}")
     print(f"differ: {summary['metrics_differ']} of {summary['metrics_total']} metric rows, "
           f"{summary['tensors_differ']} of {summary['tensors_total']} tensors, "
           f"{summary['checks_differ']} of {summary['checks_total']} checks"
           + (f"; environment: {', '.join(summary['environment_keys'])}" if summary["environment_keys"] else ""))
+    for m in summary.get("scaled_with_config", []):
+        print(f"  scales with the config, not headlined: {m['metric']} ({m['rows']} row(s), {m['by']})")
     for m in summary["largest_metric_changes"]:
         where = f" ({m['where']})" if m["where"] else ""
         change = _pct(m["rel_delta"]) or ("only in B" if is_missing(m["A"]) else "only in A" if is_missing(m["B"])
@@ -517,6 +569,53 @@ def _focus(sections: dict[str, pd.DataFrame], metric: str | None, top: int | Non
         hidden[k] = len(df) - top
         sections[k] = df.head(top)
     return hidden
+
+
+def _config_ratios(config: pd.DataFrame) -> list[tuple[str, float, str]]:
+    """(key, B/A, 'key A -> B') of each numeric config key that changed between two non-zero values."""
+    out = []
+    if config is None or config.empty or "differs" not in config:
+        return out
+    for r in config[config["differs"].astype(bool)].itertuples(index=False):
+        try:
+            a, b = float(r.A), float(r.B)
+        except (TypeError, ValueError):
+            continue
+        if a != 0 and b != 0 and math.isfinite(a) and math.isfinite(b):
+            out.append((str(r.key), b / a, f"{r.key} {r.A} -> {r.B}: x{b / a:.4g}"))
+    return out
+
+
+SCALE_RTOL = 1e-4  # a row "scales with" a coefficient when B/A equals the coefficient's ratio this closely
+
+
+def _mark_scaled(metrics: pd.DataFrame, config: pd.DataFrame) -> pd.DataFrame:
+    """``scaled_by``: for a differing row whose B/A is exactly a changed numeric config key's B/A (a reported loss
+    that includes its coefficient: balance_loss with aux_loss_coef 0.01 -> 0.1, every row x10), that key's
+    change; '' otherwise. Such a row still differs (it is reported), but it is no headline."""
+    ratios = _config_ratios(config)
+    marks = []
+    for r in metrics.itertuples(index=False):
+        mark = ""
+        if r.differs and ratios and r.A not in (None, 0.0) and r.B is not None:
+            ratio = r.B / r.A
+            mark = next((said for _, k, said in ratios if math.isclose(ratio, k, rel_tol=SCALE_RTOL)), "")
+        marks.append(mark)
+    return metrics.assign(scaled_by=marks)
+
+
+def _headline(metrics: pd.DataFrame) -> pd.DataFrame:
+    """The differing metric rows a reader should see first: one per series (name + tags), its last step (where
+    a run ends up, not each step on the way), the series ranked by that row's relative change (rows only one run
+    has last)."""
+    import pandas as pd
+
+    if metrics.empty:
+        return metrics
+    steps = pd.to_numeric(metrics["step"], errors="coerce").fillna(-1) if "step" in metrics else 0
+    last = metrics.assign(_s=steps).sort_values("_s", kind="stable").groupby(["name", "tags"], sort=False).tail(1)
+    order = pd.to_numeric(last["rel_delta"], errors="coerce").abs().fillna(-1).sort_values(ascending=False, kind="stable")
+    return last.loc[order.index].drop(columns=["_s"])
 
 
 def _measured_changes(metrics: pd.DataFrame) -> pd.DataFrame:
@@ -557,6 +656,7 @@ def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, f
         everything["metrics"] = _focus(dict(everything), metric, None, keep=True)["metrics"]
     hidden = _focus(focused, metric, top if top is not None else None if fmt == "json" or all_rows else 20)
     summary = diff_summary(everything)
+    summary["config_missing"] = [side for side, d in (("A", a), ("B", b)) if d.config_missing]
     context = _measured_changes(everything.get("metrics", pd.DataFrame()))
     if fmt == "json":
         print(json.dumps({"A": str(a.path), "B": str(b.path), "differs": differs, "summary": summary,

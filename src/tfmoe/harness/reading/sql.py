@@ -21,14 +21,14 @@ from typing import Any
 
 from tfmoe.errors import BadInput
 from tfmoe.harness.reading.sql_output import Result, csv_text, json_records, table_rows
-from tfmoe.harness.store.rundir import TABLE_FILES, int64_array, string_array
+from tfmoe.harness.store.rundir import TABLE_FILES, int64_array, string_array, with_applicable
 from tfmoe.status import Status
 
 FILE_VIEWS = ("metrics", "checks", "timings")
 EMPTY_COLUMNS = {
     "metrics": "CAST(NULL AS VARCHAR) AS name, CAST(NULL AS DOUBLE) AS value, CAST(NULL AS BIGINT) AS step",
     "checks": "CAST(NULL AS VARCHAR) AS \"check\", CAST(NULL AS BOOLEAN) AS passed, CAST(NULL AS DOUBLE) AS observed, "
-              "CAST(NULL AS DOUBLE) AS threshold, CAST(NULL AS VARCHAR) AS detail",
+              "CAST(NULL AS DOUBLE) AS threshold, CAST(NULL AS VARCHAR) AS detail, CAST(NULL AS BOOLEAN) AS applicable",
     "timings": "CAST(NULL AS VARCHAR) AS stage, CAST(NULL AS DOUBLE) AS wall_ms, CAST(NULL AS DOUBLE) AS device_ms, "
                "CAST(NULL AS BIGINT) AS repeats, CAST(NULL AS BIGINT) AS peak_device_mem_bytes",
 }
@@ -255,6 +255,8 @@ def _file_parts(view: str, cached: list[Any]) -> list[Any]:
             except Exception:
                 table = None
         if table is not None and table.num_rows:
+            if view == "checks":  # a run older than the column reads as applicable (rundir.with_applicable)
+                table = with_applicable(table)
             tables.append(_with_run_id(run_id, table))
     return tables
 
@@ -278,6 +280,8 @@ def _file_extension(view: str) -> Any:
         if schema is None:
             built = _file_rows(view)(cached)
             return [] if built is None else [built]
+        if view == "checks" and "applicable" not in schema.names:
+            return None  # kept before the column: its rows would lack what a rebuild gives them (True)
         parts = _file_parts(view, cached)
         return parts if _fit(parts, schema, new_columns=True) else None
 

@@ -30,7 +30,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from tfmoe.harness.store.rundir import RUN_FILE, TABLE_FILES, atomic_replace, python_values, read_parquet
+from tfmoe.harness.store.rundir import (
+    RUN_FILE,
+    TABLE_FILES,
+    atomic_replace,
+    python_values,
+    read_parquet,
+    with_applicable,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -257,10 +264,41 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+# What marks a directory as a run's even without its run.parquet (deleted, or never written): one of the files a run
+# writes after run.parquet (its tables, summary.md). Such a directory is listed as an ``unreadable`` run, not dropped
+# (issue 29). Hydra's .hydra/ alone is not a mark: a run that is starting has it before its run.parquet.
+RUN_MARKS = ("summary.md", *TABLE_FILES.values())
+
+
+def _lost_run_file(path: Path) -> bool:
+    """A run directory whose run.parquet is missing: it holds a run's marks, and has been still for RACY_S (a run
+    that is just starting writes its run.parquet within milliseconds of Hydra's .hydra/)."""
+    if (path / RUN_FILE).exists() or not any((path / m).exists() for m in RUN_MARKS):
+        return False
+    try:
+        return _dir_sig(path.stat()) is not None
+    except OSError:
+        return False
+
+
+def _missing_run_row(run_dir: Path) -> dict[str, Any]:
+    """The catalog row of a run directory without run.parquet: its id and experiment from where it lies."""
+    parent = run_dir.parent
+    sweep = parent.name.startswith("multirun-")
+    return {"run_id": f"{parent.name.removeprefix('multirun-')}-{run_dir.name}" if sweep else run_dir.name,
+            "experiment": (parent.parent if sweep else parent).name, "status": Status.UNREADABLE.value,
+            "error": f"{run_dir / RUN_FILE} is missing: the run is unreadable (its other files are kept)",
+            "overrides": []}
+
+
 def _read_run(run_dir: Path) -> dict[str, Any]:
     """The catalog row of one run directory (unreadable runs are listed as status 'unreadable')."""
     import pyarrow.parquet as pq
 
+    if not (run_dir / RUN_FILE).exists():
+        row = _missing_run_row(run_dir)
+        row["checks_passed"], row["checks_total"] = 0, 0
+        return row
     try:
         table = pq.ParquetFile(run_dir / RUN_FILE).read()
         row = {k: _jsonable(python_values(col)[0]) for k, col in zip(table.column_names, table.columns, strict=True)}
@@ -278,9 +316,13 @@ def _read_run(run_dir: Path) -> dict[str, Any]:
     checks_file = run_dir / TABLE_FILES["checks"]
     passed = total = 0
     if checks_file.exists():
-        try:
-            col = pq.ParquetFile(checks_file).read(columns=["passed"]).column("passed").to_pylist()
-            passed, total = sum(bool(x) for x in col), len(col)
+        try:  # the judged checks: a not-applicable row (rundir.with_applicable) is neither passed nor counted
+            parquet = pq.ParquetFile(checks_file)
+            table = with_applicable(parquet.read(columns=[c for c in ("passed", "applicable")
+                                                          if c in parquet.schema_arrow.names]))
+            rows = table.to_pylist()
+            passed = sum(bool(r["passed"]) and r["applicable"] is not False for r in rows)
+            total = sum(r["applicable"] is not False for r in rows)
         except Exception:
             pass
     row["checks_passed"], row["checks_total"] = passed, total
@@ -384,7 +426,7 @@ def _scan(conn: sqlite3.Connection, root: Path, rel: str, parent: str | None) ->
     except OSError:
         _forget(conn, rel)
         return
-    if rel and (path / RUN_FILE).exists():  # a run directory that got its run.parquet since the last sync
+    if rel and ((path / RUN_FILE).exists() or _lost_run_file(path)):  # a run directory since the last sync
         _forget(conn, rel)
         _upsert_run(conn, rel, parent or "", _sig(path / RUN_FILE), _read_run(path))
         return
@@ -401,7 +443,7 @@ def _scan(conn: sqlite3.Connection, root: Path, rel: str, parent: str | None) ->
         if child in known_runs or child in known_containers:
             continue  # known runs are re-read only when their status can still change (see sync)
         run_file = Path(entry.path) / RUN_FILE
-        if run_file.exists():
+        if run_file.exists() or _lost_run_file(Path(entry.path)):
             new_runs.append((child, Path(entry.path)))
         else:
             _scan(conn, root, child, rel)
@@ -410,6 +452,19 @@ def _scan(conn: sqlite3.Connection, root: Path, rel: str, parent: str | None) ->
         _upsert_run(conn, child, rel, sig, row)
     for gone in (known_runs | known_containers) - seen:
         _forget(conn, gone)
+
+
+def _recheck_run_files(conn: sqlite3.Connection, root: Path) -> None:
+    """A settled run whose run.parquet was deleted (its directory kept) becomes ``unreadable``: deleting a file in a
+    run directory moves no container's mtime, so each settled run's run.parquet is stat'ed (one ``lstat`` per run,
+    about 1 ms per 1,000 runs) rather than trusting the catalog's row."""
+    rows = conn.execute(f"SELECT path, parent FROM runs WHERE NOT ({UNSETTLED}) AND NOT ({UNREADABLE})").fetchall()
+    for rel, parent in rows:
+        if not os.path.lexists(f"{root}/{rel}/{RUN_FILE}"):
+            if _lost_run_file(root / rel):
+                _upsert_run(conn, rel, parent, None, _read_run(root / rel))
+            else:
+                _forget(conn, rel)
 
 
 def sync(conn: sqlite3.Connection, runs_root: Path) -> None:
@@ -437,10 +492,13 @@ def sync(conn: sqlite3.Connection, runs_root: Path) -> None:
             if sig is None or now != sig:
                 _scan(conn, root, rel, parent)
                 alive = None
+        _recheck_run_files(conn, root)
         # runs whose status can still change, and runs indexed while their run.parquet was brand new
         for rel, parent, sig in conn.execute(f"SELECT path, parent, sig FROM runs WHERE {UNSETTLED}").fetchall():
             new_sig = _sig(root / rel / RUN_FILE)
             if new_sig is None:
+                if sig is not None and _lost_run_file(root / rel):  # its run.parquet deleted, the directory kept
+                    _upsert_run(conn, rel, parent, None, _read_run(root / rel))
                 continue  # gone: its container's rescan forgets it
             if new_sig != sig:
                 row = _read_run(root / rel)

@@ -316,7 +316,7 @@ def checks_table(checks: Any) -> Rows:
     """The checks table of summary.md: each check (recorder CheckRows), passed, observed, threshold."""
     table = Rows("checks", ["check", "passed", "observed", "threshold"])
     for c in checks:
-        table.add(c.check, "yes" if c.passed else "**NO**", _fmt(c.observed), _fmt(c.threshold))
+        table.add(c.check, rundir.check_mark(vars(c), no="**NO**"), _fmt(c.observed), _fmt(c.threshold))
     return table
 
 
@@ -511,7 +511,8 @@ class RunData:
     path: Path
     run: dict[str, Any]
     tables: dict[str, Any]  # key of RUN_TABLE_FILES -> pyarrow.Table or None
-    config: str  # .hydra/config.yaml text
+    config: str  # .hydra/config.yaml text ("" when it is missing: see config_missing)
+    config_missing: bool = False  # .hydra/config.yaml is not in the run directory (deleted, never written)
     _frames: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def rows(self, key: str) -> list[dict[str, Any]]:
@@ -544,20 +545,31 @@ def _pd() -> Any:
     return pd
 
 
+def _refuse_missing_run_file(path: Path) -> None:
+    """A run directory (it holds a run's other files) whose run.parquet is missing: say so, and how to re-make it."""
+    from tfmoe.harness.store.catalog import RUN_MARKS
+
+    if path.is_dir() and any((path / m).exists() for m in RUN_MARKS):
+        raise UnreadableFile(path / RUN_FILE, f"{path / RUN_FILE} is missing: the run is unreadable (its other files "
+                                              f"are kept); {rerun_advice(path)}")
+
+
 def load_run(path: str | Path) -> RunData:
     """Read a run directory (pass a path; use :func:`resolve_run` for ids and prefixes)."""
     path = Path(path)
     if not (path / RUN_FILE).exists():
+        _refuse_missing_run_file(path)
         raise BadInput(f"{path} is not a run directory (no {RUN_FILE}): pass a path under runs/, a run id or `latest`")
     run = read_run_row(path)
     try:
         tables = {key: read_table(path / name) if (path / name).exists() else None
                   for key, name in RUN_TABLE_FILES.items()}
+        tables["checks"] = rundir.with_applicable(tables.get("checks"))  # a run older than the column: applicable
     except UnreadableFile as exc:
         raise UnreadableFile(exc.path, f"{exc}; {rerun_advice(path)}") from None
     cfg_file = path / ".hydra" / "config.yaml"
     config = cfg_file.read_text(encoding="utf-8") if cfg_file.exists() else ""
-    return RunData(path, run, tables, config)
+    return RunData(path, run, tables, config, config_missing=not cfg_file.exists())
 
 
 def tensors_from_frame(df: pd.DataFrame) -> dict[str, Any]:
@@ -624,6 +636,7 @@ def resolve_run(ref: str, runs_root: Path) -> Path:
     if (path / RUN_FILE).exists():
         return path
     if path.exists() and path.is_dir():
+        _refuse_missing_run_file(path)
         raise BadInput(f"{ref} is not a run directory (no {RUN_FILE}): pass a run path, id or `latest`")
     if not Path(runs_root).is_dir():
         raise BadInput(f"no runs under {runs_root}: run an experiment first, or pass --runs-root")

@@ -33,6 +33,43 @@ TABLE_FILES = {
 EXPECTATIONS_FILE = "expectations.parquet"
 
 
+# ------------------------------------------------------------------ checks: judged, or not applicable ("n/a")
+# checks.parquet's ``applicable`` column (False: the check could not be judged on this layer, Recorder.not_applicable;
+# such a row has passed=True and never fails a run). Runs written before the column existed read as applicable.
+# Every reader goes through these: show, summary.md, the outcome table, diff, the catalog's counts, sql's view.
+def with_applicable(table: pa.Table | None) -> pa.Table | None:
+    """checks.parquet's table with its ``applicable`` column (all True when the run predates it)."""
+    if table is None or "applicable" in table.column_names:
+        return table
+    import pyarrow as pa
+
+    return table.append_column("applicable", pa.array([True] * table.num_rows, pa.bool_()))
+
+
+def check_applicable(row: dict[str, Any]) -> bool:
+    """A check row's ``applicable`` (True when the row has none: an older run)."""
+    value = row.get("applicable", True)
+    return True if is_missing(value) else bool(value)
+
+
+def check_mark(row: dict[str, Any], yes: str = "yes", no: str = "NO") -> str:
+    """How a check row reads: ``n/a`` when not applicable, else ``yes`` / ``NO``."""
+    return "n/a" if not check_applicable(row) else (yes if bool(row.get("passed")) else no)
+
+
+def checks_count(rows: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """(passed, judged, n/a) of a run's check rows: n/a rows are neither passed nor judged."""
+    na = sum(not check_applicable(r) for r in rows)
+    passed = sum(bool(r.get("passed")) and check_applicable(r) for r in rows)
+    return passed, len(rows) - na, na
+
+
+def checks_cell(rows: list[dict[str, Any]]) -> str:
+    """A run's checks in one cell: ``11/11``, or ``11/11 (+2 n/a)``."""
+    passed, judged, na = checks_count(rows)
+    return f"{passed}/{judged}" + (f" (+{na} n/a)" if na else "")
+
+
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
@@ -59,6 +96,8 @@ def write_parquet(df: pd.DataFrame, path: Path, schema: pa.Schema | None = None)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if schema is not None and "applicable" in schema.names and "applicable" not in df.columns:
+        df = df.assign(applicable=True)  # check rows made without the column are judged checks
     table = pa.Table.from_pandas(_parquet_safe(df), schema=schema, preserve_index=False)
     atomic_replace(path, lambda tmp: pq.write_table(table, tmp))
 
@@ -125,7 +164,7 @@ def _schemas() -> dict[str, pa.Schema]:
         ("judged_at", pa.timestamp("us", tz="UTC")),
     ])
     CHECKS_SCHEMA = pa.schema([("check", pa.string()), ("passed", pa.bool_()), ("observed", pa.float64()),
-                               ("threshold", pa.float64()), ("detail", pa.string())])
+                               ("threshold", pa.float64()), ("detail", pa.string()), ("applicable", pa.bool_())])
     TENSORS_SCHEMA = pa.schema([
         ("name", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
         ("values", pa.list_(pa.float64())), ("numel", pa.int64()), ("summarised", pa.bool_()),
