@@ -150,9 +150,12 @@ def rebuild(rank_records: list[dict[str, Any]], dtype: torch.dtype) -> tuple[tor
 
 
 def reference(x: torch.Tensor, g: torch.Tensor | None, router: torch.nn.Module, experts: list[torch.nn.Module],
-              k: int, cap: int | None, group: int, dtype: torch.dtype) -> dict[str, Any]:
+              k: int, cap: int | None, group: int, dtype: torch.dtype, renormalize_kept: bool = False
+              ) -> dict[str, Any]:
     """moe_reference on all tokens x (N,D) in ``dtype``, capacity per group of ``group`` consecutive tokens (a
-    rank's shard); with a cotangent g, the gradients of sum(out*g) too."""
+    rank's shard); with a cotangent g, the gradients of sum(out*g) too. ``renormalize_kept``: the weights are the
+    kept assignments' scores over their sum (GShard's Top2Gate) instead of the chosen ones' renormalised, then
+    dropped."""
     import copy
 
     router = copy.deepcopy(router).to(dtype)
@@ -165,7 +168,12 @@ def reference(x: torch.Tensor, g: torch.Tensor | None, router: torch.nn.Module, 
     w = ref.LayerWeights(router=router.weight, experts=[ref.ModuleExpert(m) for m in experts])
     sem = ref.RoutingSemantics("softmax", k, normalize=True, capacity=cap, capacity_group=group)
     routing = ref.route(xd, sem, w)
-    out = ref.combine(xd, routing.weights, sem, w)
+    weights = routing.weights
+    if renormalize_kept:
+        kept_scores = torch.where(routing.selected, routing.scores, torch.zeros_like(routing.scores))  # (N,E)
+        denom = kept_scores.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
+        weights = kept_scores / denom
+    out = ref.combine(xd, weights, sem, w)
     chosen = ref.route(xd.detach(), sem.variant(capacity=None), w).selected  # (N,E) before capacity
     result = {"out": out.detach(), "kept": routing.selected, "chosen": chosen, "margin": routing.margin}
     if g is not None:
@@ -208,8 +216,9 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
 
     # outputs and gradients at step 0, every rank's tokens
     x0, g0 = batch(spec["seed"], 0, n, d, dtype)
-    exact = reference(x0, g0, router, experts, k, cap, t, torch.float64)
-    plain = reference(x0, g0, router, experts, k, cap, t, dtype)
+    renorm = bool(ranks[0].get("semantics", {}).get("renormalize_kept", False))
+    exact = reference(x0, g0, router, experts, k, cap, t, torch.float64, renorm)
+    plain = reference(x0, g0, router, experts, k, cap, t, dtype, renorm)
     out = torch.cat([r["steps"][0]["out"] for r in ranks])
     _compare(rec, "output", out, exact["out"], plain["out"], dtype, "every rank's output vs the float64 reference")
     gx = [r["grads"].get("x") for r in ranks]
@@ -263,6 +272,9 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
             if layout is not None and s["wire_forward"] is not None:
                 fwd = off * d * itemsize + (world - 1) * (layout[2] + header * layout[0])
                 bwd = off * d * itemsize + (world - 1) * header * layout[1]
+                if layout[3] is not None:  # capacity-padded: the same rows to every peer in every call
+                    fwd = (world - 1) * (layout[0] * (layout[3] * d * itemsize + header) + layout[2])
+                    bwd = (world - 1) * layout[1] * (layout[3] * d * itemsize + header)
                 rec.metric(PREFIX + "wire_bytes", s["wire_forward"], step=step, rank=p, phase="forward")
                 rec.metric(PREFIX + "wire_bytes", s["wire_backward"], step=step, rank=p, phase="backward")
                 rec.metric(PREFIX + "wire_bytes_expected", fwd, step=step, rank=p, phase="forward")
@@ -329,7 +341,7 @@ def payload_per_token(ranks: list[dict[str, Any]], world: int, n: int) -> float 
         return None
     payload = 0.0
     for r in ranks:
-        calls, _bwd, meta = r["layout"]
+        calls, _bwd, meta, _padded = r["layout"]
         overhead = (world - 1) * (meta + (r["header_bytes"] or 0.0) * calls)
         payload += sum(s["wire_forward"] - overhead for s in r["steps"])
     return payload / (n * len(ranks[0]["steps"]))
@@ -447,7 +459,11 @@ def run_ep(s: Any, rec: Recorder) -> None:
     if dtype is None:
         raise BadInput(f"dtype={rec.dtype} is not supported with ep_size={s.ep.size}: pass dtype=fp32 or dtype=fp64")
     impl = s.ep.impl or "own"
-    if impl != "own":
+    if impl.startswith("lib:"):
+        from tfmoe.adapters.moe_ep_libs import check_lib
+
+        check_lib(impl, s.tokens // s.ep.size, s.n_experts, s.top_k, s.capacity_factor)  # exit 2 before any start
+    elif impl != "own":
         from tfmoe.user_code import load_object
 
         load_object(impl, "ep_impl")  # bad input (exit 2) here, before any worker starts
@@ -589,8 +605,8 @@ def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
     size = require_int(cfg, "ep_size", 1)
     impl = OmegaConf.select(cfg, "ep_impl", default=None)
     if impl is not None and (not isinstance(impl, str) or ":" not in impl):
-        raise BadInput(f"ep_impl={impl!r} is not 'python.module:Class': pass ep_impl=mymodule:MyEPLayer, or "
-                       "ep_impl=null for the package's ExpertParallelMoE")
+        raise BadInput(f"ep_impl={impl!r} is not 'python.module:Class': pass ep_impl=mymodule:MyEPLayer, "
+                       "ep_impl=lib:fairscale, or ep_impl=null for the package's ExpertParallelMoE")
     steps = require_int(cfg, "ep_steps", 1)
     timeout = require_number(cfg, "ep_timeout_s", positive=True)
     ranks = OmegaConf.select(cfg, "ep_sim_ranks", default=[])
