@@ -49,7 +49,7 @@ def judged(tmp_path_factory):
     each judged into its own recorder."""
     cfg = compose("route-sim", ["ep_size=2"])
     s = route_sim.settings(cfg)
-    impls = ["own", *(f"buggy_ep:{name}" for name in PLANTED), "buggy_ep:RaisesInForward"]
+    impls = ["own", *(f"buggy_ep:{name}" for name in PLANTED), "buggy_ep:RaisesInForward", "buggy_ep:OddExperts"]
     spec = ep.spec_for(s, 0, "fp32", impls, dropless=("own", "buggy_ep:EveryExpert"))
     old = os.getcwd()
     os.chdir(TESTS)  # buggy_ep importable by the workers, as a user's module beside them
@@ -104,6 +104,12 @@ def test_users_exception_fails_every_check_naming_it(judged):
                for c in rec.checks_rows)
 
 
+def test_experts_outside_the_interface_fail_every_check_naming_the_layout(judged):
+    rec = judged["buggy_ep:OddExperts"]
+    assert failed(rec) == CHECKS | CLAIM
+    assert all("not the course's nn.Sequential(nn.Linear, nn.GELU, nn.Linear)" in c.detail for c in rec.checks_rows)
+
+
 @pytest.mark.parametrize("overrides, needle", [
     (["ep_size=3"], "ep_size=3 does not divide n_experts=8: pass ep_size as one of 1, 2, 4, 8"),
     (["ep_size=8", "tokens=100"], "tokens=100 is not divisible by ep_size=8: pass tokens=96"),
@@ -112,7 +118,8 @@ def test_users_exception_fails_every_check_naming_it(judged):
     (["ep_size=2", "dtype=bf16"], "pass dtype=fp32 or dtype=fp64"),
     (["ep_size=2", "device=cuda"], "pass device=cpu"),
     (["ep_size=2", "ep_impl=nocolon"], "is not 'python.module:Class'"),
-    (["ep_size=4096", "n_experts=4096", "tokens=4096"], "more worker processes than this machine can start"),
+    (["ep_size=4096", "n_experts=4096", "tokens=4096", "steps=0"], "more worker processes than this machine can start"),
+    (["ep_size=4", "train_tokens=250"], "train_tokens=250 is not divisible by ep_size=4: pass train_tokens=248"),
 ])
 def test_bad_ep_settings_refused_before_anything_starts(overrides, needle):
     with pytest.raises(BadInput) as err:
