@@ -116,3 +116,37 @@ class EveryExpert(ExpertParallelMoE):
         weights, topk_idx = super().choose(probs)
         rest = torch.argsort(probs, dim=-1, descending=True, stable=True)[:, self.top_k:]  # (T,E-k)
         return torch.cat([weights, torch.zeros_like(rest, dtype=weights.dtype)], 1), torch.cat([topk_idx, rest], 1)
+
+
+def _fairscale_gumbel():
+    from tfmoe.adapters.moe_ep_libs import FairscaleMoE
+
+    class FairscaleGumbel(FairscaleMoE):
+        """fairscale's layer with its gate's Gumbel noise left on: the second expert is drawn, not the second
+        most probable, so the layer no longer computes what its documented top-2 semantics say."""
+
+        def forward(self, x: torch.Tensor):
+            flat = x.reshape(-1, x.shape[-1])
+            from tfmoe.components.expert_parallel import CollectiveLayout
+
+            self.layout = CollectiveLayout(2, 2, 0, padded_rows_per_peer=self.local * (2 * flat.shape[0] //
+                                                                                       self.n_experts))
+            out = self.moe(flat[:, None, :])
+            return out.reshape(x.shape), torch.softmax(self.router(flat).float(), dim=-1)
+
+    return FairscaleGumbel
+
+
+def __getattr__(name: str):  # FairscaleGumbel only where fairscale imports
+    if name == "FairscaleGumbel":
+        return _fairscale_gumbel()
+    raise AttributeError(name)
+
+
+class OddExperts(ExpertParallelMoE):
+    """Experts that are not the course's Sequential(Linear, GELU, Linear) (a bare Linear): outside the interface,
+    every check fails naming the layout."""
+
+    def __init__(self, d_model, hidden, n_experts, top_k, group=None, capacity_factor=None):
+        super().__init__(d_model, hidden, n_experts, top_k, group=group, capacity_factor=capacity_factor)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(d_model, d_model) for _ in range(self.local_experts))

@@ -49,7 +49,7 @@ def judged(tmp_path_factory):
     each judged into its own recorder."""
     cfg = compose("route-sim", ["ep_size=2"])
     s = route_sim.settings(cfg)
-    impls = ["own", *(f"buggy_ep:{name}" for name in PLANTED), "buggy_ep:RaisesInForward"]
+    impls = ["own", *(f"buggy_ep:{name}" for name in PLANTED), "buggy_ep:RaisesInForward", "buggy_ep:OddExperts"]
     spec = ep.spec_for(s, 0, "fp32", impls, dropless=("own", "buggy_ep:EveryExpert"))
     old = os.getcwd()
     os.chdir(TESTS)  # buggy_ep importable by the workers, as a user's module beside them
@@ -104,6 +104,12 @@ def test_users_exception_fails_every_check_naming_it(judged):
                for c in rec.checks_rows)
 
 
+def test_experts_outside_the_interface_fail_every_check_naming_the_layout(judged):
+    rec = judged["buggy_ep:OddExperts"]
+    assert failed(rec) == CHECKS | CLAIM
+    assert all("not the course's nn.Sequential(nn.Linear, nn.GELU, nn.Linear)" in c.detail for c in rec.checks_rows)
+
+
 @pytest.mark.parametrize("overrides, needle", [
     (["ep_size=3"], "ep_size=3 does not divide n_experts=8: pass ep_size as one of 1, 2, 4, 8"),
     (["ep_size=8", "tokens=100"], "tokens=100 is not divisible by ep_size=8: pass tokens=96"),
@@ -112,7 +118,8 @@ def test_users_exception_fails_every_check_naming_it(judged):
     (["ep_size=2", "dtype=bf16"], "pass dtype=fp32 or dtype=fp64"),
     (["ep_size=2", "device=cuda"], "pass device=cpu"),
     (["ep_size=2", "ep_impl=nocolon"], "is not 'python.module:Class'"),
-    (["ep_size=4096", "n_experts=4096", "tokens=4096"], "more worker processes than this machine can start"),
+    (["ep_size=4096", "n_experts=4096", "tokens=4096", "steps=0"], "more worker processes than this machine can start"),
+    (["ep_size=4", "train_tokens=250"], "train_tokens=250 is not divisible by ep_size=4: pass train_tokens=248"),
 ])
 def test_bad_ep_settings_refused_before_anything_starts(overrides, needle):
     with pytest.raises(BadInput) as err:
@@ -250,3 +257,47 @@ def test_scaling_model_skewed_popularity_makes_a_straggler():
 def test_bad_sim_ranks_refused(value):
     with pytest.raises(BadInput, match="ep_sim_ranks"):
         route_sim.settings(compose("route-sim", ["ep_size=2", f"ep_sim_ranks={value}"]))
+
+
+# ------------------------------------------------------------------------------------ shipped adapters
+def test_lib_fairscale_refused_in_one_line_where_it_cannot_run():
+    from tfmoe.adapters.moe_ep_libs import check_lib
+
+    with pytest.raises(BadInput, match="is not a shipped adapter"):
+        check_lib("lib:nosuch", 64, 8, 2, 1.0)
+    try:
+        import fairscale  # noqa: F401
+    except ImportError:
+        with pytest.raises(BadInput, match=r"needs fairscale 0.4.13, not installed here: pip install"):
+            check_lib("lib:fairscale", 64, 8, 2, 1.0)
+        return
+    for args, needle in [((64, 8, 1, 1.0), "pass top_k=2"), ((64, 8, 2, None), "pass capacity_factor=1.0"),
+                         ((50, 8, 2, 1.0), "multiple of n_experts=8")]:
+        with pytest.raises(BadInput, match=needle):
+            check_lib("lib:fairscale", *args)
+
+
+def test_lib_fairscale_passes_and_its_gumbel_noise_fails_the_output_check():
+    """fairscale 0.4.13's MOELayer at W=2 against its own documented semantics (capacity 2T/E per rank, weights
+    renormalised over the kept, capacity-padded All-to-Alls); with its gate's Gumbel noise left on it fails.
+    Runs where fairscale is installed (scripts/test-ep-libs.sh); skipped in the main venv."""
+    pytest.importorskip("fairscale.nn.moe", reason="fairscale is not installed (scripts/test-ep-libs.sh)")
+    cfg = compose("route-sim", ["ep_size=2", "tokens=128", "steps=0"])
+    s = route_sim.settings(cfg)
+    spec = ep.spec_for(s, 0, "fp32", ["lib:fairscale", "buggy_ep:FairscaleGumbel"])
+    old = os.getcwd()
+    os.chdir(TESTS)
+    try:
+        result = ep.launch(spec, 2)
+    finally:
+        os.chdir(old)
+    recs = {}
+    for layer in spec["layers"]:
+        rec = make_recorder(cfg)
+        ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"])
+        recs[layer["label"]] = rec
+    own = recs["lib:fairscale"]
+    assert failed(own) == set(), [(c.check, c.observed, c.threshold) for c in own.checks_rows if not c.passed]
+    assert {c.check.removeprefix("ep.") for c in own.checks_rows if c.applicable} == {
+        "output", "grad_input", "grad_router", "grad_experts", "a2a_bytes"}
+    assert "output" in failed(recs["buggy_ep:FairscaleGumbel"])

@@ -40,6 +40,8 @@ class CollectiveLayout:
     forward_calls: int
     backward_calls: int
     metadata_bytes_per_peer: int  # forward only
+    padded_rows_per_peer: int | None = None  # a capacity-padded layer: rows to every peer in each call, whatever
+    # the routing (None: the rows the routing sends)
 
 
 @dataclass

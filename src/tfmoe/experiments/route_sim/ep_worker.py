@@ -68,6 +68,10 @@ def load_class(spec: str) -> Any:
         from tfmoe.components.expert_parallel import ExpertParallelMoE
 
         return ExpertParallelMoE
+    if spec.startswith("lib:"):
+        from tfmoe.adapters import moe_ep_libs
+
+        return getattr(moe_ep_libs, moe_ep_libs.LIBS[spec])
     from tfmoe.user_code import load_object
 
     return load_object(spec, "ep_impl")
@@ -130,7 +134,8 @@ def run_layer(impl: str, capacity_factor: float | None, spec: dict[str, Any], ra
     return {
         "rank": rank, "steps": steps, "grads": grads, "header_bytes": header_bytes(world),
         "layout": None if layout is None else (layout.forward_calls, layout.backward_calls,
-                                               layout.metadata_bytes_per_peer),
+                                               layout.metadata_bytes_per_peer, layout.padded_rows_per_peer),
+        "semantics": dict(getattr(layer, "ep_semantics", {})),
         "router": layer.router.state_dict(), "router_template": copy.deepcopy(layer.router),
         "experts": {rank * local + j: ex.state_dict() for j, ex in enumerate(layer.experts)},
         "expert_template": copy.deepcopy(layer.experts[0]) if len(layer.experts) else None,

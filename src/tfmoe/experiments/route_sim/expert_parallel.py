@@ -134,45 +134,63 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float | None) -> int |
     return None if factor is None else math.ceil(Fraction(tokens * k, n_experts) * Fraction(repr(float(factor))))
 
 
-def rebuild(rank_records: list[dict[str, Any]], dtype: torch.dtype) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
-    """The router and every global expert (in id order) as modules in ``dtype``, from the gathered state dicts."""
-    import copy
+EXPERT_KEYS = ("0.weight", "0.bias", "2.weight", "2.bias")  # nn.Sequential(Linear(D,H), GELU, Linear(H,D))
 
-    router = copy.deepcopy(rank_records[0]["router_template"]).to(dtype)
-    router.load_state_dict(rank_records[0]["router"])
-    experts: dict[int, torch.nn.Module] = {}
+
+def expert_act(template: Any) -> str:
+    """The activation of the course's expert, nn.Sequential(nn.Linear, nn.GELU, nn.Linear): 'gelu' or
+    'gelu_pytorch_tanh'. ValueError naming what was found for any other layout (the reference rebuilds each expert
+    from exactly those weights)."""
+    import torch.nn as nn
+
+    if not (isinstance(template, nn.Sequential) and len(template) == 3 and isinstance(template[0], nn.Linear)
+            and isinstance(template[1], nn.GELU) and isinstance(template[2], nn.Linear)):
+        raise ValueError(f"experts[0] is {type(template).__name__}, not the course's nn.Sequential(nn.Linear, "
+                         "nn.GELU, nn.Linear): the reference rebuilds each expert from those weights")
+    return "gelu" if template[1].approximate == "none" else "gelu_pytorch_tanh"
+
+
+def rebuild(rank_records: list[dict[str, Any]]) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]], str]:
+    """From the gathered state dicts, in float64: the router weight (E,D), every global expert's weights in id order
+    (``EXPERT_KEYS``; a Linear without bias has none), and the experts' activation."""
+    router = rank_records[0]["router"]["weight"].detach().double()
+    act = expert_act(rank_records[0]["expert_template"])
+    experts: dict[int, dict[str, torch.Tensor]] = {}
     for r in rank_records:
         for e, state in r["experts"].items():
-            m = copy.deepcopy(r["expert_template"]).to(dtype)
-            m.load_state_dict(state)
-            experts[e] = m
-    return router, [experts[e] for e in sorted(experts)]
+            experts[e] = {key: state[key].detach().double() for key in EXPERT_KEYS if key in state}
+    return router, [experts[e] for e in sorted(experts)], act
 
 
-def reference(x: torch.Tensor, g: torch.Tensor | None, router: torch.nn.Module, experts: list[torch.nn.Module],
-              k: int, cap: int | None, group: int, dtype: torch.dtype) -> dict[str, Any]:
-    """moe_reference on all tokens x (N,D) in ``dtype``, capacity per group of ``group`` consecutive tokens (a
-    rank's shard); with a cotangent g, the gradients of sum(out*g) too."""
-    import copy
-
-    router = copy.deepcopy(router).to(dtype)
-    experts = [copy.deepcopy(m).to(dtype) for m in experts]
-    params = [router.weight] + [p for m in experts for p in m.parameters()]
-    for p in params:
-        p.grad = None
-        p.requires_grad_(g is not None)
-    xd = x.detach().to(dtype).requires_grad_(g is not None)
-    w = ref.LayerWeights(router=router.weight, experts=[ref.ModuleExpert(m) for m in experts])
+def reference(x: torch.Tensor, g: torch.Tensor | None, router: torch.Tensor, experts: list[dict[str, torch.Tensor]],
+              act: str, k: int, cap: int | None, group: int, dtype: torch.dtype, renormalize_kept: bool = False
+              ) -> dict[str, Any]:
+    """moe_reference on all tokens x (N,D) in ``dtype``, every expert rebuilt from its weights
+    (``moe_reference.MlpExpert``), capacity per group of ``group`` consecutive tokens (a rank's shard); with a
+    cotangent g, the gradients of sum(out*g) too (keyed as the layer's parameters). ``renormalize_kept``: the
+    weights are the kept assignments' scores over their sum (GShard's Top2Gate) instead of the chosen ones'
+    renormalised, then dropped."""
+    grad = g is not None
+    rw = router.to(dtype).clone().requires_grad_(grad)
+    params = [{key: t.to(dtype).clone().requires_grad_(grad) for key, t in ex.items()} for ex in experts]
+    built = [ref.MlpExpert(p["0.weight"], p["2.weight"], act, p.get("0.bias"), p.get("2.bias")) for p in params]
+    xd = x.detach().to(dtype).requires_grad_(grad)
+    w = ref.LayerWeights(router=rw, experts=built)
     sem = ref.RoutingSemantics("softmax", k, normalize=True, capacity=cap, capacity_group=group)
     routing = ref.route(xd, sem, w)
-    out = ref.combine(xd, routing.weights, sem, w)
+    weights = routing.weights
+    if renormalize_kept:
+        kept_scores = torch.where(routing.selected, routing.scores, torch.zeros_like(routing.scores))  # (N,E)
+        denom = kept_scores.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
+        weights = kept_scores / denom
+    out = ref.combine(xd, weights, sem, w)
     chosen = ref.route(xd.detach(), sem.variant(capacity=None), w).selected  # (N,E) before capacity
-    result = {"out": out.detach(), "kept": routing.selected, "chosen": chosen, "margin": routing.margin}
-    if g is not None:
+    result = {"out": out.detach(), "kept": routing.selected, "chosen": chosen, "margin": routing.margin.detach()}
+    if grad:
         (out * g.to(dtype)).sum().backward()
         result["grad_x"] = xd.grad
-        result["grad_router"] = router.weight.grad
-        result["grad_experts"] = [{n: p.grad for n, p in m.named_parameters()} for m in experts]
+        result["grad_router"] = rw.grad
+        result["grad_experts"] = [{key: t.grad for key, t in p.items()} for p in params]
     return result
 
 
@@ -203,13 +221,19 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
     t, local = n // world, e // world
     cap = capacity(t, k, e, capacity_factor)
     itemsize = torch.finfo(dtype).bits // 8
-    router, experts = rebuild(ranks, torch.float64)
+    try:
+        router, experts, act = rebuild(ranks)
+    except ValueError as exc:  # an expert layout the interface does not allow: every check fails, saying so
+        for name in CHECKS:
+            rec.check(PREFIX + name, False, None, None, str(exc))
+        return {"rows": [], "capacity": None, "local_tokens": t, "itemsize": 0, "ratio": None}
     n_steps = len(ranks[0]["steps"])
 
     # outputs and gradients at step 0, every rank's tokens
     x0, g0 = batch(spec["seed"], 0, n, d, dtype)
-    exact = reference(x0, g0, router, experts, k, cap, t, torch.float64)
-    plain = reference(x0, g0, router, experts, k, cap, t, dtype)
+    renorm = bool(ranks[0].get("semantics", {}).get("renormalize_kept", False))
+    exact = reference(x0, g0, router, experts, act, k, cap, t, torch.float64, renorm)
+    plain = reference(x0, g0, router, experts, act, k, cap, t, dtype, renorm)
     out = torch.cat([r["steps"][0]["out"] for r in ranks])
     _compare(rec, "output", out, exact["out"], plain["out"], dtype, "every rank's output vs the float64 reference")
     gx = [r["grads"].get("x") for r in ranks]
@@ -230,13 +254,14 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
     detail = ("no gradient reached " + ", ".join(missing[:3])) if missing else \
         "every expert's parameter gradients on the rank holding it (max error / its tolerance)"
     rec.check_le(PREFIX + "grad_experts", worst, 1.0, detail)
-    rec.metric(PREFIX + "min_routing_margin", float(exact["margin"].detach().min()))
+    rec.metric(PREFIX + "min_routing_margin", float(exact["margin"].min()))
 
     # per step: bytes, loads, drops, times
     rows_table, byte_errs, load_errs, drop_errs, ratios = [], [], [], [], []
     for step in range(n_steps):
         x, _g = batch(spec["seed"], step, n, d, dtype)
-        decided = reference(x, None, router, experts, k, cap, t, torch.float64)
+        decided = reference(x, None, router, experts, act, k, cap, t, torch.float64,
+                            renorm)
         kept, chosen = decided["kept"], decided["chosen"]  # (N,E)
         rows = torch.stack([kept[p * t:(p + 1) * t].view(t, world, local).sum((0, 2)) for p in range(world)])  # (W,W)
         steps = [r["steps"][step] for r in ranks]
@@ -263,6 +288,9 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
             if layout is not None and s["wire_forward"] is not None:
                 fwd = off * d * itemsize + (world - 1) * (layout[2] + header * layout[0])
                 bwd = off * d * itemsize + (world - 1) * header * layout[1]
+                if layout[3] is not None:  # capacity-padded: the same rows to every peer in every call
+                    fwd = (world - 1) * (layout[0] * (layout[3] * d * itemsize + header) + layout[2])
+                    bwd = (world - 1) * layout[1] * (layout[3] * d * itemsize + header)
                 rec.metric(PREFIX + "wire_bytes", s["wire_forward"], step=step, rank=p, phase="forward")
                 rec.metric(PREFIX + "wire_bytes", s["wire_backward"], step=step, rank=p, phase="backward")
                 rec.metric(PREFIX + "wire_bytes_expected", fwd, step=step, rank=p, phase="forward")
@@ -329,7 +357,7 @@ def payload_per_token(ranks: list[dict[str, Any]], world: int, n: int) -> float 
         return None
     payload = 0.0
     for r in ranks:
-        calls, _bwd, meta = r["layout"]
+        calls, _bwd, meta, _padded = r["layout"]
         overhead = (world - 1) * (meta + (r["header_bytes"] or 0.0) * calls)
         payload += sum(s["wire_forward"] - overhead for s in r["steps"])
     return payload / (n * len(ranks[0]["steps"]))
@@ -447,7 +475,11 @@ def run_ep(s: Any, rec: Recorder) -> None:
     if dtype is None:
         raise BadInput(f"dtype={rec.dtype} is not supported with ep_size={s.ep.size}: pass dtype=fp32 or dtype=fp64")
     impl = s.ep.impl or "own"
-    if impl != "own":
+    if impl.startswith("lib:"):
+        from tfmoe.adapters.moe_ep_libs import check_lib
+
+        check_lib(impl, s.tokens // s.ep.size, s.n_experts, s.top_k, s.capacity_factor)  # exit 2 before any start
+    elif impl != "own":
         from tfmoe.user_code import load_object
 
         load_object(impl, "ep_impl")  # bad input (exit 2) here, before any worker starts
@@ -589,8 +621,8 @@ def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
     size = require_int(cfg, "ep_size", 1)
     impl = OmegaConf.select(cfg, "ep_impl", default=None)
     if impl is not None and (not isinstance(impl, str) or ":" not in impl):
-        raise BadInput(f"ep_impl={impl!r} is not 'python.module:Class': pass ep_impl=mymodule:MyEPLayer, or "
-                       "ep_impl=null for the package's ExpertParallelMoE")
+        raise BadInput(f"ep_impl={impl!r} is not 'python.module:Class': pass ep_impl=mymodule:MyEPLayer, "
+                       "ep_impl=lib:fairscale, or ep_impl=null for the package's ExpertParallelMoE")
     steps = require_int(cfg, "ep_steps", 1)
     timeout = require_number(cfg, "ep_timeout_s", positive=True)
     ranks = OmegaConf.select(cfg, "ep_sim_ranks", default=[])
