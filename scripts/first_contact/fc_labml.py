@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from labml import tracker
 from labml_nn.transformers import mha as labml_mha
 from labml_nn.transformers import switch as labml_switch
 from labml_nn.transformers.feed_forward import FeedForward
@@ -16,6 +17,9 @@ from labml_nn.transformers.feed_forward import FeedForward
 from tfmoe.adapters import AttentionAdapter, Projections, seeded
 from tfmoe.adapters.moe_base import MoEAdapter, MoESemantics
 from tfmoe.components.moe_reference import LayerWeights, MlpExpert
+
+if not hasattr(tracker, "debug"):  # labml-nn 0.5.1's MultiHeadAttention calls tracker.debug, gone in labml 0.5.3
+    tracker.debug = lambda *args, **kwargs: None
 
 
 class MHA(AttentionAdapter):

@@ -11,10 +11,13 @@ kernel_bug_causal / kernel_bug_rescale plant a bug inside the library's summariz
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
-from memory_efficient_attention_pytorch import memory_efficient_attention as mea_mod
+
+# the package re-exports the function under the module's name: take the module itself
+mea_mod = importlib.import_module("memory_efficient_attention_pytorch.memory_efficient_attention")
 
 _ORIGINAL = mea_mod.summarize_qkv_chunk
 
