@@ -23,6 +23,12 @@ from tfmoe.adapters import AttentionAdapter, Projections  # noqa: E402
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 
 
+def _seed_keras(seed: int | None) -> None:
+    """Keras draws initial weights from its own RNG. tfmoe calls build with seed=None (weights from the run's torch
+    RNG, already seeded), which keras.utils.set_random_seed refuses: take Keras's seed from torch's RNG then."""
+    keras.utils.set_random_seed(int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed)
+
+
 class _KerasAdapter(AttentionAdapter):
     takes_dropout = False
 
@@ -51,8 +57,9 @@ class MHA(_KerasAdapter):
 
     def build(self, d_model, n_heads, *, n_kv_heads, causal, dropout, seed, dtype, device):
         self.plant()
-        keras.utils.set_random_seed(seed)
-        layer = keras.layers.MultiHeadAttention(num_heads=n_heads, key_dim=d_model // n_heads, dtype=_DTYPES[dtype])
+        _seed_keras(seed)
+        layer = keras.layers.MultiHeadAttention(num_heads=n_heads, key_dim=d_model // n_heads, dtype=_DTYPES[dtype],
+                                                name="attention")  # one name: two builds share state_dict keys
         layer.build((None, None, d_model), (None, None, d_model))
         return layer
 
@@ -67,9 +74,10 @@ class GQA(_KerasAdapter):
 
     def build(self, d_model, n_heads, *, n_kv_heads, causal, dropout, seed, dtype, device):
         self.plant()
-        keras.utils.set_random_seed(seed)
+        _seed_keras(seed)
         layer = keras.layers.GroupQueryAttention(head_dim=d_model // n_heads, num_query_heads=n_heads,
-                                                 num_key_value_heads=n_kv_heads, dtype=_DTYPES[dtype])
+                                                 num_key_value_heads=n_kv_heads, dtype=_DTYPES[dtype],
+                                                 name="attention")
         layer.build((None, None, d_model), (None, None, d_model))
         return layer
 
@@ -121,3 +129,24 @@ class BugGQACausal(GQA):
             return keras.ops.greater_equal(keras.ops.cumsum(ones, axis=-2) + 1, keras.ops.cumsum(ones, axis=-1))
 
         keras_gqa.GroupedQueryAttention._compute_causal_mask = _compute_causal_mask
+
+
+class MHAFirstTry(MHA):
+    """The first adapter written from the docs' example: seeds Keras with build's seed as given (None in a run)."""
+
+    def build(self, d_model, n_heads, *, n_kv_heads, causal, dropout, seed, dtype, device):
+        keras.utils.set_random_seed(seed)
+        return super().build(d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal, dropout=dropout, seed=0,
+                             dtype=dtype, device=device)
+
+
+class GQAFirstTry(GQA):
+    """Before naming the layer: Keras names each instance anew (grouped_query_attention_1, ...), and so the keys of
+    its torch state_dict."""
+
+    def build(self, d_model, n_heads, *, n_kv_heads, causal, dropout, seed, dtype, device):
+        _seed_keras(seed)
+        layer = keras.layers.GroupQueryAttention(head_dim=d_model // n_heads, num_query_heads=n_heads,
+                                                 num_key_value_heads=n_kv_heads, dtype=_DTYPES[dtype])
+        layer.build((None, None, d_model), (None, None, d_model))
+        return layer
