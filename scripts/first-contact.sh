@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 VENV=${FC_VENV:-.venv-first-contact}
 PYTHON=${PYTHON:-python3}
 # the releases measured on 2026-12-03; keras's torch backend needs nothing beyond its own requirements
-LIBS=(keras==3.15.1 labml-nn==0.5.1 labml==0.5.3 torchscale==0.3.0 memory-efficient-attention-pytorch==0.1.6
-      mistral-inference==1.6.0 simple-parsing==0.1.8)
-stamp="${LIBS[*]} $(sha256sum requirements.lock pyproject.toml | sha256sum | cut -c1-16)"
+WITH_DEPS=(keras==3.15.1 labml==0.5.3 einops docstring-parser)
+NO_DEPS=(labml-nn==0.5.1 torchscale==0.3.0 memory-efficient-attention-pytorch==0.1.6 mistral-inference==1.6.0
+         simple-parsing==0.1.9)
+stamp="${WITH_DEPS[*]} ${NO_DEPS[*]} $(sha256sum requirements.lock pyproject.toml | sha256sum | cut -c1-16)"
 if [ "$(cat "$VENV/.installed" 2>/dev/null)" != "$stamp" ]; then
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
@@ -19,12 +20,12 @@ if [ "$(cat "$VENV/.installed" 2>/dev/null)" != "$stamp" ]; then
     "$VENV/bin/pip" install -q --require-hashes --no-deps -r requirements.lock
     "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e .
     pins=$(mktemp); echo torch==2.13.0 > "$pins"
-    # keras with its own requirements; the others without theirs: labml-nn asks for torchtext, torchvision and
-    # fairscale, torchscale for fairscale 0.4.0 and timm 0.6.13, mistral-inference for xformers, none of which the
-    # layers judged here import (mistral_inference.moe, labml_nn.transformers.{mha,switch}, torchscale.component)
-    "$VENV/bin/pip" install -q -c "$pins" keras==3.15.1
-    "$VENV/bin/pip" install -q -c "$pins" --no-deps "${LIBS[@]:1}"
-    "$VENV/bin/pip" install -q -c "$pins" einops docstring-parser  # einops: labml-nn and mea; simple-parsing's dep
+    # keras and labml with their own requirements (torch pinned); the others without theirs: labml-nn asks for
+    # torchtext, torchvision and fairscale, torchscale for fairscale 0.4.0 and timm 0.6.13, mistral-inference for
+    # xformers, none of which the layers judged here import (mistral_inference.moe, labml_nn.transformers.{mha,
+    # switch}, torchscale.component); einops is labml-nn's and mea's, docstring-parser simple-parsing's
+    "$VENV/bin/pip" install -q -c "$pins" "${WITH_DEPS[@]}"
+    "$VENV/bin/pip" install -q -c "$pins" --no-deps "${NO_DEPS[@]}"
     "$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
     echo "$stamp" > "$VENV/.installed"
 fi
