@@ -193,6 +193,19 @@ def _read_run(runs: Path) -> tuple[str, list[str], list[str], str, bool]:
     return str(run["status"]), failed, na, str(d), measured
 
 
+def verdict(kind: str, code: int, measured: bool) -> str:
+    """ok | false alarm | missed bug | bug not judged (...): a bug counts as caught only by a failed check that
+    measured a value (not one whose detail is the layer's exception); an adapter's own error must not be a crash."""
+    want = {"correct": 0, "bug": 1, "refusal": 2, "adapter-error": code if code in (1, 2) else 1}[kind]
+    if code == want and (kind != "bug" or measured):
+        return "ok"
+    if kind == "bug" and code == 1:
+        return "bug not judged (every failed check raised)"
+    if kind == "bug":
+        return "missed bug" if code == 0 else f"bug not judged (exit {code})"
+    return "false alarm"
+
+
 def run_case(case: Case, tfmoe: str, scratch: Path, timeout: int) -> Row:
     work = scratch / case.id
     work.mkdir(parents=True, exist_ok=True)
@@ -212,15 +225,7 @@ def run_case(case: Case, tfmoe: str, scratch: Path, timeout: int) -> Row:
               failed, na, run_dir=run_dir, wall_s=round(wall, 1))
     row.first_error = next((ln.strip() for ln in err.splitlines() if ln.strip() and not ln.startswith("WARNING")),
                            "")[:300]
-    want = {"correct": 0, "bug": 1, "refusal": 2, "adapter-error": code if code in (1, 2) else 1}[case.kind]
-    if code == want and (case.kind != "bug" or measured):
-        row.verdict = "ok"
-    elif case.kind == "bug" and code == 1:
-        row.verdict = "bug not judged (every failed check raised)"
-    elif case.kind == "bug":
-        row.verdict = "missed bug" if code == 0 else f"bug not judged (exit {code})"
-    else:
-        row.verdict = "false alarm"
+    row.verdict = verdict(case.kind, code, measured)
     if row.verdict != "ok":
         analysed = CAUSES.get(case.id)
         row.cause = analysed[1] if analysed and analysed[0] == code else "new: not analysed (see stderr.txt)"
