@@ -55,7 +55,10 @@ def main() -> None:
     if args.stdout:
         print(text)
     else:
-        OUT.write_text(text)
+        # hand-written sections (the first-contact measurements, scripts/first_contact.py) are no run of this
+        # script: keep them, after the regenerated ones
+        kept = OUT.read_text().partition("\n## First contact")[1:] if OUT.exists() else ("", "")
+        OUT.write_text(text + ("\n" + "".join(kept).lstrip("\n") if kept[0] else ""))
         print(f"wrote {OUT}")
 
 
