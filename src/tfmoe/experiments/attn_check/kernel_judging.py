@@ -54,8 +54,15 @@ def enter_kernel(kernel: Kernel, q, k, v, kwargs: dict[str, Any]) -> Any:
 
 
 def enter_backward(out: torch.Tensor, inputs: list[torch.Tensor], grad_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The battery's one call of the kernel's backward (autograd through its graph; as :func:`enter_kernel`)."""
-    return torch.autograd.grad(out, inputs, grad_out)
+    """The battery's one call of the kernel's backward (autograd through its graph; as :func:`enter_kernel`).
+
+    ``inputs`` are fresh leaves; their gradients are read after ``out.backward`` rather than taken with
+    ``torch.autograd.grad``, which reentrant ``torch.utils.checkpoint`` refuses (a correct chunked kernel built on
+    it failed every backward case as 'raised', F-198). An input the kernel never reads gets a zero gradient."""
+    for t in inputs:
+        t.grad = None
+    out.backward(grad_out)
+    return tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in inputs)
 
 
 ENTRY_POINTS = ("enter_kernel", "enter_backward")

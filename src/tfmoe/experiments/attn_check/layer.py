@@ -27,7 +27,7 @@ from tfmoe.components.references import (
     sdpa_attention,
     visibility,
 )
-from tfmoe.errors import BadInput
+from tfmoe.errors import BadInput, ContractError
 from tfmoe.faults import tfmoe_fault
 from tfmoe.recorder import Recorder
 
@@ -74,7 +74,13 @@ class LayerUnderTest:
             fault = tfmoe_fault(exc, f"impl={adapter.spec} (building the layer)", adapter.library, adapter.supported)
             if fault is not None:
                 raise fault from exc
-            raise
+            # the user's adapter or layer could not be built for these settings: bad input, one line, as the course
+            # interface says it (an adapter refuses a setting on purpose by raising tfmoe.errors.BadInput; F-199)
+            message = " ".join(str(exc).split())
+            raise BadInput(f"impl={adapter.spec}: building the layer (d_model={s.d_model}, n_heads={s.n_heads}, "
+                           f"n_kv_heads={s.n_kv_heads}, causal={s.causal}) raised {type(exc).__name__}"
+                           f"{': ' + message if message else ''}: fix the adapter's build or change those settings"
+                           ) from None
         for text in adapter.notes:
             rec.note(f"{adapter.name}: {text}")
         x = torch.randn(s.B, s.T, s.d_model, device=device).to(dtype)  # (B,T,D)
@@ -109,7 +115,14 @@ class LayerUnderTest:
                                     dropout=s.dropout if dropout is None else dropout, seed=None,
                                     dtype=self.dtype if dtype is None else dtype, device=self.device)
         if state is not None:
-            module.load_state_dict(state)
+            try:
+                module.load_state_dict(state)
+            except RuntimeError as exc:  # the layer's contract, not tfmoe's: two builds must name their weights alike
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise ContractError(
+                    f"two builds of the layer have different state_dict keys ({first[:160]}): the battery copies "
+                    "weights between instances (another dtype, head count or dropout), so every build must name its "
+                    "parameters the same way (e.g. give a Keras layer a fixed name=)") from exc
         return module
 
     def call(self, module: nn.Module, x: torch.Tensor, padding_mask: torch.Tensor | None, causal: bool | None = None,

@@ -40,7 +40,7 @@ from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
 from tfmoe.experiments.route_sim.checks import check_cv_maxvio, check_loads_sum
 from tfmoe.experiments.route_sim.settings import LayerSettings
-from tfmoe.faults import RAISED
+from tfmoe.faults import RAISED, tfmoe_fault
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
 
@@ -436,6 +436,27 @@ ROUTING_CHECKS = ("output_vs_reference", "routing_selection", "routing_weights",
 
 
 @torch.no_grad()
+def build_layer(lut: LayerUnderTest, rec: Recorder) -> nn.Module:
+    """The layer under test, built from the run's seed. tfmoe's or a shipped adapter's exception is tfmoe's fault
+    (crashed); the user's layer or adapter failing to build for these sizes is bad input, one line (an adapter
+    refuses a setting on purpose by raising tfmoe.errors.BadInput), never a crash blamed on tfmoe (F-199)."""
+    try:
+        return lut.build(rec.seed).to(rec.device, rec.dtype)
+    except BadInput:
+        raise
+    except Exception as exc:
+        adapter = getattr(lut, "adapter", None)
+        fault = tfmoe_fault(exc, f"impl={lut.label} (building the layer)", getattr(adapter, "library", None),
+                            getattr(adapter, "supported", ""))
+        if fault is not None:
+            raise fault from exc
+        message = " ".join(str(exc).split())
+        s = lut.sizes
+        raise BadInput(f"impl={lut.label}: building the layer (d_model={s.d_model}, n_experts={s.n_experts}, "
+                       f"top_k={s.top_k}) raised {type(exc).__name__}{': ' + message if message else ''}: fix the "
+                       "adapter's build or change those settings") from None
+
+
 def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     """Every check on one layer. Checks that do not apply are named in the run's notes ("n/a: ..."). A layer
     that raises fails the checks that called it, with its exception; the others still run."""
@@ -453,7 +474,7 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
         rec.note(f"declared: the layer lacks {feature} ({caps.FEATURES[feature]}): no layer-battery check needs it")
     if "router" in decl.precisions:  # the precision the combine weights carry, declared
         lut.router_precision = _coarsest(lut.router_precision, DTYPES[decl.precisions["router"]])
-    module = lut.build(rec.seed).to(rec.device, rec.dtype)
+    module = build_layer(lut, rec)
     weights = lut.reference_weights(module)
     gen = torch.Generator().manual_seed(rec.seed + 11)
     s = lut.sizes

@@ -50,6 +50,33 @@ def _functional(layer: LayerUnderTest, module: nn.Module, padding_mask: torch.Te
     return f, names
 
 
+def _module_grads(layer: LayerUnderTest, x: torch.Tensor, padding_mask: torch.Tensor | None,
+                  g: torch.Tensor) -> list[torch.Tensor | None]:
+    """dx and the gradient of every tensor ``parameters()`` names, by an ordinary ``.backward()`` through the
+    layer's own forward on its own parameters: a layer that keeps its weights outside its registered parameters
+    (Keras variables) is differentiated as its users differentiate it (``torch.func.functional_call`` swaps only
+    registered parameters: F-197). Requires-grad flags and existing ``.grad`` are restored afterwards."""
+    live = list(layer.adapter.parameters(layer.module).values())
+    saved = [(t.requires_grad, t.grad) for t in live]
+    try:
+        for t in live:
+            t.grad = None
+            if t.is_leaf and t.is_floating_point():
+                t.requires_grad_(True)
+            elif t.requires_grad:
+                t.retain_grad()
+        x_leaf = x.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            out = layer.call(layer.module, x_leaf, padding_mask)[0]
+            (out * g.to(out.dtype)).sum().backward()
+        return [x_leaf.grad] + [None if t.grad is None else t.grad.detach().clone() for t in live]
+    finally:
+        for t, (flag, grad) in zip(live, saved, strict=True):
+            t.grad = grad
+            if t.is_leaf:
+                t.requires_grad_(flag)
+
+
 def _reference_fn(layer: LayerUnderTest, names: list[str], mask: torch.Tensor | None,
                   attention: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """f(x, *params) computed by the reference (or the plain yardstick) from the same parameter tensors."""
@@ -153,7 +180,7 @@ def _grad_match(layer: LayerUnderTest) -> None:
     rd = reference_dtype(layer.dtype)
     ref = grads(_reference_fn(layer, names, mask0, sdpa_attention), rd)
     plain = grads(_reference_fn(layer, names, mask0, plain_attention), yard)
-    mod = grads(f_mod, layer.dtype)
+    mod = _module_grads(layer, x0, pm0_arg, g)
     worst, parts, evidence = 0.0, [], {"x": x0, "padding_mask": pm0}
     unused = []  # parameters that neither the layer nor the reference gives a gradient: listed, not judged
     for name, gm, gr, gp, leaf in zip(("x", *names), mod, ref, plain, (x0, *params), strict=True):
