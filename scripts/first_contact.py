@@ -209,7 +209,9 @@ def verdict(kind: str, code: int, measured: bool) -> str:
 def run_case(case: Case, tfmoe: str, scratch: Path, timeout: int) -> Row:
     work = scratch / case.id
     work.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ADAPTERS), KERAS_BACKEND="torch")
+    # the adapters first; a PYTHONPATH already set (e.g. a checkout's src, to measure it with another venv) after
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ADAPTERS), *filter(None, [os.environ.get("PYTHONPATH")])]),
+               KERAS_BACKEND="torch")
     t0 = time.perf_counter()
     try:
         p = subprocess.run([tfmoe, *case.args, f"run_root={work / 'runs'}"], cwd=work, env=env, capture_output=True,
