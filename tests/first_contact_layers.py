@@ -119,3 +119,17 @@ class RenamingAdapter(BlockAttentionAdapter):
 
     def projections(self, params, n_heads, n_kv_heads):
         return fused_projections(params["inner.qkv.weight"], params["inner.out.weight"], n_heads)
+
+
+class _Growing(_Renamed):
+    def __init__(self, block):
+        super().__init__(block)
+        self.register_buffer("history", torch.zeros(_Renamed.count))  # a per-instance shape: no order can map it
+
+
+class GrowingAdapter(RenamingAdapter):
+    """C4, the case no copy can fix: a state whose shapes differ between builds fails the copying checks."""
+
+    def build(self, d_model, n_heads, *, n_kv_heads, causal, dropout, seed, dtype, device):
+        return _Growing(BlockAttentionAdapter.build(self, d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal,
+                                                    dropout=dropout, seed=seed, dtype=dtype, device=device))

@@ -52,7 +52,13 @@ def test_c3_a_user_adapter_that_cannot_build_is_bad_input_in_one_line():
     assert failed(rec) == set()
 
 
-def test_c4_builds_that_rename_their_weights_fail_the_checks_that_copy_them_not_tfmoe():
+def test_c4_builds_that_rename_their_weights_get_them_copied_by_position():
     rec = run_recorded("attn-check", ["impl=first_contact_layers:RenamingAdapter", *FAST, "checks=[gradients]"])
+    assert failed(rec) == set(), {c.check: c.detail for c in rec.checks_rows if c.outcome == "failed"}
+    assert any("copied between builds by position" in n for n in rec.notes)
+
+
+def test_c4_builds_whose_state_differs_in_shape_fail_the_copying_checks_not_tfmoe():
+    rec = run_recorded("attn-check", ["impl=first_contact_layers:GrowingAdapter", *FAST, "checks=[gradients]"])
     gradcheck = checks_of(rec)["gradcheck"]
     assert gradcheck.outcome == "failed" and "different state_dict keys" in gradcheck.detail
