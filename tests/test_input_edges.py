@@ -135,6 +135,8 @@ EDGES = [
     (["shift-labels", "sequences=[]"], "sequences is empty"),
     (["shift-labels", "sequences=[[BOS,我]]"], "needs non-ASCII text quoted"),
     (["route-sim", "tokens=-5"], "tokens=-5"),
+    (["shift-labels", "model.n_layers=-1"], "model.n_layers=-1"),  # was a model of no layers, judged ok
+    (["shift-labels", "model.n_heads=-1"], "model.n_heads=-1"),
     (["complexity", "T=0"], "T=0"),
 ]
 

@@ -36,6 +36,7 @@ from tfmoe.memory import (
 )
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
+from tfmoe.validate import require_int
 
 FINITE_QUANTITIES = ("loss", "loss_manual_fp64", "sequence_loss", "padding_invariance_max_abs",
                      "padding_invariance_logits_max_abs", "left_right_max_abs")
@@ -58,6 +59,8 @@ def settings(cfg: DictConfig) -> Settings:
         raise BadInput(f"ignore_index={cfg.ignore_index!r} collides with a vocabulary id: use a negative "
                        "integer such as -100")
     m = cfg.model
+    for key in ("model.d_model", "model.n_heads", "model.n_layers"):  # n_layers=-1 made a model of no layers, "ok"
+        require_int(cfg, key, 1)
     if m.d_model % m.n_heads != 0:
         raise BadInput(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}: "
                        "choose d_model as a multiple of n_heads")
