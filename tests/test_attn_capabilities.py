@@ -209,3 +209,13 @@ def test_chunked_match_yardstick_does_not_come_from_the_kernels_own_file(monkeyp
                                       "chunked.memory_ratio_max=1"])
     checks = {c.check: c for c in rec.checks_rows}
     assert checks["chunked_match"].passed and checks["chunked_match"].observed < 1e-5
+
+
+# ------------------------------------------------------------- negative limits, in every mode (issue 29)
+@pytest.mark.parametrize("override", ["cases.batch=-1", "cases.q_heads=0", "cases.scale=-0.5",
+                                      "kernel_checks.dropout_p=-0.1", "kernel_checks.dropout_seeds=0",
+                                      "kernel_checks.grad_factor=-2"])
+def test_kernel_limits_are_refused_in_module_mode_too(override):
+    with pytest.raises(BadInput) as err:
+        run_recorded("attn-check", [override])
+    assert override.split("=")[0] in str(err.value) and "\n" not in str(err.value)

@@ -55,7 +55,21 @@ def settings(cfg: DictConfig) -> Settings:
     """Validate the config (BadInput names the key, the value and the fix). Imports no user code."""
     if cfg.get("kernel"):
         return Settings(kernel_settings(cfg))
+    kernel_limits(cfg)  # read only in kernel mode, but a negative limit is refused in every mode
     return Settings(module_settings(cfg))
+
+
+def kernel_limits(cfg: DictConfig) -> None:
+    """The kernel mode's numeric limits (issue 29: negative limits are refused, whichever mode reads them)."""
+    require_int(cfg, "cases.batch", 1)
+    require_int(cfg, "cases.q_heads", 1)
+    require_number(cfg, "cases.scale", positive=True)
+    require_number(cfg, "kernel_checks.grad_factor", positive=True)
+    require_int(cfg, "kernel_checks.dropout_seeds", 2)
+    p = OmegaConf.select(cfg, "kernel_checks.dropout_p", default=0.0)
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise BadInput(f"kernel_checks.dropout_p={p!r} is not a probability in [0, 1): pass e.g. "
+                       "kernel_checks.dropout_p=0.2 (0 skips the dropout family)")
 
 
 def _list(value: Any) -> Any:
