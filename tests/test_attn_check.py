@@ -261,7 +261,7 @@ def test_settings_import_no_user_code_and_pick_the_battery():
     assert s.battery.impl == "i12_never_imported:Attn" and s.battery.n_kv_heads == s.battery.n_heads == 2
     assert "i12_never_imported" not in sys.modules and "i12_never_imported_either" not in sys.modules
     k = attn_check.settings(compose("attn-check", ["kernel=i12_never_imported_kernel:attention"]))
-    assert isinstance(k.battery, attn_check.KernelSettings) and len(k.battery.cases) == 12 * 15 + 1  # 12 shapes; 1 dropout case
+    assert isinstance(k.battery, attn_check.KernelSettings) and len(k.battery.cases) == 12 * 15 + 2  # + dropout, long_rows
     assert "i12_never_imported_kernel" not in sys.modules
     with pytest.raises(BadInput, match="unknown groups"):
         attn_check.settings(compose("attn-check", ["checks=[masks,speed]"]))
