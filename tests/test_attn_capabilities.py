@@ -219,3 +219,24 @@ def test_kernel_limits_are_refused_in_module_mode_too(override):
     with pytest.raises(BadInput) as err:
         run_recorded("attn-check", [override])
     assert override.split("=")[0] in str(err.value) and "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------- sizes are the user's (issue 29 item 2)
+@pytest.mark.parametrize("override", ["d_model=1000000000", "B=1000000000", "T=1000000000"])
+def test_a_huge_layer_is_refused_naming_the_dominant_knob(override, monkeypatch):
+    import re
+
+    from tfmoe import memory
+    from tfmoe.experiments import attn_check
+    from tfmoe.testing import compose
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * 2**30)
+    with pytest.raises(BadInput) as err:
+        attn_check.settings(compose("attn-check", [override]))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(override.split("=")[0])
+    fix = re.search(r"\(at most about ([^()]*)\)$", message)
+    if fix:  # the size guard's advice is itself accepted
+        attn_check.settings(compose("attn-check", [override, *fix[1].split()]))
+    else:  # T: the naive path's own guard (refuse_if_too_big) names T and mode=chunked
+        assert "mode=chunked" in message or "T=" in message

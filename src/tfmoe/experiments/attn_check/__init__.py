@@ -56,7 +56,32 @@ def settings(cfg: DictConfig) -> Settings:
     if cfg.get("kernel"):
         return Settings(kernel_settings(cfg))
     kernel_limits(cfg)  # read only in kernel mode, but a negative limit is refused in every mode
-    return Settings(module_settings(cfg))
+    module = module_settings(cfg)
+    if module.mode == "full":
+        refuse_oversized_layer(module, str(cfg.get("dtype")))
+    return Settings(module)
+
+
+DTYPE_BYTES = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def layer_bytes(z: dict[str, int], itemsize: int) -> int:
+    """An upper estimate of module mode's peak at sizes ``z`` (d_model, B, T, n_heads): the layer's 4·D² projection
+    weights at the run's dtype, their fp64 copy for gradcheck and the gradients of both (×2 for the reference's
+    copies), activations of a few (B,T,D) tensors and (B,H,T,T) score/weight tensors in fp64."""
+    D, B, T, H = z["d_model"], z["B"], z["T"], z["n_heads"]
+    weights = 4 * D * D * (itemsize + 8) * 2 * 2
+    return weights + 16 * B * T * D * 8 + 6 * B * H * T * T * 8
+
+
+def refuse_oversized_layer(s: ModuleSettings, dtype: str) -> None:
+    """Exit 2 before anything is built when the layer cannot fit, naming the knob that dominates (issue 29)."""
+    from tfmoe import memory
+
+    knobs = {"d_model": memory.Knob(s.d_model, minimum=s.n_heads, multiple=s.n_heads), "B": memory.Knob(s.B),
+             "T": memory.Knob(s.T)}
+    memory.refuse_oversized(lambda z: layer_bytes({**z, "n_heads": s.n_heads}, DTYPE_BYTES.get(dtype, 4)), knobs,
+                            memory.host_available_bytes(), "the host's", "attn-check")
 
 
 def kernel_limits(cfg: DictConfig) -> None:
