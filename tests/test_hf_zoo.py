@@ -243,7 +243,7 @@ def test_rotate_half_planted_in_an_interleaved_model_is_caught(monkeypatch):
 
     monkeypatch.setattr(modeling_cohere, "rotate_half", modeling_llama.rotate_half)  # Llama's pairs in Cohere
     rec = run_recorded("attn-check", [*SMALL, "impl=hf:cohere", "checks=[sdpa]"])
-    assert failed({c.check: c for c in rec.checks_rows}) == {"sdpa_match"}
+    assert failed({c.check: c for c in rec.checks_rows}) == {"sdpa_match", "left_padding_match"}
 
 
 def test_rotate_half_planted_in_roformer_is_caught(monkeypatch):
@@ -264,7 +264,7 @@ def test_rotate_half_planted_in_roformer_is_caught(monkeypatch):
     monkeypatch.setattr(modeling_roformer.RoFormerSelfAttention, "apply_rotary_position_embeddings",
                         staticmethod(half_pairs))
     rec = run_recorded("attn-check", [*SMALL, "impl=hf:roformer", "causal=false", "checks=[sdpa]"])
-    assert failed({c.check: c for c in rec.checks_rows}) == {"sdpa_match"}
+    assert failed({c.check: c for c in rec.checks_rows}) == {"sdpa_match", "left_padding_match"}
 
 
 def test_a_wrong_scale_planted_in_the_layer_is_caught(monkeypatch):
