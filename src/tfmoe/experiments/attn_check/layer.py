@@ -118,6 +118,8 @@ class LayerUnderTest:
             try:
                 module.load_state_dict(state)
             except RuntimeError as exc:  # the layer's contract, not tfmoe's: two builds must name their weights alike
+                if n_heads is not None and n_heads != self.s.n_heads:
+                    raise  # another head count: head_counts says why it cannot be rebuilt (n/a, the whole error)
                 own = module.state_dict()
                 if len(own) == len(state) and all(a.shape == b.shape for a, b in zip(own.values(), state.values(),
                                                                                      strict=True)):
