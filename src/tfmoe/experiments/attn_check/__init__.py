@@ -56,32 +56,49 @@ def settings(cfg: DictConfig) -> Settings:
     if cfg.get("kernel"):
         return Settings(kernel_settings(cfg))
     kernel_limits(cfg)  # read only in kernel mode, but a negative limit is refused in every mode
-    module = module_settings(cfg)
-    if module.mode == "full":
-        refuse_oversized_layer(module, str(cfg.get("dtype")))
-    return Settings(module)
+    return Settings(module_settings(cfg))
 
 
 DTYPE_BYTES = {"fp64": 8, "fp32": 4, "fp16": 2, "bf16": 2}
 
 
 def layer_bytes(z: dict[str, int], itemsize: int) -> int:
-    """An upper estimate of module mode's peak at sizes ``z`` (d_model, B, T, n_heads): the layer's 4·D² projection
-    weights at the run's dtype, their fp64 copy for gradcheck and the gradients of both (×2 for the reference's
-    copies), activations of a few (B,T,D) tensors and (B,H,T,T) score/weight tensors in fp64."""
+    """An upper estimate of module mode's peak at sizes ``z``: the layer's 4·D² projection weights at the run's dtype,
+    their fp64 copy for gradcheck and the gradients of both (×2 for the reference's copies); a few (B,T,D) tensors and
+    (B,H,T,T) score/weight tensors in fp64; gradcheck's (2,Tg,D) and (2,H,Tg,Tg) in fp64; the dropout readout's
+    sampled weights; the chunked memory probe's naive (1,H,T,T) path and its q, k, v (fp32)."""
     D, B, T, H = z["d_model"], z["B"], z["T"], z["n_heads"]
+    Tg, samples = z["gradcheck_T"], z["dropout_samples"]
+    pT, pH, pD = z["chunked.probe_T"], z["chunked.probe_heads"], z["chunked.probe_d_head"]
     weights = 4 * D * D * (itemsize + 8) * 2 * 2
-    return weights + 16 * B * T * D * 8 + 6 * B * H * T * T * 8
+    main = 16 * B * T * D * 8 + 6 * B * H * T * T * 8
+    gradcheck = 16 * 2 * Tg * D * 8 + 6 * 2 * H * Tg * Tg * 8
+    dropout = 24 * samples * 8
+    probe = 3 * pH * pT * pT * 4 + 8 * pH * pT * pD * 4
+    return weights + main + gradcheck + dropout + probe
 
 
-def refuse_oversized_layer(s: ModuleSettings, dtype: str) -> None:
-    """Exit 2 before anything is built when the layer cannot fit, naming the knob that dominates (issue 29)."""
+def refuse_oversized_layer(cfg: DictConfig, B: int, T: int, d_model: int, n_heads: int) -> None:
+    """Exit 2 before anything is built (or a per-row list is made) when a full run cannot fit, naming the knob that
+    dominates the estimate and a value of it that fits (issue 29)."""
     from tfmoe import memory
 
-    knobs = {"d_model": memory.Knob(s.d_model, minimum=s.n_heads, multiple=s.n_heads), "B": memory.Knob(s.B),
-             "T": memory.Knob(s.T)}
-    memory.refuse_oversized(lambda z: layer_bytes({**z, "n_heads": s.n_heads}, DTYPE_BYTES.get(dtype, 4)), knobs,
-                            memory.host_available_bytes(), "the host's", "attn-check")
+    if cfg.get("mode") != "full":
+        return
+    knobs = {"d_model": memory.Knob(d_model, minimum=n_heads, multiple=n_heads), "B": memory.Knob(B),
+             "T": memory.Knob(T), "gradcheck_T": memory.Knob(require_int(cfg, "gradcheck_T", 1)),
+             "dropout_samples": memory.Knob(require_int(cfg, "dropout_samples", 1000), minimum=1000)}
+    for key in ("chunked.probe_T", "chunked.probe_heads", "chunked.probe_d_head"):
+        knobs[key] = memory.Knob(require_int(cfg, key, 1))
+    try:
+        memory.refuse_oversized(lambda z: layer_bytes({**z, "n_heads": n_heads},
+                                                      DTYPE_BYTES.get(str(cfg.get("dtype")), 4)),
+                                knobs, memory.host_available_bytes(), "the host's", "attn-check")
+    except BadInput as exc:
+        if str(exc).startswith("T="):  # the naive path's (B,H,T,T) dominates: the chunked path alone avoids it
+            raise BadInput(str(exc).replace(": lower T (", " (mode=chunked checks only the chunked path at this T, in "
+                                            "O(T·block) memory): lower T (")) from None
+        raise
 
 
 def kernel_limits(cfg: DictConfig) -> None:
@@ -114,6 +131,7 @@ def module_settings(cfg: DictConfig) -> ModuleSettings:
     causal = cfg.get("causal")
     if not isinstance(causal, bool):
         raise BadInput(f"causal={causal!r} is not true/false: pass causal=true or causal=false")
+    refuse_oversized_layer(cfg, B, T, d_model, n_heads)
     lengths = cfg.get("lengths")
     lengths_given = lengths is not None
     if lengths is None:
