@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -52,3 +53,10 @@ def one_torch_thread():
 def pytest_configure(config: pytest.Config) -> None:
     # the CLI fuzzer (tests/test_cli_fuzz.py): in the default suite with a small budget; `-m fuzz` selects it alone
     config.addinivalue_line("markers", "fuzz: the schema-driven CLI fuzzer (long run: TFMOE_FUZZ_EXAMPLES=N -m fuzz)")
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` for a child a test sends Ctrl-C: SIGINT back to its default, as a terminal would deliver it.
+    A non-interactive shell starts background jobs with SIGINT ignored, the ignore is inherited by pytest and its
+    children, and Python started with SIGINT ignored never raises KeyboardInterrupt (F-202)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 import pytest
+from conftest import sigint_default
 
 from tfmoe.harness.store import notebook
 
@@ -23,7 +24,7 @@ JOBLIB = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]
 
 
 def _start(cwd: Path, args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([*TFMOE, *args], cwd=cwd, env={**os.environ, "COLUMNS": "200"}, stdout=subprocess.PIPE,
+    return subprocess.Popen([*TFMOE, *args], cwd=cwd, preexec_fn=sigint_default, env={**os.environ, "COLUMNS": "200"}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -148,6 +149,7 @@ def _start_fake(tmp_path: Path, args: list[str], hold: str) -> tuple[subprocess.
     marks = tmp_path / "stages"
     env = {**os.environ, "TFMOE_CONF": str(conf), "TFMOE_TEST_STAGES": str(marks), "TFMOE_TEST_HOLD": hold}
     proc = subprocess.Popen([sys.executable, str(tmp_path / "fake_main.py"), "fake", *args], cwd=tmp_path, env=env,
+                            preexec_fn=sigint_default,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     return proc, marks
 

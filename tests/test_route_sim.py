@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import sigint_default
 from omegaconf import OmegaConf
 
 from tfmoe.components import moe
@@ -688,7 +689,7 @@ def test_real_ctrl_c_stops_fast(tmp_path):
     from tfmoe.harness.store.notebook import find_runs, load_run
 
     tfmoe_bin = Path(sys.executable).with_name("tfmoe")
-    proc = subprocess.Popen([str(tfmoe_bin), "route-sim", "steps=100000"], cwd=tmp_path, text=True,
+    proc = subprocess.Popen([str(tfmoe_bin), "route-sim", "steps=100000"], cwd=tmp_path, preexec_fn=sigint_default, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     time.sleep(12)
