@@ -145,7 +145,7 @@ def test_unknown_rope_pairing_is_refused():
     ("x-transformers:attention", ["n_heads=8"], "RoPE needs dim_head > 2"),
     ("torchtune:mha", ["n_kv_heads=3"], "does not divide"),
     ("timm:fused", [], "unknown timm layer"),
-    ("timm:attention", ["n_kv_heads=2"], "no grouped kv heads"),
+    ("timm:attention", ["n_kv_heads=2"], "lacks gqa"),
 ])
 def test_bad_library_spec_is_one_line(spec, overrides, fragment):
     library(spec.split(":")[0])
