@@ -130,6 +130,17 @@ def qwen_shared_expert_ungated(monkeypatch):
 
 
 def deepseek_router(weight_with_bias: bool, select_with_bias: bool) -> Callable[[pytest.MonkeyPatch], None]:
+    """A patch of DeepseekV3TopkRouter.forward with one semantic changed (both False/True: the real one)."""
+    forward = deepseek_router_forward(weight_with_bias, select_with_bias)
+
+    def patch(monkeypatch: pytest.MonkeyPatch) -> None:
+        m = _lib("transformers.models.deepseek_v3.modeling_deepseek_v3")
+        monkeypatch.setattr(m.DeepseekV3TopkRouter, "forward", forward)
+
+    return patch
+
+
+def deepseek_router_forward(weight_with_bias: bool, select_with_bias: bool) -> Callable[..., tuple]:
     """DeepseekV3TopkRouter.forward with one semantic changed (both False/True: the real one)."""
     def forward(self, hidden_states):
         hidden_states = hidden_states.view(-1, self.hidden_dim)
@@ -150,11 +161,7 @@ def deepseek_router(weight_with_bias: bool, select_with_bias: bool) -> Callable[
             topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
         return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
 
-    def patch(monkeypatch: pytest.MonkeyPatch) -> None:
-        m = _lib("transformers.models.deepseek_v3.modeling_deepseek_v3")
-        monkeypatch.setattr(m.DeepseekV3TopkRouter, "forward", forward)
-
-    return patch
+    return forward
 
 
 def own_cv_sample_std(monkeypatch):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from planted_moe import deepseek_router_forward
 
 from tfmoe.adapters import moe_layers
 from tfmoe.components import moe
@@ -326,27 +327,7 @@ def test_planted_bug_transformers_qwen_shared_expert_ungated(monkeypatch):
     assert result(rec, "routing_selection") and result(rec, "routing_weights")
 
 
-def _deepseek_router(weight_with_bias: bool, select_with_bias: bool):
-    def forward(self, hidden_states):  # DeepseekV3TopkRouter.forward with one semantic changed
-        hidden_states = hidden_states.view(-1, self.hidden_dim)
-        router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
-        scores = router_logits.sigmoid()
-        corrected = scores + self.e_score_correction_bias
-        scores_for_choice = corrected if select_with_bias else scores
-        group_scores = scores_for_choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(
-            2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(
-            -1, self.num_experts)
-        scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
-        topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
-        topk_weights = (corrected if weight_with_bias else scores).gather(1, topk_indices)
-        if self.norm_topk_prob:
-            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
-
-    return forward
+_deepseek_router = deepseek_router_forward  # DeepseekV3TopkRouter.forward with one semantic changed
 
 
 @pytest.mark.parametrize("weight_with_bias, select_with_bias, must_fail", [
