@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from planted_moe import deepseek_router_forward
+from planted_moe import (
+    deepseek_router_forward,
+    mixtral_loss_without_expert_factor,
+    qwen_shared_expert_ungated,
+)
 
 from tfmoe.adapters import moe_layers
 from tfmoe.components import moe
@@ -303,25 +307,15 @@ def test_planted_bug_transformers_mixtral_router_not_renormalised(monkeypatch):
 
 
 def test_planted_bug_transformers_mixtral_loss_without_expert_factor(monkeypatch):
-    m = _mixtral()
-    real = m.load_balancing_loss_func
-    monkeypatch.setattr(m, "load_balancing_loss_func", lambda g, n=None, k=2, mask=None: real(g, n, k, mask) / n)
+    _mixtral()
+    mixtral_loss_without_expert_factor(monkeypatch)  # the planted bug of tests/planted_moe.py, here at layer.seq=6
     rec = battery("impl=hf:mixtral", "layer.seq=6")
     assert failed(rec) == {"aux_loss_vs_switch"}
 
 
 def test_planted_bug_transformers_qwen_shared_expert_ungated(monkeypatch):
-    m = pytest.importorskip("transformers.models.qwen2_moe.modeling_qwen2_moe")
-
-    def forward(self, hidden_states):  # Qwen2MoeSparseMoeBlock.forward without sigmoid(shared_expert_gate)
-        b, t, d = hidden_states.shape
-        flat = hidden_states.view(-1, d)
-        shared = self.shared_expert(flat)
-        _, routing_weights, selected_experts = self.gate(flat)
-        out = self.experts(flat, selected_experts, routing_weights) + shared
-        return out.reshape(b, t, d)
-
-    monkeypatch.setattr(m.Qwen2MoeSparseMoeBlock, "forward", forward)
+    pytest.importorskip("transformers.models.qwen2_moe.modeling_qwen2_moe")
+    qwen_shared_expert_ungated(monkeypatch)  # the planted bug of tests/planted_moe.py, here at layer.seq=6
     rec = battery("impl=hf:qwen2_moe", "layer.seq=6")
     assert "output_vs_reference" in failed(rec)
     assert result(rec, "routing_selection") and result(rec, "routing_weights")
