@@ -79,6 +79,17 @@ class UntimedStall(ExpertParallelMoE):
         return super().forward(x)
 
 
+class NoisyOwnRng(ExpertParallelMoE):
+    """Noisy top-k with each rank drawing its noise from its own RNG (torch's global generator, seeded alike on every
+    rank) instead of the noise of its tokens' global indices: rank 1's tokens get the noise rank 0's got, so the
+    routing is no longer the one the single-process reference draws."""
+
+    def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None):
+        if noise is not None:
+            noise = torch.randn(noise.shape, dtype=noise.dtype)
+        return super().forward(x, noise=noise)
+
+
 class DiesOnRank1(ExpertParallelMoE):
     """Rank 1 is SIGKILLed in its third forward (step 1, after the warm-up and step 0), before the dispatch."""
 

@@ -39,6 +39,10 @@ PLANTED = {
 }
 
 
+# each rank's own noise routes other tokens: every check that follows the routing fails, not step_time
+NOISY_OWN_RNG_FAILS = {"output", *GRADS, "a2a_bytes", "loads", "drops"}
+
+
 def failed(rec) -> set[str]:
     return {c.check.removeprefix("ep.") for c in rec.checks_rows if not c.passed}
 
@@ -50,7 +54,8 @@ def judged(tmp_path_factory):
     cfg = compose("route-sim", ["ep_size=2"])
     s = route_sim.settings(cfg)
     impls = ["own", *(f"buggy_ep:{name}" for name in PLANTED), "buggy_ep:RaisesInForward", "buggy_ep:OddExperts"]
-    spec = ep.spec_for(s, 0, "fp32", impls, dropless=("own", "buggy_ep:EveryExpert"))
+    spec = ep.spec_for(s, 0, "fp32", impls, dropless=("own", "buggy_ep:EveryExpert"),
+                       noisy=("own", "buggy_ep:NoisyOwnRng"))
     old = os.getcwd()
     os.chdir(TESTS)  # buggy_ep importable by the workers, as a user's module beside them
     try:
@@ -60,8 +65,10 @@ def judged(tmp_path_factory):
     recs = {}
     for layer in spec["layers"]:
         rec = make_recorder(cfg)
-        ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"])
+        ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"],
+                 noisy=layer.get("noisy", False))
         recs[layer["label"]] = rec
+    recs["__launch__"] = (cfg, spec, result)
     return recs
 
 
@@ -95,6 +102,39 @@ def test_claim_holds_dropless_and_dense_dispatch_falsifies_it(judged):
     own = judged["own@dropless"]
     assert failed(own) == set() and all(c.applicable for c in own.checks_rows)
     assert failed(judged["buggy_ep:EveryExpert@dropless"]) == CLAIM | {"loads", "a2a_bytes"}
+
+
+def test_noisy_topk_under_ep_passes_every_check_and_the_noise_is_real(judged):
+    """Noisy top-k at W=2: the noise is a function of (seed, step, global token), so the float64 reference adds the
+    same noise and every check passes; judged as if there were no noise, the same records fail the output check
+    (the noise really moved the routing)."""
+    rec = judged["own@noisy"]
+    assert {c.check.removeprefix("ep.") for c in rec.checks_rows} == CHECKS | CLAIM
+    assert failed(rec) == set(), [(c.check, c.observed, c.threshold) for c in rec.checks_rows if not c.passed]
+    cfg, spec, result = judged["__launch__"]
+    deaf = make_recorder(cfg)
+    ep.judge([r["own@noisy"] for r in result["ranks"]], result["world"], spec, deaf, spec["layers"][0]["capacity_factor"])
+    assert "output" in failed(deaf)
+
+
+def test_noise_from_each_ranks_own_rng_fails_the_output_check(judged):
+    """Each rank drawing its noise from its own (identically seeded) RNG: rank 1's tokens get rank 0's noise, so the
+    routing is not the reference's."""
+    got = failed(judged["buggy_ep:NoisyOwnRng@noisy"])
+    assert "output" in got
+    assert got == NOISY_OWN_RNG_FAILS
+
+
+def test_routing_noise_is_a_function_of_seed_step_and_global_token():
+    import torch
+
+    from tfmoe.experiments.route_sim.ep_worker import routing_noise
+
+    a = routing_noise(0, 1, 64, 8)
+    assert a.shape == (64, 8) and a.dtype == torch.float64 and a.std() > 0.5
+    assert torch.equal(a, routing_noise(0, 1, 64, 8))  # no RNG state enters
+    assert not torch.equal(a, routing_noise(0, 2, 64, 8)) and not torch.equal(a, routing_noise(1, 1, 64, 8))
+    assert not torch.equal(a[:32], a[32:])  # two ranks' shards get different noise
 
 
 def test_users_exception_fails_every_check_naming_it(judged):
@@ -161,7 +201,7 @@ def test_cli_ep_run_end_to_end(tmp_path, world):
     res, run = _run(tmp_path, f"ep_size={world}")
     assert res.exit_code == 0, res.stderr
     checks = pd.read_parquet(res.run_dir / "checks.parquet")
-    assert set(checks["check"]) == {f"ep.{c}" for c in CHECKS | CLAIM} | {
+    assert set(checks["check"]) == {f"ep.{c}" for c in CHECKS | CLAIM} | {f"ep.noisy.{c}" for c in CHECKS | CLAIM} | {
         "ep.train.router_replicated", "ep.train.assignments_add_up"}
     assert checks["passed"].all()
     metrics = pd.read_parquet(res.run_dir / "metrics.parquet")
@@ -170,7 +210,7 @@ def test_cli_ep_run_end_to_end(tmp_path, world):
                                                                                       512, 1024}
     assert (res.run_dir / "ep_scaling.png").stat().st_size > 0 and (res.run_dir / "ep_training.png").exists()
     rows = metrics[metrics.name == "ep.train.rank_rows"]
-    assert set(rows["strategy"]) == {"none", "aux_loss", "z_loss", "aux_free"} and set(rows["rank"]) == set(range(world))
+    assert set(rows["strategy"]) == {"none", "aux_loss", "z_loss", "noisy_topk", "aux_free"} and set(rows["rank"]) == set(range(world))
     assert "Expert parallelism" in (res.run_dir / "summary.md").read_text()
 
 

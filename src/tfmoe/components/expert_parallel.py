@@ -5,6 +5,11 @@ W ranks, E experts, L = E/W experts per rank, placed in blocks: rank p holds exp
 
 One forward on each rank (T local tokens, D wide, top-k):
   probs   = softmax(x W_r^T)                      (T,E)
+          noisy top-k (``noisy=True``, Shazeer et al. 2017): softmax(x W_r^T + eps * softplus(x W_noise^T)), eps
+          the (T,E) standard-normal noise the caller passes (``forward(x, noise=eps)``): the noise is an input,
+          drawn by the caller as a function of the seed, the step and each token's global index (ep_worker's
+          ``routing_noise``), so a token's noise is the same whichever rank holds it, and a single-process
+          reference reproduces it exactly; no rank's RNG state enters
   top-k   = the k largest probs, weights renormalised to sum 1 (as the course's ToyMoE)
   capacity, per rank: C = ceil(T*k/E * capacity_factor) assignments per expert *from this rank's tokens*;
           1st choices in token order, then 2nd choices, ... (tfmoe.components.moe.capacity_keep); an
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed import _functional_collectives as fc
 
 from tfmoe.components.moe import capacity_keep, expert_capacity
@@ -69,10 +75,12 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 class ExpertParallelMoE(nn.Module):
     """The course's ToyMoE interface plus a process group: ``Class(d_model, hidden, n_experts, top_k, group=...)``
     holding a replicated ``router`` and its rank's ``experts`` (E/W of them, blocked placement);
-    ``forward(x_local) -> (out_local, probs_local)``. Capacity per rank (module docstring)."""
+    ``forward(x_local) -> (out_local, probs_local)``. Capacity per rank (module docstring). ``noisy``: a replicated
+    ``noise_gate`` (zero-initialised, as the single-process router's: noise std softplus(0) = 0.69) scales the noise
+    passed as ``forward(x_local, noise=eps_local)``."""
 
     def __init__(self, d_model: int, hidden: int, n_experts: int, top_k: int,
-                 group: dist.ProcessGroup | None = None, capacity_factor: float | None = None):
+                 group: dist.ProcessGroup | None = None, capacity_factor: float | None = None, noisy: bool = False):
         super().__init__()
         self.group = group
         self.world = dist.get_world_size(group)
@@ -87,6 +95,9 @@ class ExpertParallelMoE(nn.Module):
         self.experts = nn.ModuleList(
             nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
             for _ in range(self.local_experts))
+        self.noise_gate = nn.Linear(d_model, n_experts, bias=False) if noisy else None  # noisy top-k
+        if self.noise_gate is not None:
+            nn.init.zeros_(self.noise_gate.weight)
         self.register_buffer("selection_bias", torch.zeros(n_experts))  # aux-loss-free balancing: selection only
         self.layout = CollectiveLayout(3, 2, self.local_experts * 8)
         self.last: DispatchStats | None = None
@@ -119,13 +130,23 @@ class ExpertParallelMoE(nn.Module):
         """out[token] += weight * row: flat (T,D), token (S,), weight (S,), back (S,D) -> (T,D)."""
         return torch.zeros_like(flat).index_add(0, token, weight[:, None].to(back.dtype) * back)
 
+    def logits(self, flat: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """flat (T,D), noise (T,E) standard normal or None -> router logits (T,E), noise * softplus(x W_noise^T)
+        added when given (noisy top-k)."""
+        logits = self.router(flat)
+        if noise is None:
+            return logits
+        if self.noise_gate is None:
+            raise ValueError("noise passed to a layer built without noisy=True")
+        return logits + noise.reshape(logits.shape).to(logits.dtype) * F.softplus(self.noise_gate(flat))
+
     # ---- forward
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         W, L = self.world, self.local_experts
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (T,D)
         t0 = time.perf_counter()
-        probs = torch.softmax(self.router(flat), dim=-1)  # (T,E)
+        probs = torch.softmax(self.logits(flat, noise), dim=-1)  # (T,E)
         weights, topk_idx = self.choose(probs)  # (T,k)
         k = topk_idx.shape[1]
         keep, capacity = self.keep_mask(topk_idx)  # (T,k)

@@ -54,6 +54,17 @@ def batch(seed: int, step: int, tokens: int, d_model: int, dtype: torch.dtype) -
     return x.to(dtype), g.to(dtype)
 
 
+def routing_noise(seed: int, step: int, tokens: int, n_experts: int) -> torch.Tensor:
+    """Noisy top-k's standard-normal noise (N,E) float64 for the step's whole batch: a function of the seed, the step
+    and each token's global index only (every rank draws the same block and takes its own rows), so a token gets the
+    same noise whatever W and whichever rank holds it, and the single-process reference draws it identically."""
+    gen = torch.Generator().manual_seed(seed * 6421 + 15485863 * (step + 1) + 3)
+    return torch.randn(tokens, n_experts, generator=gen, dtype=torch.float64)
+
+
+NOISE_GATE_SEED = 999_983  # the noise gate's weights: redrawn from seed * 1000003 - this (never an expert's seed)
+
+
 def redraw(module: torch.nn.Module, seed: int) -> None:
     """Every parameter uniform in +-1/sqrt(last dim), from its own generator (``seed``)."""
     gen = torch.Generator().manual_seed(seed)
@@ -88,15 +99,21 @@ def header_bytes(world: int) -> float | None:
     return (after - before) / (world - 1)
 
 
-def run_layer(impl: str, capacity_factor: float | None, spec: dict[str, Any], rank: int, world: int
-              ) -> dict[str, Any]:
+def run_layer(impl: str, capacity_factor: float | None, spec: dict[str, Any], rank: int, world: int,
+              noisy: bool = False) -> dict[str, Any]:
+    """One layer's steps on this rank. ``noisy``: built with ``noisy=True``, its ``noise_gate`` redrawn from the seed
+    (not left at zero, so the noise's scale depends on the token), each forward passed ``noise=`` this rank's rows of
+    :func:`routing_noise`."""
     dtype = DTYPES[spec["dtype"]]
     d, e, k, seed, n = spec["d_model"], spec["n_experts"], spec["top_k"], spec["seed"], spec["tokens"]
     local = e // world
     torch.manual_seed(seed)
+    extra = {"noisy": True} if noisy else {}
     layer = load_class(impl)(d, spec["d_hidden"], e, k, group=dist.group.WORLD,
-                             capacity_factor=capacity_factor)
+                             capacity_factor=capacity_factor, **extra)
     redraw(layer.router, seed * 1000003)
+    if noisy:
+        redraw(layer.noise_gate, seed * 1000003 - NOISE_GATE_SEED)
     for j, expert in enumerate(layer.experts):
         redraw(expert, seed * 1000003 + 1 + rank * local + j)
     layer.to(dtype)
@@ -109,7 +126,10 @@ def run_layer(impl: str, capacity_factor: float | None, spec: dict[str, Any], ra
         layer.zero_grad(set_to_none=True)
         dist.barrier()
         w0, t0 = written_bytes(), time.perf_counter()
-        out, _probs = layer(x)
+        if noisy:
+            out, _probs = layer(x, noise=routing_noise(seed, max(step, 0), n, e)[shard].to(dtype))
+        else:
+            out, _probs = layer(x)
         w1, t1 = written_bytes(), time.perf_counter()
         (out * g_all[shard]).sum().backward()
         w2, t2 = written_bytes(), time.perf_counter()
@@ -126,6 +146,8 @@ def run_layer(impl: str, capacity_factor: float | None, spec: dict[str, Any], ra
             grads = {"x": None if x.grad is None else x.grad.detach(),
                      "router": {name: (None if p.grad is None else p.grad.detach())
                                 for name, p in layer.router.named_parameters()},
+                     "noise_gate": None if not noisy else {name: (None if p.grad is None else p.grad.detach())
+                                                           for name, p in layer.noise_gate.named_parameters()},
                      "experts": {rank * local + j: {name: (None if p.grad is None else p.grad.detach())
                                                     for name, p in ex.named_parameters()}
                                  for j, ex in enumerate(layer.experts)}}
@@ -136,14 +158,15 @@ def run_layer(impl: str, capacity_factor: float | None, spec: dict[str, Any], ra
         "layout": None if layout is None else (layout.forward_calls, layout.backward_calls,
                                                layout.metadata_bytes_per_peer, layout.padded_rows_per_peer),
         "semantics": dict(getattr(layer, "ep_semantics", {})),
-        "router": layer.router.state_dict(), "router_template": copy.deepcopy(layer.router),
+        "router": layer.router.state_dict(),
+        "noise_gate": layer.noise_gate.state_dict() if noisy else None, "router_template": copy.deepcopy(layer.router),
         "experts": {rank * local + j: ex.state_dict() for j, ex in enumerate(layer.experts)},
         "expert_template": copy.deepcopy(layer.experts[0]) if len(layer.experts) else None,
         "class": f"{type(layer).__module__}.{type(layer).__qualname__}",
     }
 
 
-TRAINED_STRATEGIES = ("none", "aux_loss", "z_loss", "aux_free")  # noisy_topk: not under EP yet
+TRAINED_STRATEGIES = ("none", "aux_loss", "z_loss", "noisy_topk", "aux_free")
 
 
 def train(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
@@ -151,7 +174,9 @@ def train(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     ClusterTask, the router skewed so experts 0..k-1 win every token, Adam on MSE(x + out, y) over this rank's
     shard of each batch (loss / W, so the expert gradients the All-to-All brings back are the global batch's);
     the replicated router's gradient summed over ranks (all_reduce), the balancing loss computed on the rank's
-    tokens, the aux-free bias moved by the global load (all_reduce). Per step and rank: the loads routed (global),
+    tokens, the aux-free bias moved by the global load (all_reduce); noisy top-k's noise gate (zero init, as the
+    single-process router's) replicated like the router, its noise this rank's rows of :func:`routing_noise`
+    (seed + 2, the step). Per step and rank: the loads routed (global),
     the rows this rank's experts computed, dropped assignments, task loss."""
     import torch.nn.functional as F
 
@@ -166,8 +191,9 @@ def train(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy in t["strategies"]:
         torch.manual_seed(seed + 4)
+        noisy = strategy == "noisy_topk"
         layer = ExpertParallelMoE(d, spec["d_hidden"], e, k, group=dist.group.WORLD,
-                                  capacity_factor=t["capacity_factor"])
+                                  capacity_factor=t["capacity_factor"], noisy=noisy)
         redraw(layer.router, seed * 1000003)
         for j, expert in enumerate(layer.experts):
             redraw(expert, seed * 1000003 + 1 + rank * local + j)
@@ -176,10 +202,11 @@ def train(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         opt = torch.optim.Adam(layer.parameters(), lr=t["lr"])
         gen = torch.Generator().manual_seed(seed + 1)  # the same batches on every rank, every strategy
         rows: dict[str, list] = {"load": [], "rank_rows": [], "dropped": [], "task_loss": [], "balance_loss": []}
-        for _step in range(t["steps"]):
+        for step in range(t["steps"]):
             xb, yb = task.sample(n, gen)
             x, y = xb[shard], yb[shard]
-            mixture, probs = layer(x)
+            noise = routing_noise(seed + 2, step, n, e)[shard].float() if noisy else None
+            mixture, probs = layer(x, noise=noise)
             task_loss = F.mse_loss(x + mixture, y)
             st = layer.last
             balance = moe.switch_aux_loss(probs, st.topk_idx, t["aux_loss_coef"])
@@ -188,6 +215,8 @@ def train(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             ((task_loss + applied) / world).backward()
             dist.all_reduce(layer.router.weight.grad)  # the replicated router: data parallel
+            if noisy:
+                dist.all_reduce(layer.noise_gate.weight.grad)
             opt.step()
             load = torch.bincount(st.topk_idx.reshape(-1), minlength=e)  # (E,) this rank's tokens, routed
             dist.all_reduce(load)
@@ -198,7 +227,9 @@ def train(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             rows["dropped"].append(int((~st.keep).sum()))
             rows["task_loss"].append(float(task_loss))
             rows["balance_loss"].append(float(balance))
-        rows["router"] = layer.router.weight.detach().clone()
+        rows["router"] = layer.router.weight.detach().clone()  # (E,D), with the noise gate's below it: (2E,D)
+        if noisy:
+            rows["router"] = torch.cat([rows["router"], layer.noise_gate.weight.detach()])
         out[strategy] = rows
     return out
 
@@ -209,9 +240,10 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict[str, Any] = {}
-    for layer in spec["layers"]:  # {"label", "impl", "capacity_factor"}
+    for layer in spec["layers"]:  # {"label", "impl", "capacity_factor", "noisy"?}
         try:
-            results[layer["label"]] = run_layer(layer["impl"], layer["capacity_factor"], spec, rank, world)
+            results[layer["label"]] = run_layer(layer["impl"], layer["capacity_factor"], spec, rank, world,
+                                                bool(layer.get("noisy", False)))
         except Exception as exc:  # the user's layer raised: that layer's checks fail, naming it (tfmoe's: crash)
             if layer["impl"] == "own":
                 raise

@@ -18,6 +18,9 @@ against a float64 single-process reference built here from the experts' gathered
                      layer's documented rule: C = ceil(T*k/E*capacity_factor) from each rank's T tokens)
   ep.step_time       each step's forward (slowest rank) / (slowest rank's compute + fastest rank's All-to-All
                      time, i.e. the transfer without the straggler's wait) within 1/STEP_FACTOR .. STEP_FACTOR
+With the training simulation's ``noisy_topk`` strategy (the package's layer), the layer runs once more with noisy
+top-k and every check is judged again as ``ep.noisy.*``: the noise is a function of the seed, the step and the
+global token index (ep_worker.routing_noise), so the reference adds the very same noise.
 Records per rank and step: rows and bytes to and from each peer (tags rank=, peer=), rows kept on the rank, expert
 load, dropped assignments, compute / All-to-All / forward / backward times.
 """
@@ -163,19 +166,26 @@ def rebuild(rank_records: list[dict[str, Any]]) -> tuple[torch.Tensor, list[dict
 
 
 def reference(x: torch.Tensor, g: torch.Tensor | None, router: torch.Tensor, experts: list[dict[str, torch.Tensor]],
-              act: str, k: int, cap: int | None, group: int, dtype: torch.dtype, renormalize_kept: bool = False
-              ) -> dict[str, Any]:
+              act: str, k: int, cap: int | None, group: int, dtype: torch.dtype, renormalize_kept: bool = False,
+              noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
     """moe_reference on all tokens x (N,D) in ``dtype``, every expert rebuilt from its weights
     (``moe_reference.MlpExpert``), capacity per group of ``group`` consecutive tokens (a rank's shard); with a
     cotangent g, the gradients of sum(out*g) too (keyed as the layer's parameters). ``renormalize_kept``: the
     weights are the kept assignments' scores over their sum (GShard's Top2Gate) instead of the chosen ones'
-    renormalised, then dropped."""
+    renormalised, then dropped. ``noise`` = (eps (N,E), the noise gate's weight (E,D)): noisy top-k, the logits
+    plus eps * softplus(x W_noise^T) (softplus written as logaddexp(z, 0)), entering moe_reference as a per-token
+    logit offset; the noise gate's gradient is then stacked under the router's, (2E,D)."""
     grad = g is not None
     rw = router.to(dtype).clone().requires_grad_(grad)
     params = [{key: t.to(dtype).clone().requires_grad_(grad) for key, t in ex.items()} for ex in experts]
     built = [ref.MlpExpert(p["0.weight"], p["2.weight"], act, p.get("0.bias"), p.get("2.bias")) for p in params]
     xd = x.detach().to(dtype).requires_grad_(grad)
-    w = ref.LayerWeights(router=rw, experts=built)
+    offset, wn = None, None
+    if noise is not None:
+        wn = noise[1].to(dtype).clone().requires_grad_(grad)
+        z = xd @ wn.T  # (N,E)
+        offset = noise[0].to(dtype) * torch.logaddexp(z, torch.zeros_like(z))  # (N,E)
+    w = ref.LayerWeights(router=rw, experts=built, router_bias=offset)
     sem = ref.RoutingSemantics("softmax", k, normalize=True, capacity=cap, capacity_group=group)
     routing = ref.route(xd, sem, w)
     weights = routing.weights
@@ -189,7 +199,7 @@ def reference(x: torch.Tensor, g: torch.Tensor | None, router: torch.Tensor, exp
     if grad:
         (out * g.to(dtype)).sum().backward()
         result["grad_x"] = xd.grad
-        result["grad_router"] = rw.grad
+        result["grad_router"] = rw.grad if wn is None else torch.cat([rw.grad, wn.grad])
         result["grad_experts"] = [{key: t.grad for key, t in p.items()} for p in params]
     return result
 
@@ -205,10 +215,13 @@ def _tol(plain_err: float, scale: float, dtype: torch.dtype) -> float:
 
 # ------------------------------------------------------------------------------------------ judging
 def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorder,
-          capacity_factor: float | None) -> dict[str, Any]:
-    """Record the per-rank metrics and the ep.* checks of one layer's gathered records (run with
-    ``capacity_factor``); returns figures for the summary."""
-    from tfmoe.experiments.route_sim.ep_worker import DTYPES, batch
+          capacity_factor: float | None, noisy: bool = False, prefix: str = PREFIX) -> dict[str, Any]:
+    """Record the per-rank metrics and the ep.* checks (named ``prefix`` + check) of one layer's gathered records
+    (run with ``capacity_factor``; ``noisy``: noisy top-k, the reference drawing the same ``routing_noise``);
+    returns figures for the summary."""
+    from tfmoe.experiments.route_sim.ep_worker import DTYPES, batch, routing_noise
+
+    PREFIX = prefix  # noqa: N806 (this layer's check and metric names)
 
     ranks = sorted(result, key=lambda r: r["rank"])
     raised = [f"rank {r['rank']} raised {r['raised']}" for r in ranks if "raised" in r]
@@ -232,16 +245,26 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
     # outputs and gradients at step 0, every rank's tokens
     x0, g0 = batch(spec["seed"], 0, n, d, dtype)
     renorm = bool(ranks[0].get("semantics", {}).get("renormalize_kept", False))
-    exact = reference(x0, g0, router, experts, act, k, cap, t, torch.float64, renorm)
-    plain = reference(x0, g0, router, experts, act, k, cap, t, dtype, renorm)
+    gate = ranks[0]["noise_gate"]["weight"].detach().double() if noisy else None
+
+    def noise_at(step: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # the step's noise, the reference's draw
+        return None if gate is None else (routing_noise(spec["seed"], step, n, e).to(dtype).double(), gate)
+
+    exact = reference(x0, g0, router, experts, act, k, cap, t, torch.float64, renorm, noise_at(0))
+    plain = reference(x0, g0, router, experts, act, k, cap, t, dtype, renorm, noise_at(0))
     out = torch.cat([r["steps"][0]["out"] for r in ranks])
-    _compare(rec, "output", out, exact["out"], plain["out"], dtype, "every rank's output vs the float64 reference")
+    _compare(rec, "output", out, exact["out"], plain["out"], dtype, "every rank's output vs the float64 reference"
+             + (" (noisy top-k: the same noise per global token)" if noisy else ""), PREFIX)
     gx = [r["grads"].get("x") for r in ranks]
     _compare(rec, "grad_input", None if any(v is None for v in gx) else torch.cat(gx), exact["grad_x"],
-             plain["grad_x"], dtype, "d sum(out*g) / dx for every rank's tokens")
+             plain["grad_x"], dtype, "d sum(out*g) / dx for every rank's tokens", PREFIX)
     gr = [r["grads"]["router"].get("weight") for r in ranks]
+    if noisy:  # the noise gate's gradient stacked under the router's
+        gn = [(r["grads"].get("noise_gate") or {}).get("weight") for r in ranks]
+        gr = [None if a is None or b is None else torch.cat([a, b]) for a, b in zip(gr, gn, strict=True)]
     _compare(rec, "grad_router", None if any(v is None for v in gr) else torch.stack(gr).sum(0),
-             exact["grad_router"], plain["grad_router"], dtype, "the router's gradient summed over ranks")
+             exact["grad_router"], plain["grad_router"], dtype, "the router's gradient summed over ranks"
+             + (" (and the noise gate's, stacked below it)" if noisy else ""), PREFIX)
     worst, missing = 0.0, []  # the largest error / tolerance over every expert's parameters
     for r in ranks:
         for ge, grads in r["grads"]["experts"].items():
@@ -260,8 +283,7 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
     rows_table, byte_errs, load_errs, drop_errs, ratios = [], [], [], [], []
     for step in range(n_steps):
         x, _g = batch(spec["seed"], step, n, d, dtype)
-        decided = reference(x, None, router, experts, act, k, cap, t, torch.float64,
-                            renorm)
+        decided = reference(x, None, router, experts, act, k, cap, t, torch.float64, renorm, noise_at(step))
         kept, chosen = decided["kept"], decided["chosen"]  # (N,E)
         rows = torch.stack([kept[p * t:(p + 1) * t].view(t, world, local).sum((0, 2)) for p in range(world)])  # (W,W)
         steps = [r["steps"][step] for r in ranks]
@@ -334,7 +356,7 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
                   f"All-to-All), within 1/{STEP_FACTOR:g} .. {STEP_FACTOR:g}")
     else:
         rec.not_applicable(PREFIX + "step_time", "the layer reports no compute / All-to-All times (`last`)")
-    claim = claim_checks(rec, ranks, world, spec, cap, itemsize)
+    claim = claim_checks(rec, ranks, world, spec, cap, itemsize, PREFIX)
     facts = {"rows": rows_table, "capacity": cap, "local_tokens": t, "itemsize": itemsize,
              "ratio": sorted(ratios)[len(ratios) // 2] if ratios else None, "claim": claim,
              "bytes_per_token": payload_per_token(ranks, world, n)}
@@ -364,12 +386,13 @@ def payload_per_token(ranks: list[dict[str, Any]], world: int, n: int) -> float 
 
 
 def claim_checks(rec: Recorder, ranks: list[dict[str, Any]], world: int, spec: dict[str, Any], cap: int | None,
-                 itemsize: int) -> dict[str, float]:
+                 itemsize: int, prefix: str = PREFIX) -> dict[str, float]:
     """The chapter's claim, measured (dropless runs only): the expert rows computed per token stay k whatever E and
     W (``ep.rows_per_token``), while the All-to-All payload per token in a forward is 2*k*(W-1)/W*D*itemsize
     (dispatch and combine; ``ep.a2a_bytes_per_token``): a token's expert sits on another rank with probability
     (W-1)/W whatever the experts' popularity, as long as routing does not depend on the token's rank. Tolerance:
     4 standard deviations of a binomial count of the N*k assignments."""
+    PREFIX = prefix  # noqa: N806
     names = ("rows_per_token", "a2a_bytes_per_token")
     if cap is not None:
         for name in names:
@@ -404,12 +427,12 @@ def claim_checks(rec: Recorder, ranks: list[dict[str, Any]], world: int, spec: d
 
 
 def _compare(rec: Recorder, name: str, got: torch.Tensor | None, want: torch.Tensor, plain: torch.Tensor,
-             dtype: torch.dtype, detail: str) -> None:
+             dtype: torch.dtype, detail: str, prefix: str = PREFIX) -> None:
     if got is None:
-        rec.check(PREFIX + name, False, math.inf, None, detail + ": no gradient reached it")
+        rec.check(prefix + name, False, math.inf, None, detail + ": no gradient reached it")
         return
     err, tol = _err(got, want), _tol(_err(plain, want), float(want.abs().max()), dtype)
-    rec.check_le(PREFIX + name, err, tol, detail + " (max abs error; tolerance 2x the plain same-dtype error + "
+    rec.check_le(prefix + name, err, tol, detail + " (max abs error; tolerance 2x the plain same-dtype error + "
                  "16 ulps of the scale)", evidence={"got": got, "want": want})
 
 
@@ -456,12 +479,18 @@ def train_spec(s: Any) -> dict[str, Any] | None:
             "strategies": trained_strategies(s)}
 
 
+NOISY = "@noisy"  # the label suffix (and check prefix ep.noisy.) of a layer run under noisy top-k
+
+
 def spec_for(s: Any, seed: int, dtype: str, impls: list[str],
-             dropless: tuple[str, ...] = ()) -> dict[str, Any]:
+             dropless: tuple[str, ...] = (), noisy: tuple[str, ...] = ()) -> dict[str, Any]:
     """What every worker reads (JSON): the sizes, the seed, the layers to run (labelled by their impl; those in
-    ``dropless`` once more as "<impl>@dropless", with capacity_factor None)."""
+    ``dropless`` once more as "<impl>@dropless", with capacity_factor None; those in ``noisy`` once more as
+    "<impl>@noisy", built with noisy=True and given ``routing_noise``)."""
     layers = [{"label": i, "impl": i, "capacity_factor": s.capacity_factor} for i in impls]
     layers += [{"label": f"{i}@dropless", "impl": i, "capacity_factor": None} for i in dropless]
+    layers += [{"label": f"{i}{NOISY}", "impl": i, "capacity_factor": s.capacity_factor, "noisy": True}
+               for i in noisy]
     return {"d_model": s.d_model, "d_hidden": s.d_hidden, "n_experts": s.n_experts, "top_k": s.top_k,
             "tokens": s.tokens, "seed": seed, "dtype": dtype, "steps": s.ep.steps, "timeout_s": s.ep.timeout_s,
             "layers": layers}
@@ -483,7 +512,8 @@ def run_ep(s: Any, rec: Recorder) -> None:
         from tfmoe.user_code import load_object
 
         load_object(impl, "ep_impl")  # bad input (exit 2) here, before any worker starts
-    spec = spec_for(s, rec.seed, dtype, [impl])
+    noisy = impl == "own" and s.steps > 0 and "noisy_topk" in s.strategies  # its forward judged under the noise
+    spec = spec_for(s, rec.seed, dtype, [impl], noisy=(impl,) if noisy else ())
     spec["train"] = train_spec(s) if impl == "own" else None
     if spec["train"] is not None:
         skipped = [name for name in s.strategies if name not in spec["train"]["strategies"]]
@@ -497,6 +527,9 @@ def run_ep(s: Any, rec: Recorder) -> None:
     result = launch(spec, s.ep.size)
     rec.timing("ep.launch", (time.perf_counter() - t0) * 1e3)
     facts = judge([r[impl] for r in result["ranks"]], result["world"], spec, rec, s.capacity_factor)
+    if noisy:  # noisy top-k's forward and backward, every check again under its own names (ep.noisy.*)
+        judge([r[impl + NOISY] for r in result["ranks"]], result["world"], spec, rec, s.capacity_factor,
+              noisy=True, prefix=PREFIX + "noisy.")
     table = per_rank_rows(facts, result["world"])
     table.print_to(rec.console)
     cap = facts["capacity"] if facts["capacity"] is not None else "none (dropless)"
