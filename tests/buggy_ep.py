@@ -148,9 +148,26 @@ def _fairscale_gumbel():
     return FairscaleGumbel
 
 
-def __getattr__(name: str):  # FairscaleGumbel only where fairscale imports
+def _deepspeed_sampling():
+    from tfmoe.adapters.moe_ep_libs import DeepspeedMoE
+
+    class DeepspeedSampling(DeepspeedMoE):
+        """deepspeed's layer with its gate's second-expert sampling left on (``top2_2nd_expert_sampling``, its
+        default: Gumbel noise added to the logits before the second argmax): the second expert is drawn, not the
+        second most probable."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.moe.deepspeed_moe.gate.top2_2nd_expert_sampling = True
+
+    return DeepspeedSampling
+
+
+def __getattr__(name: str):  # the library bugs only where their library imports
     if name == "FairscaleGumbel":
         return _fairscale_gumbel()
+    if name == "DeepspeedSampling":
+        return _deepspeed_sampling()
     raise AttributeError(name)
 
 

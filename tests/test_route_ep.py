@@ -341,3 +341,61 @@ def test_lib_fairscale_passes_and_its_gumbel_noise_fails_the_output_check():
     assert {c.check.removeprefix("ep.") for c in own.checks_rows if c.applicable} == {
         "output", "grad_input", "grad_router", "grad_experts", "a2a_bytes"}
     assert "output" in failed(recs["buggy_ep:FairscaleGumbel"])
+
+
+def test_lib_deepspeed_refused_in_one_line_where_it_cannot_run():
+    from importlib import metadata
+
+    from tfmoe.adapters.moe_ep_libs import check_lib
+
+    try:
+        metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        with pytest.raises(BadInput, match=r"needs deepspeed 0.19.8, not installed here: pip install"):
+            check_lib("lib:deepspeed", 64, 8, 2, 1.0)
+        return
+    with pytest.raises(BadInput, match="pass top_k=2"):
+        check_lib("lib:deepspeed", 64, 8, 1, 1.0)
+    check_lib("lib:deepspeed", 64, 8, 2, None)  # dropless is its drop_tokens=False
+    check_lib("lib:deepspeed", 50, 8, 2, 1.2)  # any T and capacity factor
+
+
+def test_deepspeed_capacity_is_its_float32_rule():
+    from tfmoe.adapters.moe_ep_libs import deepspeed_capacity
+
+    assert deepspeed_capacity(64, 8, 1.0) == 16
+    assert deepspeed_capacity(50, 8, 1.0) == 13  # ceil(6.25 * 2)
+    assert deepspeed_capacity(50, 8, 1.2) == 16  # float32(6.25) * float32(2.4) = 15.000000...6 -> 16 (exact: 15)
+    assert ep.capacity(50, 2, 8, 1.2) == 15
+
+
+def test_lib_deepspeed_passes_and_its_2nd_expert_sampling_fails_the_output_check():
+    """deepspeed 0.19.8's MoE at W=2 against its documented semantics: capacity-padded (capacity ceil(2cT/E) in
+    float32, weights renormalised over the kept) and dropless (drop_tokens=False: padded to the largest load on any
+    rank, agreed by one all_reduce), both to the byte on the wire; with its second-expert sampling left on it
+    fails the output check. Runs where deepspeed is installed (scripts/test-ep-libs.sh); skipped in the main venv."""
+    pytest.importorskip("deepspeed.moe.layer", reason="deepspeed is not installed (scripts/test-ep-libs.sh)")
+    cfg = compose("route-sim", ["ep_size=2", "tokens=100", "capacity_factor=1.2", "steps=0"])
+    s = route_sim.settings(cfg)
+    spec = ep.spec_for(s, 0, "fp32", ["lib:deepspeed", "buggy_ep:DeepspeedSampling"], dropless=("lib:deepspeed",))
+    old = os.getcwd()
+    os.chdir(TESTS)
+    try:
+        result = ep.launch(spec, 2)
+    finally:
+        os.chdir(old)
+    recs = {}
+    for layer in spec["layers"]:
+        rec = make_recorder(cfg)
+        ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"])
+        recs[layer["label"]] = rec
+    judged = {"output", "grad_input", "grad_router", "grad_experts", "a2a_bytes"}
+    for label in ("lib:deepspeed", "lib:deepspeed@dropless"):
+        rec = recs[label]
+        assert failed(rec) == set(), (label, [(c.check, c.observed, c.threshold) for c in rec.checks_rows
+                                              if not c.passed])
+        assert {c.check.removeprefix("ep.") for c in rec.checks_rows if c.applicable} == judged, label
+    rows = pd.DataFrame(recs["lib:deepspeed"].metrics_rows)
+    wire = rows[rows.name == "ep.wire_bytes_expected"]
+    assert (wire["value"] > 0).all()
+    assert "output" in failed(recs["buggy_ep:DeepspeedSampling"])

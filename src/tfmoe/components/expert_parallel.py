@@ -48,6 +48,9 @@ class CollectiveLayout:
     metadata_bytes_per_peer: int  # forward only
     padded_rows_per_peer: int | None = None  # a capacity-padded layer: rows to every peer in each call, whatever
     # the routing (None: the rows the routing sends)
+    pad_to_max_load: bool = False  # a dropless padded layer (deepspeed's drop_tokens=False): every chunk padded to
+    # the largest expert load on any rank, L * max load rows to every peer in each call
+    allreduce_calls: int = 0  # scalar all_reduces a forward runs beside its All-to-Alls (that max load's)
 
 
 @dataclass

@@ -99,6 +99,17 @@ def header_bytes(world: int) -> float | None:
     return (after - before) / (world - 1)
 
 
+def allreduce_bytes(world: int) -> float | None:
+    """Bytes one all_reduce of an int64 scalar writes (MAX; the extra collective of a layer that pads to the largest
+    load), measured."""
+    before = written_bytes()
+    dist.all_reduce(torch.zeros((), dtype=torch.int64), op=dist.ReduceOp.MAX)
+    after = written_bytes()
+    if before is None or after is None or world == 1:
+        return None
+    return float(after - before)
+
+
 def run_layer(impl: str, capacity_factor: float | None, spec: dict[str, Any], rank: int, world: int,
               noisy: bool = False) -> dict[str, Any]:
     """One layer's steps on this rank. ``noisy``: built with ``noisy=True``, its ``noise_gate`` redrawn from the seed
@@ -155,8 +166,11 @@ def run_layer(impl: str, capacity_factor: float | None, spec: dict[str, Any], ra
     layout = getattr(layer, "layout", None)
     return {
         "rank": rank, "steps": steps, "grads": grads, "header_bytes": header_bytes(world),
+        "allreduce_bytes": allreduce_bytes(world) if getattr(layout, "allreduce_calls", 0) else None,
         "layout": None if layout is None else (layout.forward_calls, layout.backward_calls,
-                                               layout.metadata_bytes_per_peer, layout.padded_rows_per_peer),
+                                               layout.metadata_bytes_per_peer, layout.padded_rows_per_peer,
+                                               getattr(layout, "pad_to_max_load", False),
+                                               getattr(layout, "allreduce_calls", 0)),
         "semantics": dict(getattr(layer, "ep_semantics", {})),
         "router": layer.router.state_dict(),
         "noise_gate": layer.noise_gate.state_dict() if noisy else None, "router_template": copy.deepcopy(layer.router),

@@ -232,7 +232,12 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
     dtype = DTYPES[spec["dtype"]]
     n, d, e, k = spec["tokens"], spec["d_model"], spec["n_experts"], spec["top_k"]
     t, local = n // world, e // world
+    semantics = ranks[0].get("semantics", {})
     cap = capacity(t, k, e, capacity_factor)
+    if semantics.get("capacity_float32") and capacity_factor is not None:  # deepspeed: ceil(fp32(T/E) * fp32(k*cf))
+        import numpy as np
+
+        cap = math.ceil(float(np.float32(t / e) * np.float32(float(capacity_factor) * k)))
     itemsize = torch.finfo(dtype).bits // 8
     try:
         router, experts, act = rebuild(ranks)
@@ -244,7 +249,7 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
 
     # outputs and gradients at step 0, every rank's tokens
     x0, g0 = batch(spec["seed"], 0, n, d, dtype)
-    renorm = bool(ranks[0].get("semantics", {}).get("renormalize_kept", False))
+    renorm = bool(semantics.get("renormalize_kept", False))
     gate = ranks[0]["noise_gate"]["weight"].detach().double() if noisy else None
 
     def noise_at(step: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # the step's noise, the reference's draw
@@ -310,9 +315,14 @@ def judge(result: dict[str, Any], world: int, spec: dict[str, Any], rec: Recorde
             if layout is not None and s["wire_forward"] is not None:
                 fwd = off * d * itemsize + (world - 1) * (layout[2] + header * layout[0])
                 bwd = off * d * itemsize + (world - 1) * header * layout[1]
-                if layout[3] is not None:  # capacity-padded: the same rows to every peer in every call
-                    fwd = (world - 1) * (layout[0] * (layout[3] * d * itemsize + header) + layout[2])
-                    bwd = (world - 1) * layout[1] * (layout[3] * d * itemsize + header)
+                padded = layout[3]
+                if len(layout) > 4 and layout[4]:  # padded to the largest expert load on any rank (chosen, dropless)
+                    padded = local * int(max(chosen[q * t:(q + 1) * t].sum(0).max() for q in range(world)))
+                if padded is not None:  # capacity-padded: the same rows to every peer in every call
+                    fwd = (world - 1) * (layout[0] * (padded * d * itemsize + header) + layout[2])
+                    bwd = (world - 1) * layout[1] * (padded * d * itemsize + header)
+                if len(layout) > 5 and layout[5]:  # the extra scalar all_reduces, each measured in the run
+                    fwd += layout[5] * (r.get("allreduce_bytes") or 0.0)
                 rec.metric(PREFIX + "wire_bytes", s["wire_forward"], step=step, rank=p, phase="forward")
                 rec.metric(PREFIX + "wire_bytes", s["wire_backward"], step=step, rank=p, phase="backward")
                 rec.metric(PREFIX + "wire_bytes_expected", fwd, step=step, rank=p, phase="forward")
@@ -377,9 +387,11 @@ def payload_per_token(ranks: list[dict[str, Any]], world: int, n: int) -> float 
     headers (measured) and the metadata its layout declares, summed over ranks, per token and step."""
     if not all(r["layout"] is not None and r["steps"][0]["wire_forward"] is not None for r in ranks):
         return None
+    if any(r["layout"][3] is not None or (len(r["layout"]) > 4 and r["layout"][4]) for r in ranks):
+        return None  # a padded layout: its bytes follow its padding, not the routing
     payload = 0.0
     for r in ranks:
-        calls, _bwd, meta, _padded = r["layout"]
+        calls, _bwd, meta = r["layout"][:3]
         overhead = (world - 1) * (meta + (r["header_bytes"] or 0.0) * calls)
         payload += sum(s["wire_forward"] - overhead for s in r["steps"])
     return payload / (n * len(ranks[0]["steps"]))
@@ -422,7 +434,8 @@ def claim_checks(rec: Recorder, ranks: list[dict[str, Any]], world: int, spec: d
         rec.metric(PREFIX + "a2a_bytes_per_token_law", law, world=world)
         out["bytes_per_token"] = measured
     else:
-        rec.not_applicable(PREFIX + "a2a_bytes_per_token", "the layer declares no collective layout (`layout`)")
+        rec.not_applicable(PREFIX + "a2a_bytes_per_token", "the layer declares no collective layout (`layout`), or "
+                           "a padded one (its bytes follow its padding, judged by a2a_bytes)")
     return out
 
 
