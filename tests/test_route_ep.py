@@ -343,6 +343,18 @@ def test_lib_fairscale_passes_and_its_gumbel_noise_fails_the_output_check():
     assert "output" in failed(recs["buggy_ep:FairscaleGumbel"])
 
 
+@pytest.mark.parametrize("lib", ["lib:fairscale", "lib:deepspeed"])
+def test_lib_adapters_refuse_fp64_before_anything_starts(lib):
+    """Both libraries' gates compute in float32: at fp64 fairscale raised on mixed dtypes (every check failed as if
+    the user's code had) and deepspeed's float32 combine weights failed a correct layer by 1e7 tolerances
+    (failures.md F-ds1); refused in one line, installed or not."""
+    from tfmoe.adapters.moe_ep_libs import check_lib
+
+    with pytest.raises(BadInput, match="pass dtype=fp32") as err:
+        check_lib(lib, 64, 8, 2, 1.0, "fp64")
+    assert "\n" not in str(err.value)
+
+
 def test_lib_deepspeed_refused_in_one_line_where_it_cannot_run():
     from importlib import metadata
 

@@ -55,11 +55,17 @@ DEEPSPEED_VERSION = "0.19.8"
 LIBS = {"lib:fairscale": "FairscaleMoE", "lib:deepspeed": "DeepspeedMoE"}
 
 
-def check_lib(spec: str, tokens_per_rank: int, n_experts: int, top_k: int, capacity_factor: float | None) -> None:
+def check_lib(spec: str, tokens_per_rank: int, n_experts: int, top_k: int, capacity_factor: float | None,
+              dtype: str = "fp32") -> None:
     """BadInput (exit 2, before any worker starts) when a shipped adapter cannot run these settings or its library
-    is missing."""
+    is missing. Both libraries' gates compute in float32 whatever the input (fairscale's softmax(dtype=float),
+    deepspeed's input.float()): at dtype=fp64 fairscale raises on the mixed dtypes and deepspeed's combine weights
+    carry float32 rounding, so both are refused at any dtype but fp32."""
     if spec not in LIBS:
         raise BadInput(f"ep_impl={spec!r} is not a shipped adapter: use one of {', '.join(LIBS)}")
+    if dtype != "fp32":
+        raise BadInput(f"ep_impl={spec}: the library's gate computes in float32 whatever the input, so dtype={dtype} "
+                       f"would judge float32 routing against a {dtype} reference: pass dtype=fp32")
     if spec == "lib:deepspeed":
         check_deepspeed(top_k)
         return
@@ -165,6 +171,17 @@ def import_deepspeed() -> Any:
     if not deepspeed.comm.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     return deepspeed
+
+
+def lib_version(spec: str) -> str:
+    """'<library> <installed version>' of a shipped adapter (for the line a crash names)."""
+    from importlib import metadata
+
+    name = spec.removeprefix("lib:")
+    try:
+        return f"{name} {metadata.version(name)}"
+    except metadata.PackageNotFoundError:
+        return f"{name} (not installed)"
 
 
 class DeepspeedMoE(nn.Module):

@@ -261,6 +261,11 @@ def main() -> int:
         except Exception as exc:  # the user's layer raised: that layer's checks fail, naming it (tfmoe's: crash)
             if layer["impl"] == "own":
                 raise
+            if layer["impl"].startswith("lib:"):  # a shipped adapter's: a crash, naming library and version
+                from tfmoe.adapters.moe_ep_libs import lib_version
+
+                raise RuntimeError(f"shipped adapter {layer['impl']} ({lib_version(layer['impl'])}) raised "
+                                   f"{type(exc).__name__}: {exc}") from exc
             results[layer["label"]] = {"rank": rank, "raised": f"{type(exc).__name__}: {exc}"}
     if spec.get("train"):
         results["__train__"] = train(spec, rank, world)

@@ -520,7 +520,7 @@ def run_ep(s: Any, rec: Recorder) -> None:
     if impl.startswith("lib:"):
         from tfmoe.adapters.moe_ep_libs import check_lib
 
-        check_lib(impl, s.tokens // s.ep.size, s.n_experts, s.top_k, s.capacity_factor)  # exit 2 before any start
+        check_lib(impl, s.tokens // s.ep.size, s.n_experts, s.top_k, s.capacity_factor, dtype)  # exit 2 first
     elif impl != "own":
         from tfmoe.user_code import load_object
 
