@@ -411,3 +411,8 @@ def test_lib_deepspeed_passes_and_its_2nd_expert_sampling_fails_the_output_check
     wire = rows[rows.name == "ep.wire_bytes_expected"]
     assert (wire["value"] > 0).all()
     assert "output" in failed(recs["buggy_ep:DeepspeedSampling"])
+    # its capacity is float32's: judged by the exact rule (C = 15 where it keeps 16), the correct layer would fail
+    exact = [dict(r["lib:deepspeed"], semantics={"renormalize_kept": True}) for r in result["ranks"]]
+    rec = make_recorder(cfg)
+    ep.judge(exact, result["world"], spec, rec, 1.2)
+    assert "output" in failed(rec)
