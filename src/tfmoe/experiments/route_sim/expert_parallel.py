@@ -549,6 +549,10 @@ def run_ep(s: Any, rec: Recorder) -> None:
     model = scaling(s, rec, facts, result["world"])
     if spec["train"] is not None:
         model += training(spec, rec, [r["__train__"] for r in result["ranks"]], result["world"])
+    if noisy:
+        model += ["", "Noisy top-k (the `noisy_topk` strategy): the layer ran once more with noisy routing, the noise a "
+                  "function of the seed, the step and the global token, and every check was judged again (`ep.noisy.*`) "
+                  "against the reference with the same noise."]
     rec.summary("\n".join([
         f"## Expert parallelism: {s.ep.size} ranks, layer {impl}",
         "",
