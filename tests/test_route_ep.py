@@ -347,7 +347,7 @@ def test_lib_fairscale_passes_and_its_gumbel_noise_fails_the_output_check():
 def test_lib_adapters_refuse_fp64_before_anything_starts(lib):
     """Both libraries' gates compute in float32: at fp64 fairscale raised on mixed dtypes (every check failed as if
     the user's code had) and deepspeed's float32 combine weights failed a correct layer by 1e7 tolerances
-    (failures.md F-ds1); refused in one line, installed or not."""
+    (failures.md F-203); refused in one line, installed or not."""
     from tfmoe.adapters.moe_ep_libs import check_lib
 
     with pytest.raises(BadInput, match="pass dtype=fp32") as err:
