@@ -463,6 +463,12 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
             validate_sweep_settings(exp, overrides, strict=checking)
         else:
             validate_run_settings(exp, composed)
+            if not checking:
+                from tfmoe.harness.launching.runner import serve_as_peer
+
+                peer = serve_as_peer(exp, composed)  # `srun -n W`: a task other than the first writes no run
+                if peer is not None:
+                    return peer
         check_writable(str(composed.run_root))
     key, out = output_dir(composed, multirun)
     overrides = dir_override(key, out, overrides)
