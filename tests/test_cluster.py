@@ -191,3 +191,30 @@ def test_submitit_runs_each_sweep_job_as_two_tasks_and_a_killed_rank_ends_its_jo
     (job_id,) = _slurm_job_ids(sweep)
     assert {f"{job_id}_{t}_{task}_result.pkl" for t in (0, 1) for task in (0, 1)} <= {
         p.name for p in (sweep / ".submitit").rglob("*_result.pkl")}  # both tasks of both jobs returned
+
+
+def test_scancel_interrupts_every_rank_and_the_run_is_interrupted(tmp_path: Path) -> None:
+    """scancel while rank 1 hangs (buggy_ep:Sleeps) and rank 0 waits in a collective: SLURM's SIGTERM reaches both
+    tasks, task 0 records `interrupted` (exit 143), each task stops its worker, and no worker is left."""
+    import psutil
+
+    script = tmp_path / "ep.sh"
+    script.write_text(f"#!/bin/bash\nsrun -n 2 {sys.executable} -m tfmoe.cli route-sim ep_size=2 steps=0 "
+                      "ep_impl=buggy_ep:Sleeps\n")
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)  # buggy_ep importable
+    job = subprocess.run(["sbatch", "--parsable", "-n", "2", "-o", str(tmp_path / "job.out"), f"--chdir={tmp_path}",
+                          str(script)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": path}).stdout.strip()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not list((tmp_path / "runs" / "route-sim").glob("*/run.parquet")):
+        time.sleep(0.5)  # task 0's run has started
+    time.sleep(10)  # the workers are up: rank 0 waits for rank 1 in the first All-to-All
+    subprocess.run(["scancel", job], check=True, timeout=30)
+    while time.monotonic() < deadline and subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
+                                                         text=True).stdout.strip():
+        time.sleep(0.5)
+    (run_dir,) = (tmp_path / "runs" / "route-sim").iterdir()
+    run = notebook.read_run_row(run_dir)
+    assert run["status"] == "interrupted" and run["exit_code"] == 143, (tmp_path / "job.out").read_text()
+    left = [p for p in psutil.process_iter(["cmdline"]) if "ep_slurm import main" in " ".join(p.info["cmdline"] or [])]
+    assert left == []

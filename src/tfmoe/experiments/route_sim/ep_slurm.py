@@ -44,7 +44,8 @@ REPORT_GRACE_S = 5.0  # rank 0, after its own failure, waits this long for the o
 PEER_GRACE_S = 10.0  # a peer keeps its worker this long after rank 0's store has gone, then stops it
 # what a rank sees when another rank fails: not a failure of its own
 PEER_LOSS = re.compile(r"Connection closed|closed by peer|Connection reset|Connection refused|Broken pipe|"
-                       r"[Tt]imed out|Socket Timeout|Failed to recv|DistNetworkError")
+                       r"[Tt]imed out|Socket Timeout|Application timeout|pair closure|Failed to recv|"
+                       r"DistNetworkError")
 
 
 @dataclass(frozen=True)
