@@ -158,3 +158,35 @@ def test_the_rendezvous_variables_reach_torch_env_init(monkeypatch) -> None:
     assert store.get("probe") == b"1"
     del store
     assert os.environ["MASTER_PORT"] == str(step.master_port)
+
+
+SUBMITIT = ["hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2"]
+
+
+def test_a_submitit_sweep_whose_tasks_per_job_are_not_ep_size_is_refused_before_submitting(tmp_path: Path) -> None:
+    r = run_cli(["route-sim", "-m", "ep_size=2,4", "steps=0", *SUBMITIT], tmp_path)
+    assert r.exit_code == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == ("error: sweep job 1 (ep_size=4 steps=0): ep_size=4 but each job runs as 2 SLURM tasks "
+                                "(hydra.launcher.tasks_per_node x nodes), one rank each: pass ep_size=2, or "
+                                "hydra.launcher.tasks_per_node=4 (with nodes=1) (1 of 2 jobs refused); nothing was run")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args, refused", [
+    (["route-sim", "-m", "ep_size=2", "steps=0", *SUBMITIT], None),  # the fix: accepted
+    (["route-sim", "-m", "ep_size=2", "steps=0", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2"],
+     "hydra.launcher.tasks_per_node=2 x nodes=1 runs each route-sim job 2 times into one run directory"),
+    (["shift-labels", "-m", "seed=0,1", *SUBMITIT],
+     "runs each shift-labels job 2 times into one run directory (only route-sim ep_size=W under "
+     "hydra/launcher=submitit_slurm spans a job's tasks): pass hydra.launcher.tasks_per_node=1"),
+    (["route-sim", "-m", "ep_size=1", "steps=0", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2"],
+     "ep_size=1 but each job runs as 2 SLURM tasks"),
+])
+def test_only_route_sim_ep_under_submitit_slurm_takes_several_tasks_per_job(tmp_path: Path, monkeypatch, args,
+                                                                           refused) -> None:
+    monkeypatch.setenv("TFMOE_VALIDATE_ONLY", "1")
+    r = run_cli(args, tmp_path)
+    if refused is None:
+        assert r.exit_code == 0 and r.stdout.startswith("valid: tfmoe route-sim, 1 job(s)"), r.stdout + r.stderr
+    else:
+        assert r.exit_code == 2 and refused in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

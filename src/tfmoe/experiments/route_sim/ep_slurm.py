@@ -117,6 +117,18 @@ def check_world(ep_size: int, n_experts: int, tokens: int, step: SlurmStep | Non
     return True
 
 
+def check_tasks(s: Any, tasks: int) -> None:
+    """A sweep's job under ``hydra/launcher=submitit_slurm`` with ``tasks`` tasks (tasks_per_node x nodes), checked
+    before anything is submitted: its ep_size must be that count (each task is one rank)."""
+    from tfmoe.errors import BadInput
+
+    if s.ep.size != tasks:
+        fixes = [f"pass ep_size={tasks}"] if s.n_experts % tasks == 0 and s.tokens % tasks == 0 else []
+        fixes.append(f"hydra.launcher.tasks_per_node={s.ep.size} (with nodes=1)")
+        raise BadInput(f"ep_size={s.ep.size} but each job runs as {tasks} SLURM tasks (hydra.launcher."
+                       f"tasks_per_node x nodes), one rank each: {', or '.join(fixes)}")
+
+
 def worker_env(step: SlurmStep, timeout_s: float) -> dict[str, str]:
     """The worker's environment: this process's, the rendezvous variables, one thread, tfmoe importable."""
     env = dict(os.environ)
