@@ -199,8 +199,9 @@ def serve_peer(cfg: Any) -> int | None:
 
 
 def watch(proc: subprocess.Popen, step: SlurmStep, bound: float) -> int:
-    """Wait for this task's worker; stop it (SIGTERM, then SIGKILL) when rank 0's store, once up, has refused
-    connections for PEER_GRACE_S (rank 0 ended: nothing will answer this rank) or past ``bound`` seconds."""
+    """Wait for this task's worker: its exit code; 1 when this stopped it (SIGTERM, then SIGKILL) because rank 0's
+    store, once up, had refused connections for PEER_GRACE_S (rank 0 ended: nothing will answer this rank), or
+    because it ran past ``bound`` seconds."""
     import socket
 
     from tfmoe.experiments.route_sim.expert_parallel import stop
@@ -215,7 +216,7 @@ def watch(proc: subprocess.Popen, step: SlurmStep, bound: float) -> int:
         if now - start > bound:
             print(f"rank {step.rank}: its worker ran past {bound:.0f} s: stopped", file=sys.stderr)
             stop(proc)
-            return proc.returncode if proc.returncode is not None else 1
+            return 1  # stopped here: a failure of the run, not a signal from outside
         try:  # a bare connect: the store's server says nothing of it
             with socket.create_connection((step.master_addr, step.master_port), timeout=2.0):
                 seen, gone = True, None
@@ -225,7 +226,7 @@ def watch(proc: subprocess.Popen, step: SlurmStep, bound: float) -> int:
             print(f"rank {step.rank}: rank 0 ended (its store closed) {PEER_GRACE_S:g} s ago and this rank's worker "
                   "still runs: stopped", file=sys.stderr)
             stop(proc)
-            return proc.returncode if proc.returncode is not None else 1
+            return 1
 
 
 def report_death(step: SlurmStep, what: str) -> None:
