@@ -1,6 +1,8 @@
 """Sweeps on a real single-node SLURM cluster (scripts/slurm-up.sh; run with `make test-cluster`): jobs go through
 sbatch, a job past hydra.launcher.timeout_min is stopped by SLURM and keeps its records, a job killed with SIGKILL
-is reported `lost`, and every sweep ends with a complete sweep.parquet."""
+is reported `lost`, and every sweep ends with a complete sweep.parquet. route-sim ep_size=2 with its ranks as SLURM
+tasks: `srun -n 2` (one run, both ranks' rows), a submitit sweep with tasks_per_node=2 (a killed rank ends its job
+`crashed`, naming it), and scancel while a rank hangs (`interrupted`, no worker left)."""
 
 from __future__ import annotations
 
