@@ -1,6 +1,8 @@
 """Sweeps on a real single-node SLURM cluster (scripts/slurm-up.sh; run with `make test-cluster`): jobs go through
 sbatch, a job past hydra.launcher.timeout_min is stopped by SLURM and keeps its records, a job killed with SIGKILL
-is reported `lost`, and every sweep ends with a complete sweep.parquet."""
+is reported `lost`, and every sweep ends with a complete sweep.parquet. route-sim ep_size=2 with its ranks as SLURM
+tasks: `srun -n 2` (one run, both ranks' rows), a submitit sweep with tasks_per_node=2 (a killed rank ends its job
+`crashed`, naming it), and scancel while a rank hangs (`interrupted`, no worker left)."""
 
 from __future__ import annotations
 
@@ -136,3 +138,85 @@ def _has_training_steps(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return "step" in m and m["step"].notna().any()
+
+
+# ------------------------------------------------------------------ route-sim ep_size=W: the ranks are SLURM tasks
+TESTS = Path(__file__).resolve().parent
+
+
+def _ep_ranks(run: notebook.RunData) -> set[int]:
+    """The ranks with rows in the run's metrics (every rank's forward time, per step)."""
+    m = run.metrics
+    return {int(r) for r in m.loc[m["name"] == "ep.forward_ms", "rank"]}
+
+
+def test_srun_makes_each_task_one_rank_of_one_run(tmp_path: Path) -> None:
+    """`srun -n 2 tfmoe route-sim ep_size=2` inside an sbatch allocation: task 0 writes the one run directory, with
+    both ranks' rows; task 1 serves it and writes nothing; every check passes."""
+    script = tmp_path / "ep.sh"
+    script.write_text(f"#!/bin/bash\nsrun -n 2 {sys.executable} -m tfmoe.cli route-sim ep_size=2 steps=0\n"
+                      "echo srun-exit=$?\n")
+    r = subprocess.run(["sbatch", "-n", "2", "-W", "-o", str(tmp_path / "job.out"), f"--chdir={tmp_path}",
+                        str(script)], capture_output=True, text=True, timeout=400,
+                       env={**os.environ, "COLUMNS": "250"})
+    out = (tmp_path / "job.out").read_text()
+    assert r.returncode == 0 and "srun-exit=0" in out, r.stdout + r.stderr + out
+    job_id = r.stdout.split()[-1]
+    (run_dir,) = (tmp_path / "runs" / "route-sim").iterdir()  # one run for the two tasks
+    run = notebook.load_run(run_dir)
+    assert run.run["status"] == "ok" and run.checks["passed"].all() and len(run.checks) >= 8
+    assert _ep_ranks(run) == {0, 1}
+    assert f"the 2 tasks of SLURM job {job_id} step 0" in (run_dir / "summary.md").read_text()
+
+
+def test_submitit_runs_each_sweep_job_as_two_tasks_and_a_killed_rank_ends_its_job_crashed(tmp_path: Path) -> None:
+    """`-m ... hydra/launcher=submitit_slurm hydra.launcher.tasks_per_node=2`: each job is one srun step of two
+    tasks forming the process group, one run directory per job. Job 1's rank 1 is SIGKILLed mid-run
+    (buggy_ep:DiesOnRank1): its job ends `crashed` naming rank 1, in bounded time, and the sweep completes."""
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)  # buggy_ep importable
+    env = {**os.environ, "COLUMNS": "250", "PYTHONPATH": path}
+    started = time.monotonic()
+    r = subprocess.run([*TFMOE, "route-sim", "-m", "ep_size=2", "steps=0", "ep_impl=null,buggy_ep:DiesOnRank1",
+                        *SLURM, "hydra.launcher.tasks_per_node=2"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=480, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 3, out
+    assert time.monotonic() - started < 300, "a killed rank must not hang its job"
+    sweep = _sweep_dir(tmp_path, "route-sim")
+    states = pd.read_parquet(sweep / "sweep.parquet").drop_duplicates("job").set_index("job")["status"]
+    assert states.to_dict() == {"0": "ok", "1": "crashed"}
+    assert sorted(p.name for p in sweep.iterdir() if not p.name.startswith((".", "multirun", "sweep"))) == ["0", "1"]
+    ok = notebook.load_run(sweep / "0")
+    assert ok.run["status"] == "ok" and ok.checks["passed"].all() and _ep_ranks(ok) == {0, 1}
+    crashed = notebook.load_run(sweep / "1").run
+    assert "worker rank 1 of 2 failed (killed by SIGKILL)" in crashed["error"], crashed["error"]
+    (job_id,) = _slurm_job_ids(sweep)
+    assert {f"{job_id}_{t}_{task}_result.pkl" for t in (0, 1) for task in (0, 1)} <= {
+        p.name for p in (sweep / ".submitit").rglob("*_result.pkl")}  # both tasks of both jobs returned
+
+
+def test_scancel_interrupts_every_rank_and_the_run_is_interrupted(tmp_path: Path) -> None:
+    """scancel while rank 1 hangs (buggy_ep:Sleeps) and rank 0 waits in a collective: SLURM's SIGTERM reaches both
+    tasks, task 0 records `interrupted` (exit 143), each task stops its worker, and no worker is left."""
+    import psutil
+
+    script = tmp_path / "ep.sh"
+    script.write_text(f"#!/bin/bash\nsrun -n 2 {sys.executable} -m tfmoe.cli route-sim ep_size=2 steps=0 "
+                      "ep_impl=buggy_ep:Sleeps\n")
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)  # buggy_ep importable
+    job = subprocess.run(["sbatch", "--parsable", "-n", "2", "-o", str(tmp_path / "job.out"), f"--chdir={tmp_path}",
+                          str(script)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": path}).stdout.strip()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not list((tmp_path / "runs" / "route-sim").glob("*/run.parquet")):
+        time.sleep(0.5)  # task 0's run has started
+    time.sleep(10)  # the workers are up: rank 0 waits for rank 1 in the first All-to-All
+    subprocess.run(["scancel", job], check=True, timeout=30)
+    while time.monotonic() < deadline and subprocess.run(["squeue", "-h", "-j", job], capture_output=True,
+                                                         text=True).stdout.strip():
+        time.sleep(0.5)
+    (run_dir,) = (tmp_path / "runs" / "route-sim").iterdir()
+    run = notebook.read_run_row(run_dir)
+    assert run["status"] == "interrupted" and run["exit_code"] == 143, (tmp_path / "job.out").read_text()
+    left = [p for p in psutil.process_iter(["cmdline"]) if "ep_slurm import main" in " ".join(p.info["cmdline"] or [])]
+    assert left == []

@@ -256,6 +256,19 @@ def check(cmd: Command, nb: Notebook, named: dict[str, str], real: bool = False)
         if code not in _allowed(cmd):
             return f"{where}: exit {code}: {(err or out).strip()[-400:]}"
         return None
+    if kind == "srun":  # `srun -n W tfmoe …`: the tfmoe command, validated as task 0 of a W-task srun step would
+        words, tasks = list(cmd.argv[1:]), 1  # (make test-cluster runs the form for real, under sbatch)
+        while words and words[0].startswith("-"):
+            flag, _, value = words.pop(0).partition("=")
+            if not value and flag in ("-n", "--ntasks", "-N", "--nodes", "-c", "--cpus-per-task"):
+                value = words.pop(0)
+            tasks = int(value) if flag in ("-n", "--ntasks") else tasks
+        step = {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": str(tasks),
+                "SLURM_NTASKS": str(tasks)}
+        inner = Command(cmd.where, cmd.text, tuple(words), (*cmd.env, *step.items()), cmd.error)
+        if inner.kind != "experiment":
+            return f"{where}: srun here starts a tfmoe experiment's tasks, not {' '.join(words[:2])!r}"
+        return check(inner, nb, named)
     if kind == "make":
         proc = subprocess.run(["make", "-n", *cmd.argv[1:]], cwd=REPO, capture_output=True, text=True, timeout=60)
         return None if proc.returncode == 0 else f"{where}: make -n exited {proc.returncode}: {proc.stderr.strip()}"
@@ -481,6 +494,12 @@ def test_other_kinds_fail_when_broken(notebook: Notebook) -> None:
     mention = Command("x:1", "tfmoe nope", ("tfmoe", "nope"), inline=True)
     for cmd in (make, pip, script, missing, mention):
         assert check(cmd, notebook, {}) is not None, cmd
+    srun = next(c for d in all_docs() for c in d.commands if c.kind == "srun")
+    assert check(srun, notebook, {}) is None
+    more_tasks = Command(srun.where, srun.text, tuple("4" if w == "2" else w for w in srun.argv[:3]) + srun.argv[3:])
+    assert "ep_size=2 but this SLURM step runs 4 tasks" in (check(more_tasks, notebook, {}) or "")
+    not_tfmoe = Command("x:1", "srun -n 2 hostname", ("srun", "-n", "2", "hostname"))
+    assert "starts a tfmoe experiment's tasks" in (check(not_tfmoe, notebook, {}) or "")
     assert run_python_block("x:1", "import pandas as pd\npd.read_parquet('runs/nope.parquet')\n", notebook, {})
 
 

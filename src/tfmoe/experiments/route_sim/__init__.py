@@ -37,6 +37,7 @@ from tfmoe.experiments.route_sim import expert_parallel as route_ep
 from tfmoe.experiments.route_sim import layer as route_layer
 from tfmoe.experiments.route_sim import training as route_training
 from tfmoe.experiments.route_sim.course import CourseResult
+from tfmoe.experiments.route_sim.ep_slurm import check_tasks, serve_peer  # ep_size=W across SLURM tasks
 from tfmoe.experiments.route_sim.plots import sweep_plots, training_plots
 from tfmoe.experiments.route_sim.settings import LayerSettings, Settings
 from tfmoe.experiments.route_sim.training import StrategyTrace
@@ -272,7 +273,8 @@ def summary(s: Settings, course: CourseResult, traces: dict[str, StrategyTrace])
     return "\n".join(lines)
 
 
-__all__ = ["Settings", "settings", "run", "sweep_plots", "layer_settings", "summary", "tag_values"]
+__all__ = ["Settings", "settings", "run", "sweep_plots", "layer_settings", "summary", "tag_values", "serve_peer",
+           "check_tasks"]
 
 
 def tag_values(s: Settings) -> dict[str, tuple[str, ...]]:

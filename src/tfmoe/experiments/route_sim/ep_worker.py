@@ -248,11 +248,9 @@ def train(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
-    spec = json.loads(os.environ[SPEC_ENV])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["timeout_s"]))
-    rank, world = dist.get_rank(), dist.get_world_size()
+def run_rank(spec: dict[str, Any], rank: int, world: int) -> list[Any] | None:
+    """This rank's part of the run, in an initialised process group: the spec's layers, the training simulation,
+    then every rank's records gathered on rank 0 (returned there; None elsewhere)."""
     results: dict[str, Any] = {}
     for layer in spec["layers"]:  # {"label", "impl", "capacity_factor", "noisy"?}
         try:
@@ -271,11 +269,25 @@ def main() -> int:
         results["__train__"] = train(spec, rank, world)
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(results, gathered if rank == 0 else None, dst=0)
-    if rank == 0:
-        buf = io.BytesIO()
-        torch.save({"world": world, "ranks": gathered}, buf)
-        sys.stdout.write(RESULT_MARK + base64.b64encode(buf.getvalue()).decode() + "\n")
-        sys.stdout.flush()
+    return gathered if rank == 0 else None
+
+
+def emit(world: int, gathered: list[Any]) -> None:
+    """Rank 0: the gathered records on stdout, one line ``TFMOE-EP-RESULT <base64 torch.save>``."""
+    buf = io.BytesIO()
+    torch.save({"world": world, "ranks": gathered}, buf)
+    sys.stdout.write(RESULT_MARK + base64.b64encode(buf.getvalue()).decode() + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    spec = json.loads(os.environ[SPEC_ENV])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gathered = run_rank(spec, rank, world)
+    if gathered is not None:
+        emit(world, gathered)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from tfmoe.components import moe_reference as ref
+from tfmoe.experiments.route_sim import ep_slurm
 from tfmoe.recorder import Recorder
 from tfmoe.tables import Rows
 
@@ -63,15 +64,19 @@ class RankFailed(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------ launching
-def launch(spec: dict[str, Any], world: int) -> dict[str, Any]:
+def launch(spec: dict[str, Any], world: int, worker_cmd: list[str] | None = None,
+           worker_env: dict[str, str] | None = None, explain: Any = None) -> dict[str, Any]:
     """Run the workers (torch.distributed.run, ``world`` processes) on ``spec``; rank 0's gathered records.
     RankFailed naming the rank when a worker fails; every process stopped (SIGTERM, then SIGKILL) when this one
-    is interrupted or the run exceeds its bound."""
+    is interrupted or the run exceeds its bound. ``worker_cmd``, ``worker_env`` and ``explain`` (stderr, exit code,
+    world -> one line) replace the launcher, its environment and its error summary: under SLURM, rank 0's worker
+    alone (route_sim/ep_slurm.py)."""
     from tfmoe.experiments.route_sim.ep_worker import RESULT_MARK, SPEC_ENV
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "--max-restarts=0", "--monitor-interval=0.2", "-m", WORKER_MODULE]
-    env = dict(os.environ)
+    cmd = worker_cmd or [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                         "--max-restarts=0", "--monitor-interval=0.2", "-m", WORKER_MODULE]
+    name = "torch.distributed.run" if worker_cmd is None else "rank 0's worker"
+    env = dict(os.environ) if worker_env is None else dict(worker_env)
     env[SPEC_ENV] = json.dumps(spec)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)  # the user's module, tfmoe
@@ -88,13 +93,12 @@ def launch(spec: dict[str, Any], world: int) -> dict[str, Any]:
         stop(proc)
         raise
     if proc.returncode != 0:
-        logging.getLogger("tfmoe").error("torch.distributed.run exited %d; its stderr ends:\n%s", proc.returncode,
-                                         err[-4000:])
-        raise RankFailed(failure_line(err, proc.returncode, world))
+        logging.getLogger("tfmoe").error("%s exited %d; its stderr ends:\n%s", name, proc.returncode, err[-4000:])
+        raise RankFailed((explain or failure_line)(err, proc.returncode, world))
     for line in out.splitlines():
         if line.startswith(RESULT_MARK):
             return torch.load(io.BytesIO(base64.b64decode(line[len(RESULT_MARK):])), weights_only=False)
-    raise RankFailed(f"torch.distributed.run exited 0 but rank 0 printed no result; stderr ends: {err[-300:]!r}")
+    raise RankFailed(f"{name} exited 0 but rank 0 printed no result; stderr ends: {err[-300:]!r}")
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -533,11 +537,14 @@ def run_ep(s: Any, rec: Recorder) -> None:
         if skipped:
             rec.note(f"training simulation under expert parallelism: {', '.join(skipped)} not run (not supported "
                      "under ep_size yet)")
-    rec.note(f"expert parallelism: {s.ep.size} ranks started by torch.distributed.run (gloo, CPU), "
+    step = ep_slurm.slurm_step()  # under srun / submitit with W tasks: the ranks are the step's tasks
+    started = "started by torch.distributed.run" if step is None else \
+        f"the {step.world} tasks of SLURM job {step.job_id} step {step.step_id}"
+    rec.note(f"expert parallelism: {s.ep.size} ranks, {started} (gloo, CPU), "
              f"{s.n_experts // s.ep.size} experts and {s.tokens // s.ep.size} tokens per rank; collectives time "
              f"out after {s.ep.timeout_s:g} s")
     t0 = time.perf_counter()
-    result = launch(spec, s.ep.size)
+    result = launch(spec, s.ep.size) if step is None else ep_slurm.launch(spec, step)
     rec.timing("ep.launch", (time.perf_counter() - t0) * 1e3)
     facts = judge([r[impl] for r in result["ranks"]], result["world"], spec, rec, s.capacity_factor)
     if noisy:  # noisy top-k's forward and backward, every check again under its own names (ep.noisy.*)
@@ -669,6 +676,7 @@ def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
     from tfmoe.validate import require_int, require_number
 
     size = require_int(cfg, "ep_size", 1)
+    under_slurm = ep_slurm.check_world(size, n_experts, tokens)  # the ranks are a SLURM step's tasks
     impl = OmegaConf.select(cfg, "ep_impl", default=None)
     if impl is not None and (not isinstance(impl, str) or ":" not in impl):
         raise BadInput(f"ep_impl={impl!r} is not 'python.module:Class': pass ep_impl=mymodule:MyEPLayer, "
@@ -709,7 +717,7 @@ def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
     import psutil
 
     limit = most_ranks(int(psutil.virtual_memory().available))
-    if size > limit:
+    if size > limit and not under_slurm:  # under SLURM each task starts one worker
         fits = [w for w in divisors if w <= limit]
         raise BadInput(f"ep_size={size} is more worker processes than this machine can start (at most {limit}: "
                        f"{WORKER_BYTES / 2**20:.0f} MiB each in 80% of the available memory): pass ep_size="

@@ -360,9 +360,12 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str], strict: bool 
             for i, job in enumerate(jobs):
                 try:
                     cfg = configs(job)
+                    tasks = launcher_tasks(cfg)
                     with read_write(cfg), open_dict(cfg):  # the job's config, as run_job hands it over
                         del cfg["hydra"]
-                    validate_tag_values(exp, expectations.parse(cfg.get("expect")), job_settings(module, cfg, devices=False))
+                    settings = job_settings(module, cfg, devices=False)
+                    check_tasks(exp, module, settings, *tasks)
+                    validate_tag_values(exp, expectations.parse(cfg.get("expect")), settings)
                 except BadInput as exc:
                     refused.append((i, job, str(exc)))
                 except Exception as exc:  # not bad input: the job itself records what happens
@@ -374,6 +377,34 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str], strict: bool 
         i, job, problem = refused[0]
         more = f" ({len(refused)} of {len(jobs)} jobs refused)" if len(jobs) > 1 else ""
         raise BadInput(f"sweep job {i} ({' '.join(job) or 'no overrides'}): {problem}{more}; nothing was run")
+
+
+def launcher_tasks(cfg: Any) -> tuple[int, int, str]:
+    """(tasks per node, nodes, launcher class) of a job's composed config: submitit's ``hydra.launcher.
+    tasks_per_node`` and ``nodes`` (1 and 1 for launchers without them)."""
+    from omegaconf import OmegaConf
+
+    per_node = OmegaConf.select(cfg, "hydra.launcher.tasks_per_node", default=1)
+    nodes = OmegaConf.select(cfg, "hydra.launcher.nodes", default=1)
+    target = str(OmegaConf.select(cfg, "hydra.launcher._target_", default="") or "")
+    return int(per_node or 1), int(nodes or 1), target
+
+
+def check_tasks(exp: Experiment, module: Any, settings: Any, per_node: int, nodes: int, target: str) -> None:
+    """A launcher that starts several tasks per job runs the job once per task. Only an experiment whose run spans
+    the tasks of a SLURM step takes that: its module's ``check_tasks(settings, tasks)`` (route-sim ``ep_size=W``),
+    under ``hydra/launcher=submitit_slurm``. BadInput otherwise: the copies would write one run directory."""
+    tasks = per_node * nodes
+    if tasks <= 1:
+        return
+    hook = getattr(module, "check_tasks", None)
+    if hook is not None and target.endswith("SlurmLauncher"):
+        hook(settings, tasks)
+        return
+    fix = "hydra.launcher.tasks_per_node=1" + (" hydra.launcher.nodes=1" if nodes > 1 else "")
+    spans = "only route-sim ep_size=W under hydra/launcher=submitit_slurm spans a job's tasks"
+    raise BadInput(f"hydra.launcher.tasks_per_node={per_node} x nodes={nodes} runs each {exp.name} job {tasks} "
+                   f"times into one run directory ({spans}): pass {fix}")
 
 
 # TFMOE_VALIDATE_ONLY=1: an experiment command does all of its validation (overrides, expectations, every job's
@@ -463,6 +494,12 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
             validate_sweep_settings(exp, overrides, strict=checking)
         else:
             validate_run_settings(exp, composed)
+            if not checking:
+                from tfmoe.harness.launching.runner import serve_as_peer
+
+                peer = serve_as_peer(exp, composed)  # `srun -n W`: a task other than the first writes no run
+                if peer is not None:
+                    return peer
         check_writable(str(composed.run_root))
     key, out = output_dir(composed, multirun)
     overrides = dir_override(key, out, overrides)

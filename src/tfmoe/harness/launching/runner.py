@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from tfmoe.errors import BadInput, Terminated, disk_problem
 from tfmoe.registry import EXPERIMENTS
@@ -413,6 +413,23 @@ def run_module(exp: Any, cfg: DictConfig, rec: Any) -> None:
     module.run(module.settings(cfg), rec)
 
 
+def serve_as_peer(exp: Any, cfg: DictConfig) -> int | None:
+    """In a task other than the first of a multi-task SLURM step (``srun -n W``; submitit's
+    ``hydra.launcher.tasks_per_node=W``) whose experiment spans the step's tasks (its module's ``serve_peer(cfg)``:
+    route-sim ``ep_size=W``): serve task 0's run, write no run of its own, and return the exit code. None in every
+    other process, which runs as usual."""
+    if os.environ.get("SLURM_PROCID", "0") == "0" or "SLURM_STEP_ID" not in os.environ:
+        return None
+    hook = getattr(exp.load(), "serve_peer", None)
+    if hook is None:
+        return None
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    with terminate_on():  # SIGTERM (scancel, the time limit) stops this task's worker too
+        return hook(cfg)
+
+
 def execute(cfg: DictConfig) -> int:
     """Hydra task function: run ``cfg.experiment`` and record everything. Returns the exit code."""
     from hydra.core.hydra_config import HydraConfig
@@ -420,6 +437,9 @@ def execute(cfg: DictConfig) -> int:
 
     from tfmoe.harness.store.notebook import RunWriter
 
+    peer = serve_as_peer(EXPERIMENTS[cfg.experiment], cfg)  # a SLURM task serving task 0's run: no run dir here
+    if peer is not None:
+        return peer
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
     sweep_dir = str(hc.sweep.dir) if hc.mode.name == "MULTIRUN" else None
