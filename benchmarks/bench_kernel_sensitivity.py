@@ -19,6 +19,7 @@ kernel (its false alarm: e.g. Tk = 1, where dq = 0 exactly) is left out of its c
 
     nice -n 10 .venv/bin/python benchmarks/bench_kernel_sensitivity.py              # fp32, fp16, bf16 (minutes)
     nice -n 10 .venv/bin/python benchmarks/bench_kernel_sensitivity.py --dtypes fp32 --seed 3
+    nice -n 10 .venv/bin/python benchmarks/bench_kernel_sensitivity.py --dtypes bf16 --families backward --per-case
 
 Prints one table: family, dtype, tfmoe's ε, FlashAttention's ε, their ratio (tfmoe / FA: <= 1 is at
 FlashAttention's rule or better). Exits 1 if any ratio exceeds 1.05 (the bisection's resolution), or tfmoe fails
@@ -181,6 +182,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--families", nargs="*", default=[], help="only these families (e.g. backward; default: all)")
+    ap.add_argument("--per-case", action="store_true", help="also print each case's ε under both rules")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -189,6 +192,7 @@ def main() -> int:
     print(f"{'family':18} {'dtype':5} {'cases':>5} {'tfmoe eps':>10} {'FA eps':>10} {'tfmoe/FA':>8} {'FA n/a':>6}")
     worst, bad = 0.0, []
     families = list(dict.fromkeys(c.family for c in s.cases)) + ["backward"]
+    families = [f for f in families if not args.families or f in args.families]
     for name in args.dtypes:
         dtype = DTYPES[name]
         for family in families:
@@ -210,6 +214,9 @@ def main() -> int:
                 else:
                     e = fa_eps(fa_tensors(case, inp, dtype), inp.seen, [1, 2, 3] if what == "grad" else [0])
                 na += e is None
+                if args.per_case:
+                    print(f"    {case.label()}: tfmoe {ours_each[-1]:.3g}, FA {'n/a' if e is None else f'{e:.3g}'}",
+                          flush=True)
                 theirs += [] if e is None else [e]
             ours, fa = min(ours_each, default=math.inf), min(theirs, default=math.inf)
             ratio = ours / fa if math.isfinite(fa) else (0.0 if math.isfinite(ours) else math.nan)

@@ -176,7 +176,8 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
     dv = eps * math.sqrt(Hq // Hkv * Tq) * float(p2.max().sqrt()) * float(inp.grad_out.double().abs().max())
     heads = kv_head_index(Hq, Hkv, w.device)
     k_h, v_h = inp.k.double()[:, heads], inp.v.double()[:, heads]  # (B,Hq,Tk,D)
-    d_s = w * (d_o @ v_h.transpose(-2, -1) - (d_o * o).sum(dim=-1, keepdim=True))  # dS = P∘(dP - δ), (B,Hq,Tq,Tk)
+    d_p, delta = d_o @ v_h.transpose(-2, -1), (d_o * o).sum(dim=-1, keepdim=True)  # (B,Hq,Tq,Tk), (B,Hq,Tq,1)
+    d_s = w * (d_p - delta)  # dS = P∘(dP - δ), (B,Hq,Tq,Tk)
     D = inp.q.shape[-1]
     # a fast exp's relative error u per recomputed weight, common to a row, bounded a priori: the forward's weights,
     # read exactly, cannot show it (the forward normalises by its own sum, the backward recomputes P from the
@@ -199,6 +200,19 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
         dq_o = scale * float((e_own * (w @ k_h)).abs().max())
         dk_o = scale * float(((w * e_own).transpose(-2, -1) @ inp.q.double()).reshape(B, Hkv, -1, Tk, D)
                              .sum(dim=2).abs().max())
+    # dP and δ each rounded to the run dtype (a kernel whose backward keeps its intermediates in it: autograd through
+    # exp, sum and divide in bf16, F-ksens1): dS_ij = P_ij·(fl(dP_ij) - fl(δ_i)). The plain softmax backward forms
+    # its δ from its own rounded dP (δ = Σ_k P_ik·fl(dP_ik)), so its error carries each dP_ij's rounding but not the
+    # row-common difference c_i = Σ_k P_ik·(fl(dP_ik) - dP_ik) - (fl(δ_i) - δ_i), which is exactly what such a
+    # kernel adds (a row that sees one key: the plain implementation's dq is exactly 0, the kernel's fl(dP) - fl(δ)
+    # is an ulp). Estimated in quadrature (u = eps_dtype/2; δ summed from products each rounded to the dtype):
+    # c_i ≈ u·(Σ_k (P_ik·dP_ik)² + δ_i² + Σ_d (dO_id·O_id)²)^½, propagated as a row-common error of δ.
+    unit = torch.finfo(dtype).eps / 2
+    c = unit * ((w * d_p).pow(2).sum(dim=-1, keepdim=True) + delta.pow(2)
+                + (d_o * o).pow(2).sum(dim=-1, keepdim=True)).sqrt()  # (B,Hq,Tq,1)
+    dq_r = scale * float((c * (w @ k_h)).abs().max())
+    dk_r = scale * float(((w * c).pow(2).transpose(-2, -1) @ inp.q.double().pow(2)).reshape(B, Hkv, -1, Tk, D)
+                         .sum(dim=2).max().sqrt())
     dk_g = dv_g = 0.0
     if Hq > Hkv:  # each query head's dk_h, dv_h rounded to the dtype before the group's sum
         half_eps = torch.finfo(dtype).eps / 2
@@ -206,7 +220,8 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
         dv_heads = w.transpose(-2, -1) @ d_o  # (B,Hq,Tk,D)
         dk_g = half_eps * float(dk_heads.abs().reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
         dv_g = half_eps * float(dv_heads.abs().reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
-    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s, dq_o), "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g, dk_o),
+    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s, dq_o, dq_r),
+            "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g, dk_o, dk_r),
             "dv": 2.0 * math.hypot(dv, dv_p, dv_s, dv_g)}
 
 
