@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from tfmoe.experiments.attn_check.kernel_cases import make_inputs
 from tfmoe.experiments.attn_check.kernel_dropout import dropout_probe, run_dropout_case
-from tfmoe.experiments.attn_check.kernel_judging import run_case
+from tfmoe.experiments.attn_check.kernel_judging import backward_rounds_to_run_dtype, run_case
 from tfmoe.experiments.attn_check.kernel_weights import run_weights_probe
 from tfmoe.experiments.attn_check.kernels import Kernel
 from tfmoe.registry import EXPERIMENTS
@@ -159,10 +159,14 @@ def tfmoe_caught(s, case, inp, dtype, what: str, eps: float, seed: int, i: int) 
     if case.family == "dropout":
         return run_dropout_case(kernel, case, inp, dtype, seed * 1_000_003 + i, s.dropout_seeds, rec).status == "fail"
     probe, read = run_weights_probe(kernel, case, inp, dtype, rec)  # as the battery: the weights first
-    fwd, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, what == "grad", s.grad_factor, rec, read)
+    fwd, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, what == "grad", s.grad_factor, rec, read,
+                        ROUNDS[dtype])
     if what == "grad":
         return bwd is not None and bwd.status == "fail"
     return fwd.status == "fail" or probe.status == "fail"
+
+
+ROUNDS: dict[torch.dtype, bool] = {}  # SDPA's backward rounds dP and δ to the dtype: measured as the battery does
 
 
 def bisect(caught: Callable[[float], bool]) -> float:
@@ -195,6 +199,9 @@ def main() -> int:
     families = [f for f in families if not args.families or f in args.families]
     for name in args.dtypes:
         dtype = DTYPES[name]
+        ROUNDS[dtype], note = backward_rounds_to_run_dtype(perturbed_kernel("grad", 0.0), dtype, torch.device("cpu"),
+                                                           args.seed)
+        print(f"{name}: {note}")
         for family in families:
             what = "grad" if family == "backward" else "out"
             idx = [i for i, c in enumerate(s.cases) if (c.family == family or (what == "grad" and c.family not in (
