@@ -19,7 +19,8 @@ import torch
 from tfmoe.components.comparison import cast_rounding, max_abs_err, rounding_atol
 from tfmoe.components.reference_attention import plain_attention, reference_attention
 from tfmoe.experiments.attn_check.kernel_cases import make_inputs
-from tfmoe.experiments.attn_check.kernel_judging import accumulation_atols
+from tfmoe.experiments.attn_check.kernel_judging import accumulation_atols, backward_rounds_to_run_dtype
+from tfmoe.experiments.attn_check.kernels import load_kernel
 from tfmoe.registry import EXPERIMENTS
 from tfmoe.testing import compose
 
@@ -31,9 +32,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--without-group-term", action="store_true",
+                    help="print only, per case with grouped kv heads, SDPA's dk/dv err / the limit without the group "
+                         "term (each query head's dk/dv rounded before the group sum) and with it")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]
+    rounds, note = backward_rounds_to_run_dtype(load_kernel("torch:sdpa", None, torch.device("cpu")), dtype,
+                                                torch.device("cpu"), args.seed)
+    print(note)
     s = EXPERIMENTS["attn-check"].load().settings(compose("attn-check", ["kernel=torch:sdpa", *MATRIX])).battery
     for i, case in enumerate(s.cases):
         if case.family == "dropout":
@@ -51,8 +58,9 @@ def main() -> int:
         parts: dict = {}
         scale = 1.0 / math.sqrt(case.D) if case.scale is None else case.scale
         floors = accumulation_atols(inp, ref, w, scale, dtype, out.detach().masked_fill(~inp.seen[..., None], 0.0),
-                                    parts)
-        print(case.label(), flush=True)
+                                    parts, rounds)
+        if not args.without_group_term:
+            print(case.label(), flush=True)
         for j, name in enumerate(("dq", "dk", "dv")):
             rows = inp.seen if name == "dq" else None
             r = g["ref"][j].detach()
@@ -61,6 +69,13 @@ def main() -> int:
             ours = max(rounding_atol(r, dtype, rows), cast_rounding(r, dtype, rows), floors[name])
             terms = " ".join(f"{k}={2 * v:.2g}" for k, v in parts[name].items() if v)
             gmax = float(r[rows].abs().max()) if rows is not None else float(r.abs().max())
+            if args.without_group_term:
+                if name != "dq" and case.Hkv < s.Hq:
+                    rest = 2.0 * math.hypot(*(v for k, v in parts[name].items() if k != "group"))
+                    without = 2 * perr + max(rounding_atol(r, dtype, rows), cast_rounding(r, dtype, rows), rest)
+                    print(f"seed {args.seed} {case.label()} {name}: err/limit {err / without:.2f} without the group "
+                          f"term, {err / (2 * perr + ours):.2f} with it", flush=True)
+                continue
             print(f"  {name}: err {err:.3g} plain {perr:.3g} FA plain {fa_perr:.3g} |g| {gmax:.3g}  FA atol {fa:.3g}  tfmoe atol {ours:.3g}"
                   f"  (2x terms: {terms})", flush=True)
     return 0
