@@ -23,7 +23,10 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
         if not enable_gqa:
             raise ValueError("Hkv != Hq needs enable_gqa=True")
         heads = kv_head(Hq, Hkv) if kv_head else torch.arange(Hq) // (Hq // Hkv)
-        k, v = k[:, heads], v[:, heads]
+        if normalise_last:  # as the library's adapter: repeat_interleave, whose backward sums the group at once
+            k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+        else:
+            k, v = k[:, heads], v[:, heads]
     s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D) if scale is None else scale)  # (B,Hq,Tq,Tk)
     allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
     if is_causal:
@@ -69,7 +72,8 @@ def kernel_normalises_last(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     """Correct, written as chunked kernels are (memory-efficient-attention-pytorch 0.1.6): exp(s - max) @ v divided
     by Σ exp(s - max) last, through autograd in the run dtype. Its backward rounds dP = dO·vᵀ and δ = Σ_d dO·O
     (from products rounded to the dtype) each to the dtype: a row that sees one key gets dq = scale·(fl(dP) -
-    fl(δ))·k, an ulp of δ, where the exact dq (and the plain softmax's) is 0 (F-ksens1)."""
+    fl(δ))·k, an ulp of δ, where the exact dq (and the plain softmax's) is 0 (F-ksens1). Grouped kv heads are
+    repeated as the library's adapter does (repeat_interleave: the backward sums each group at once)."""
     if dropout_p:
         raise NotImplementedError("kernel_normalises_last has no dropout")
     return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, normalise_last=True)
