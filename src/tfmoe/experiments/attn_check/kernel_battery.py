@@ -257,7 +257,7 @@ def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, ca
         o = run_dropout_case(kernel, case, inp, dtype, seed, s.dropout_seeds, rec)
         rec.metric("case_passed", float(o.status == "pass"), status=o.status, **case.tags())
         if backward and o.status == "pass":
-            bwd = run_dropout_backward(kernel, case, inp, dtype, seed, s.grad_factor, rec)
+            bwd = run_dropout_backward(kernel, case, inp, dtype, seed, s.grad_factor, rec, rounds)
     else:  # the weights first: the output's and gradients' floors are measured on them where they passed
         probe, read = run_weights_probe(kernel, case, inp, dtype, rec)
         o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, backward, s.grad_factor, rec, read,
