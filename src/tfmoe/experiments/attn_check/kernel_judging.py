@@ -135,8 +135,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, scale: float,
                        dtype: torch.dtype, stored_out: torch.Tensor | None = None,
-                      parts: dict[str, dict[str, float]] | None = None,
-                      run_dtype_intermediates: bool = True) -> dict[str, float]:
+                       parts: dict[str, dict[str, float]] | None = None,
+                       run_dtype_intermediates: bool = True) -> dict[str, float]:
     """Rounding floors for the gradients, where FlashAttention's "rounding at the reference's scale" is 0 or
     far below what any fp32-accumulating kernel can reach (eps_acc = fp32's eps, fp64's for fp64 runs;
     independent roundings add in quadrature; each floor is twice the estimate):
