@@ -35,9 +35,14 @@ def main() -> int:
     ap.add_argument("--without-group-term", action="store_true",
                     help="print only, per case with grouped kv heads, SDPA's dk/dv err / the limit without the group "
                          "term (each query head's dk/dv rounded before the group sum) and with it")
+    ap.add_argument("--row-factor", action="store_true",
+                    help="instead: SDPA's fp32 dq on the default matrix's (127, 128, 80) scale case (F-176's): per "
+                         "query row the common factor c_i (dq_i = (1 + c_i)·dq_ref_i, least squares), in eps32")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]
+    if args.row_factor:
+        return row_factor(args.seed)
     rounds, note = backward_rounds_to_run_dtype(load_kernel("torch:sdpa", None, torch.device("cpu")), dtype,
                                                 torch.device("cpu"), args.seed)
     print(note)
@@ -78,6 +83,27 @@ def main() -> int:
                 continue
             print(f"  {name}: err {err:.3g} plain {perr:.3g} FA plain {fa_perr:.3g} |g| {gmax:.3g}  FA atol {fa:.3g}  tfmoe atol {ours:.3g}"
                   f"  (2x terms: {terms})", flush=True)
+    return 0
+
+
+def row_factor(seed: int) -> int:
+    """How much of SDPA's fp32 dq error is a factor common to its row (what a uniform gradient scale looks like)."""
+    s = EXPERIMENTS["attn-check"].load().settings(compose("attn-check", ["kernel=torch:sdpa"])).battery
+    i, case = next((i, c) for i, c in enumerate(s.cases) if (c.family, c.Tq, c.Tk, c.D, c.scale) == (
+        "scale", 127, 128, 80, None))
+    inp = make_inputs(case, s.B, s.Hq, "top_left", seed, i, torch.device("cpu"), torch.float32)
+    leaves = {n: [t.detach().to(c).requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
+              for n, c in (("ref", torch.float64), ("kernel", torch.float32))}
+    ref = reference_attention(*leaves["ref"], inp.visible, inp.bias, case.scale)
+    out = sdpa(*leaves["kernel"], **inp.kwargs)
+    dq_ref = torch.autograd.grad(ref, leaves["ref"][0], inp.grad_out.double())[0]
+    dq = torch.autograd.grad(out, leaves["kernel"][0], inp.grad_out)[0].double()
+    c = ((dq - dq_ref) * dq_ref).sum(-1) / dq_ref.pow(2).sum(-1)  # (B,Hq,Tq)
+    resid = (dq - (1 + c[..., None]) * dq_ref).abs().max()
+    eps = torch.finfo(torch.float32).eps
+    print(f"seed {seed} {case.label()}: max|dq - ref| {float((dq - dq_ref).abs().max()):.3g}; row factor c_i: max "
+          f"|c_i| {float(c.abs().max()) / eps:.1f} eps32, mean {float(c.mean()) / eps:.1f} eps32; max|dq - (1 + c)·ref| "
+          f"{float(resid):.3g}")
     return 0
 
 
