@@ -19,6 +19,7 @@ kernel (its false alarm: e.g. Tk = 1, where dq = 0 exactly) is left out of its c
 
     nice -n 10 .venv/bin/python benchmarks/bench_kernel_sensitivity.py              # fp32, fp16, bf16 (minutes)
     nice -n 10 .venv/bin/python benchmarks/bench_kernel_sensitivity.py --dtypes fp32 --seed 3
+    nice -n 10 .venv/bin/python benchmarks/bench_kernel_sensitivity.py --dtypes bf16 --families backward --per-case
 
 Prints one table: family, dtype, tfmoe's ε, FlashAttention's ε, their ratio (tfmoe / FA: <= 1 is at
 FlashAttention's rule or better). Exits 1 if any ratio exceeds 1.05 (the bisection's resolution), or tfmoe fails
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 from tfmoe.experiments.attn_check.kernel_cases import make_inputs
 from tfmoe.experiments.attn_check.kernel_dropout import dropout_probe, run_dropout_case
-from tfmoe.experiments.attn_check.kernel_judging import run_case
+from tfmoe.experiments.attn_check.kernel_judging import backward_rounds_to_run_dtype, run_case
 from tfmoe.experiments.attn_check.kernel_weights import run_weights_probe
 from tfmoe.experiments.attn_check.kernels import Kernel
 from tfmoe.registry import EXPERIMENTS
@@ -158,10 +159,14 @@ def tfmoe_caught(s, case, inp, dtype, what: str, eps: float, seed: int, i: int) 
     if case.family == "dropout":
         return run_dropout_case(kernel, case, inp, dtype, seed * 1_000_003 + i, s.dropout_seeds, rec).status == "fail"
     probe, read = run_weights_probe(kernel, case, inp, dtype, rec)  # as the battery: the weights first
-    fwd, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, what == "grad", s.grad_factor, rec, read)
+    fwd, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, what == "grad", s.grad_factor, rec, read,
+                        ROUNDS[dtype])
     if what == "grad":
         return bwd is not None and bwd.status == "fail"
     return fwd.status == "fail" or probe.status == "fail"
+
+
+ROUNDS: dict[torch.dtype, bool] = {}  # SDPA's backward rounds dP and δ to the dtype: measured as the battery does
 
 
 def bisect(caught: Callable[[float], bool]) -> float:
@@ -181,6 +186,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--families", nargs="*", default=[], help="only these families (e.g. backward; default: all)")
+    ap.add_argument("--per-case", action="store_true", help="also print each case's ε under both rules")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -189,8 +196,12 @@ def main() -> int:
     print(f"{'family':18} {'dtype':5} {'cases':>5} {'tfmoe eps':>10} {'FA eps':>10} {'tfmoe/FA':>8} {'FA n/a':>6}")
     worst, bad = 0.0, []
     families = list(dict.fromkeys(c.family for c in s.cases)) + ["backward"]
+    families = [f for f in families if not args.families or f in args.families]
     for name in args.dtypes:
         dtype = DTYPES[name]
+        ROUNDS[dtype], note = backward_rounds_to_run_dtype(perturbed_kernel("grad", 0.0), dtype, torch.device("cpu"),
+                                                           args.seed)
+        print(f"{name}: {note}")
         for family in families:
             what = "grad" if family == "backward" else "out"
             idx = [i for i, c in enumerate(s.cases) if (c.family == family or (what == "grad" and c.family not in (
@@ -210,6 +221,9 @@ def main() -> int:
                 else:
                     e = fa_eps(fa_tensors(case, inp, dtype), inp.seen, [1, 2, 3] if what == "grad" else [0])
                 na += e is None
+                if args.per_case:
+                    print(f"    {case.label()}: tfmoe {ours_each[-1]:.3g}, FA {'n/a' if e is None else f'{e:.3g}'}",
+                          flush=True)
                 theirs += [] if e is None else [e]
             ours, fa = min(ours_each, default=math.inf), min(theirs, default=math.inf)
             ratio = ours / fa if math.isfinite(fa) else (0.0 if math.isfinite(ours) else math.nan)

@@ -37,7 +37,8 @@ ATTEND_POLICY = "kernel_checks.fully_masked_expect={bool:zeros,additive:nan,caus
 # (spec, extra overrides): correct kernels, never to fail a family
 CORRECT = [("torch:sdpa", ()), ("torch:sdpa-math", ()), ("torch:sdpa-flash", ()), ("torch:flex", ()),
            ("tfmoe:chunked", ()), ("buggy_kernels:plain_kernel", ()),
-           ("buggy_kernels:kernel_declares_bottom_right", ()), ("buggy_kernels:kernel_like_attend", (ATTEND_POLICY,))]
+           ("buggy_kernels:kernel_declares_bottom_right", ()), ("buggy_kernels:kernel_like_attend", (ATTEND_POLICY,)),
+           ("buggy_kernels:kernel_normalises_last", ())]
 # (spec, the families that must fail): tests/test_attn_kernels.py's PLANTED
 PLANTED = [("kernel_ignores_scale", "kernel_scale"), ("kernel_bottom_right", "kernel_causal"),
            ("kernel_gqa_modulo", "kernel_gqa"), ("kernel_ignores_bool_mask", "kernel_padding_bool"),

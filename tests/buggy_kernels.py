@@ -12,7 +12,7 @@ NOT_A_FUNCTION = 42
 
 def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *, dropout_p=0.0, kv_head=None,
             causal_offset=None, use_bool=True, use_float=True, fill_empty=True, mask_view=None, use_dropout=True,
-            rescale=True, uniform_causal_empty=False, rescale_by=None, hide_in_long_rows=False):
+            rescale=True, uniform_causal_empty=False, rescale_by=None, hide_in_long_rows=False, normalise_last=False):
     """A plain (B,Hq,Tq,D) attention, written without SDPA (dropout on the weights, torch's RNG, 1/(1-p));
     the keyword switches plant the bugs."""
     B, Hq, Tq, D = q.shape
@@ -23,7 +23,10 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
         if not enable_gqa:
             raise ValueError("Hkv != Hq needs enable_gqa=True")
         heads = kv_head(Hq, Hkv) if kv_head else torch.arange(Hq) // (Hq // Hkv)
-        k, v = k[:, heads], v[:, heads]
+        if normalise_last:  # as the library's adapter: repeat_interleave, whose backward sums the group at once
+            k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+        else:
+            k, v = k[:, heads], v[:, heads]
     s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D) if scale is None else scale)  # (B,Hq,Tq,Tk)
     allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
     if is_causal:
@@ -40,6 +43,11 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
         n = vis.sum(dim=-1, keepdim=True)
         lowest = torch.nn.functional.one_hot(s.masked_fill(~vis, float("inf")).argmin(dim=-1), s.shape[-1]).bool()
         s = s.masked_fill(lowest & (n >= 128), float("-inf"))
+    if normalise_last:  # correct: exp(s - max) @ v, divided by Σ exp last; rows that see no key -> 0
+        empty = torch.isinf(s).all(dim=-1, keepdim=True)
+        s = s.masked_fill(empty, 0.0)
+        e = torch.exp(s - s.amax(dim=-1, keepdim=True).detach())
+        return ((e @ v) / e.sum(dim=-1, keepdim=True)).masked_fill(empty, 0.0)
     if fill_empty:
         empty = torch.isinf(s).all(dim=-1, keepdim=True)
         w = torch.softmax(s.masked_fill(empty, 0.0), dim=-1)
@@ -58,6 +66,17 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
 def plain_kernel(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """Correct: softmax(q kᵀ·scale + mask) v, fully masked rows -> 0 (SDPA's policy)."""
     return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
+
+
+def kernel_normalises_last(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Correct, written as chunked kernels are (memory-efficient-attention-pytorch 0.1.6): exp(s - max) @ v divided
+    by Σ exp(s - max) last, through autograd in the run dtype. Its backward rounds dP = dO·vᵀ and δ = Σ_d dO·O
+    (from products rounded to the dtype) each to the dtype: a row that sees one key gets dq = scale·(fl(dP) -
+    fl(δ))·k, an ulp of δ, where the exact dq (and the plain softmax's) is 0 (F-206). Grouped kv heads are
+    repeated as the library's adapter does (repeat_interleave: the backward sums each group at once)."""
+    if dropout_p:
+        raise NotImplementedError("kernel_normalises_last has no dropout")
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, normalise_last=True)
 
 
 def kernel_ignores_scale(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

@@ -132,6 +132,45 @@ def test_bf16_backward_may_form_delta_from_its_stored_output():
     assert failed(checks) == {"kernel_backward"}
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_backward_may_round_dp_and_delta_to_the_run_dtype(dtype):
+    """memory-efficient-attention-pytorch 0.1.6 (experiments/zoo.md, F-206): exp(s - max) @ v divided by the sum
+    last, autograd in bf16, failed kernel_backward at Tq = 1, Tk = 239, causal: one visible key, so the exact dq
+    and the plain softmax backward's are 0, but its dP = dO·vᵀ and δ = Σ dO·O are each rounded to bf16 and
+    dq = scale·(fl(dP) - fl(δ))·k is an ulp of δ (0.033). tests/buggy_kernels.py's kernel_normalises_last is
+    written the same way: before the dq/dk floor carried that rounding it failed the Tq = 1 causal case in bf16 and
+    fp16 (dq 2.8e-3 vs a limit of 2.7e-6 in bf16); it passes, and a wrong gradient still fails. The term is
+    applied where a one-key probe measures it (SDPA keeps dP and δ in fp32: its floors stay as sharp as before)."""
+    checks, rec = battery("buggy_kernels:kernel_normalises_last", f"dtype={dtype}")
+    assert not failed(checks), {n: checks[n].detail for n in failed(checks)}
+    assert any("the backward rounds dP and δ to" in n for n in rec.notes), rec.notes
+    one_key = [r for r in rec.metrics_rows if r["name"] == "err" and r["tensor"] in ("dq", "dk") and r["Tq"] == 1
+               and r["mask"] == "causal"]
+    assert one_key and all(r["plain_err"] == 0 for r in one_key) and all(r["value"] > 0 for r in one_key)
+    checks, _ = battery("buggy_kernels:kernel_wrong_grad", f"dtype={dtype}")
+    assert failed(checks) == {"kernel_backward"}
+
+
+@pytest.mark.parametrize("kernel", ["torch:sdpa", "buggy_kernels:plain_kernel"])
+def test_one_key_probe_finds_no_run_dtype_rounding_in_an_fp32_backward(kernel):
+    """The probe behind the rule above: SDPA (its flash backward keeps dP and δ in fp32) and the plain softmax
+    backward give |dq| within the fp32-sized floor on rows that see one key in bf16, so their floors do not carry
+    the run dtype's rounding; kernel_normalises_last's |dq| is bf16-sized there. Tk = 1 would not show it: such a
+    kernel's dP and δ then round alike."""
+    from buggy_kernels import kernel_normalises_last
+
+    from tfmoe.experiments.attn_check.kernel_judging import backward_rounds_to_run_dtype
+    from tfmoe.experiments.attn_check.kernels import Kernel, load_kernel
+
+    cpu = torch.device("cpu")
+    for seed in range(3):
+        rounds, note = backward_rounds_to_run_dtype(load_kernel(kernel, None, cpu), torch.bfloat16, cpu, seed)
+        assert not rounds, note
+        rounds, note = backward_rounds_to_run_dtype(Kernel("n", kernel_normalises_last, None, "top_left"),
+                                                    torch.bfloat16, cpu, seed)
+        assert rounds, note
+
+
 def test_fp16_gqa_backward_may_round_each_query_heads_gradient_before_the_group_sum():
     """benchmarks/kernel_seed_sweep.py, fp16, seed 10 (SDPA and SDPA-flash's false alarm, 2 of 50 seeds): with one
     kv head (MQA) at (Tq=7, Tk=5, D=8, bool_structured) SDPA's dv erred 8.3e-3 vs the limit 7.0e-3 (the plain

@@ -12,7 +12,13 @@ from tfmoe import capabilities
 from tfmoe.errors import AdapterError, BadInput
 from tfmoe.experiments.attn_check.kernel_cases import ADDITIVE, FAMILIES, PROBES, Case, make_inputs
 from tfmoe.experiments.attn_check.kernel_dropout import run_dropout_backward, run_dropout_case
-from tfmoe.experiments.attn_check.kernel_judging import Outcome, battery_fault, missing_params, run_case
+from tfmoe.experiments.attn_check.kernel_judging import (
+    Outcome,
+    backward_rounds_to_run_dtype,
+    battery_fault,
+    missing_params,
+    run_case,
+)
 from tfmoe.experiments.attn_check.kernel_weights import run_weights_probe
 from tfmoe.experiments.attn_check.kernels import Kernel, load_kernel
 from tfmoe.memory import available_memory_bytes
@@ -177,6 +183,10 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
     if s.module_keys_set:
         rec.note("kernel mode ignores the module-mode keys (impl, B, T, d_model, ...)")
 
+    rounds = True
+    if "backward" not in decl.lacks:
+        rounds, note = backward_rounds_to_run_dtype(kernel, dtype, device, rec.seed)
+        rec.note(note)
     verdict: dict[str, str] = {}
     outcomes: dict[str, list[Outcome]] = {f: [] for f in FAMILIES}
     policies: dict[str, set[str]] = {}
@@ -194,7 +204,7 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
                 case = s.cases[i]
                 try:
                     o = _judge_case(s, rec, kernel, align, case, i, verdict, policies, backward_outcomes,
-                                    weights_outcomes, decl)
+                                    weights_outcomes, decl, rounds)
                 except (BadInput, AdapterError):
                     raise
                 except Exception as exc:  # outside the kernel's call: the battery's own error, never the kernel's
@@ -225,9 +235,10 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
 
 def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, case: Case, i: int,
                 verdict: dict[str, str], policies: dict[str, set[str]], backward_outcomes: dict[int, Outcome],
-                weights_outcomes: dict[int, Outcome], decl: capabilities.Declared) -> Outcome:
+                weights_outcomes: dict[int, Outcome], decl: capabilities.Declared, rounds: bool = True) -> Outcome:
     """One case of the matrix: blocked, skipped, not applicable (declared), or run and judged; then its probes
-    (the backward, and the weights read through a one-hot v) into backward_outcomes and weights_outcomes."""
+    (the backward, and the weights read through a one-hot v) into backward_outcomes and weights_outcomes.
+    ``rounds``: the backward rounds dP and δ to the run dtype (kernel_judging.backward_rounds_to_run_dtype)."""
     family, device, dtype = case.family, rec.device, rec.dtype
     blocked = [p for p in prerequisites(case, s.Hq) if verdict.get(p) in UNMET]
     inp = make_inputs(case, s.B, s.Hq, align, rec.seed, i, device, dtype)
@@ -246,10 +257,11 @@ def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, ca
         o = run_dropout_case(kernel, case, inp, dtype, seed, s.dropout_seeds, rec)
         rec.metric("case_passed", float(o.status == "pass"), status=o.status, **case.tags())
         if backward and o.status == "pass":
-            bwd = run_dropout_backward(kernel, case, inp, dtype, seed, s.grad_factor, rec)
+            bwd = run_dropout_backward(kernel, case, inp, dtype, seed, s.grad_factor, rec, rounds)
     else:  # the weights first: the output's and gradients' floors are measured on them where they passed
         probe, read = run_weights_probe(kernel, case, inp, dtype, rec)
-        o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, backward, s.grad_factor, rec, read)
+        o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, backward, s.grad_factor, rec, read,
+                          rounds)
         if o.policy != "none":
             policies.setdefault(case.mask, set()).add(o.policy)
         rec.metric("case_passed", float(o.status == "pass"), status=o.status, policy=o.policy, **case.tags())

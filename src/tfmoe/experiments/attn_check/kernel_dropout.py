@@ -138,13 +138,14 @@ def dropout_probe(inp: CaseInputs, case: Case, dtype: torch.dtype) -> tuple[torc
 
 
 def run_dropout_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, seed: int,
-                         factor: float, rec: Recorder) -> Outcome:
+                         factor: float, rec: Recorder, run_dtype_intermediates: bool = True) -> Outcome:
     """The dropout case's dq, dk, dv, judged against the fp64 reference *with the kernel's own mask*.
 
     One call under torch seed ``seed`` with autograd on; its output on the one-hot probe reads that call's mask
     exactly (out·(1-p)/P is 0 or 1 per weight, as the forward check showed); the reference's gradients are those
     of (P∘mask/(1-p))·v, the plain same-dtype implementation's likewise, and FlashAttention's rule (``factor``,
-    the accumulation floors) judges the kernel's. A backward that draws a fresh mask, or none, differs by O(1)."""
+    the accumulation floors) judges the kernel's. A backward that draws a fresh mask, or none, differs by O(1).
+    ``run_dtype_intermediates``: the backward rounds dP and δ to the run dtype (the battery's one-key probe)."""
     p, Tk = case.dropout_p, case.Tk
     q0, k0, v0 = dropout_probe(inp, case, dtype)
     probe = replace(inp, q=q0, k=k0, v=v0)
@@ -176,7 +177,8 @@ def run_dropout_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: tor
     plain = (pw * keep.to(dtype) / (1.0 - p)) @ pv[:, heads]
     ref_g = torch.autograd.grad(ref, ref_leaves, inp.grad_out.double())
     plain_g = torch.autograd.grad(plain, plain_leaves, inp.grad_out)
-    floors = accumulation_atols(probe, ref.detach(), (w * keep / (1.0 - p)).detach(), scale, dtype)
+    floors = accumulation_atols(probe, ref.detach(), (w * keep / (1.0 - p)).detach(), scale, dtype,
+                                run_dtype_intermediates=run_dtype_intermediates)
     bad, worst = [], (0.0, "")
     for i, name in enumerate(("dq", "dk", "dv")):
         j = judge(got[i], ref_g[i], plain_g[i], dtype, factor)

@@ -20,7 +20,12 @@ from typing import Any
 import torch
 
 from tfmoe.components.comparison import Comparison, classify_rows, judge, max_abs_err
-from tfmoe.components.reference_attention import kv_head_index, plain_attention, reference_attention
+from tfmoe.components.reference_attention import (
+    causal_visibility,
+    kv_head_index,
+    plain_attention,
+    reference_attention,
+)
 from tfmoe.errors import AdapterError, ContractError
 from tfmoe.experiments.attn_check.kernel_cases import POLICIES, Case, CaseInputs
 from tfmoe.experiments.attn_check.kernels import BUILTINS, Kernel
@@ -129,7 +134,9 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, scale: float,
-                       dtype: torch.dtype, stored_out: torch.Tensor | None = None) -> dict[str, float]:
+                       dtype: torch.dtype, stored_out: torch.Tensor | None = None,
+                       parts: dict[str, dict[str, float]] | None = None,
+                       run_dtype_intermediates: bool = True) -> dict[str, float]:
     """Rounding floors for the gradients, where FlashAttention's "rounding at the reference's scale" is 0 or
     far below what any fp32-accumulating kernel can reach (eps_acc = fp32's eps, fp64's for fp64 runs;
     independent roundings add in quadrature; each floor is twice the estimate):
@@ -160,7 +167,9 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
       each per-head gradient rounded to the run's dtype first (FlashAttention 2's interface for MQA/GQA sums
       ``dk_expanded``/``dv_expanded`` over the group): ≤ (eps_dtype/2)·Σ_h |g_h| per element, the group's
       per-head gradients measured on the reference (SDPA fp16, MQA, seed 10 of the reduced matrix: dv 1.18x the
-      limit without this term)."""
+      limit without this term).
+    - ``run_dtype_intermediates``: the backward rounds dP and δ to the run dtype (below; detected by
+      :func:`backward_rounds_to_run_dtype`, True where not measured)."""
     acc = accumulation_dtype(dtype)
     eps = torch.finfo(acc).eps
     d_o, o = inp.grad_out.double(), ref_out.detach()
@@ -176,7 +185,8 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
     dv = eps * math.sqrt(Hq // Hkv * Tq) * float(p2.max().sqrt()) * float(inp.grad_out.double().abs().max())
     heads = kv_head_index(Hq, Hkv, w.device)
     k_h, v_h = inp.k.double()[:, heads], inp.v.double()[:, heads]  # (B,Hq,Tk,D)
-    d_s = w * (d_o @ v_h.transpose(-2, -1) - (d_o * o).sum(dim=-1, keepdim=True))  # dS = P∘(dP - δ), (B,Hq,Tq,Tk)
+    d_p, delta = d_o @ v_h.transpose(-2, -1), (d_o * o).sum(dim=-1, keepdim=True)  # (B,Hq,Tq,Tk), (B,Hq,Tq,1)
+    d_s = w * (d_p - delta)  # dS = P∘(dP - δ), (B,Hq,Tq,Tk)
     D = inp.q.shape[-1]
     # a fast exp's relative error u per recomputed weight, common to a row, bounded a priori: the forward's weights,
     # read exactly, cannot show it (the forward normalises by its own sum, the backward recomputes P from the
@@ -199,6 +209,19 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
         dq_o = scale * float((e_own * (w @ k_h)).abs().max())
         dk_o = scale * float(((w * e_own).transpose(-2, -1) @ inp.q.double()).reshape(B, Hkv, -1, Tk, D)
                              .sum(dim=2).abs().max())
+    # dP and δ each rounded to the run dtype (a kernel whose backward keeps its intermediates in it: autograd through
+    # exp, sum and divide in bf16, F-206): dS_ij = P_ij·(fl(dP_ij) - fl(δ_i)). The plain softmax backward forms
+    # its δ from its own rounded dP (δ = Σ_k P_ik·fl(dP_ik)), so its error carries each dP_ij's rounding but not the
+    # row-common difference c_i = Σ_k P_ik·(fl(dP_ik) - dP_ik) - (fl(δ_i) - δ_i), which is exactly what such a
+    # kernel adds (a row that sees one key: the plain implementation's dq is exactly 0, the kernel's fl(dP) - fl(δ)
+    # is an ulp). Estimated in quadrature (u = eps_dtype/2; δ summed from products each rounded to the dtype):
+    # c_i ≈ u·(Σ_k (P_ik·dP_ik)² + δ_i² + Σ_d (dO_id·O_id)²)^½, propagated as a row-common error of δ.
+    unit = torch.finfo(dtype).eps / 2 if run_dtype_intermediates else 0.0
+    c = unit * ((w * d_p).pow(2).sum(dim=-1, keepdim=True) + delta.pow(2)
+                + (d_o * o).pow(2).sum(dim=-1, keepdim=True)).sqrt()  # (B,Hq,Tq,1)
+    dq_r = scale * float((c * (w @ k_h)).abs().max())
+    dk_r = scale * float(((w * c).pow(2).transpose(-2, -1) @ inp.q.double().pow(2)).reshape(B, Hkv, -1, Tk, D)
+                         .sum(dim=2).max().sqrt())
     dk_g = dv_g = 0.0
     if Hq > Hkv:  # each query head's dk_h, dv_h rounded to the dtype before the group's sum
         half_eps = torch.finfo(dtype).eps / 2
@@ -206,8 +229,48 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
         dv_heads = w.transpose(-2, -1) @ d_o  # (B,Hq,Tk,D)
         dk_g = half_eps * float(dk_heads.abs().reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
         dv_g = half_eps * float(dv_heads.abs().reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
-    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s, dq_o), "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g, dk_o),
+    if parts is not None:  # each term, for diagnosis (benchmarks/bench_kernel_sensitivity.py --per-case)
+        parts.update(dq=dict(acc=dq, fast_exp=dq_p, scores=dq_s, own_out=dq_o, run_dtype=dq_r),
+                     dk=dict(acc=dk, fast_exp=dk_p, scores=dk_s, group=dk_g, own_out=dk_o, run_dtype=dk_r),
+                     dv=dict(acc=dv, fast_exp=dv_p, scores=dv_s, group=dv_g))
+    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s, dq_o, dq_r),
+            "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g, dk_o, dk_r),
             "dv": 2.0 * math.hypot(dv, dv_p, dv_s, dv_g)}
+
+
+def backward_rounds_to_run_dtype(kernel: Kernel, dtype: torch.dtype, device: torch.device, seed: int
+                                 ) -> tuple[bool, str]:
+    """Whether the kernel's backward rounds dP = dO·vᵀ and δ to the run dtype (then the dq/dk floors carry that
+    rounding, :func:`accumulation_atols`), measured on one causal probe (B = 2, H = 8, Tq = Tk = 16, D = 32: the
+    first query of each head sees exactly one key, in either alignment), where the exact dq is 0 and a backward
+    that forms dS = P∘(dP - δ) from dP and δ kept in fp32 (SDPA, FlashAttention) stays within the fp32-sized
+    floors. Larger: it rounds them (a chunked kernel dividing last through autograd in the dtype, F-206; with
+    Tk = 1 such a kernel's dP and δ round alike, so the probe has more keys than the row sees). A probe that
+    raises counts as rounding (the looser floor: never a false alarm from not knowing). Returns the verdict and a
+    note saying what was seen."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 999_983)
+    B, H, T, D = 2, 8, 16, 32
+    q, k, v, d_o = (torch.randn(B, H, T, D, generator=g).to(device=device, dtype=dtype) for _ in range(4))
+    visible = causal_visibility(T, T, "top_left", device)[None, None]
+    inp = CaseInputs(q, k, v, d_o, {"is_causal": True}, visible, None, torch.ones(B, H, T, dtype=torch.bool,
+                                                                                     device=device))
+    try:
+        mine = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = call_kernel(kernel, inp, *mine)
+        dq = enter_backward(out, mine, d_o)[0]
+    except Exception as exc:  # any failure of the probe leaves the looser floor on
+        return True, f"kernel_backward: the one-key probe raised {_raised(exc)}: the dq/dk floors assume the " \
+                     "backward rounds dP and δ to the run dtype"
+    ref, w = reference_attention(q.double(), k.double(), v.double(), visible, None, None, return_weights=True)
+    first = CaseInputs(q[:, :, :1], k, v, d_o[:, :, :1], {}, None, None, inp.seen[:, :, :1])  # the one-key rows
+    floor = accumulation_atols(first, ref[:, :, :1], w[:, :, :1], D ** -0.5, dtype, out.detach()[:, :, :1],
+                               run_dtype_intermediates=False)["dq"]
+    err = float(dq[:, :, 0].double().abs().max())  # the exact dq of a row that sees one key is 0
+    rounds = not err <= floor
+    return rounds, (f"kernel_backward: rows that see one key (exact dq = 0) give |dq| {err:.3g} (fp32-sized floor "
+                    f"{floor:.3g}): the backward "
+                    + (f"rounds dP and δ to {str(dtype).removeprefix('torch.')}; the dq/dk floors carry that"
+                       if rounds else "keeps dP and δ at fp32 or better; the dq/dk floors leave that rounding out"))
 
 
 def measured_weights_atol(inp: CaseInputs, weights: torch.Tensor, kernel_weights: torch.Tensor) -> float:
@@ -245,8 +308,8 @@ def reordered_yardstick(inp: CaseInputs, case: Case, plain: torch.Tensor, ref: t
 
 
 def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, expect: dict[str, tuple[str, ...]],
-             backward: bool, grad_factor: float, rec: Recorder, kernel_weights: torch.Tensor | None = None
-             ) -> tuple[Outcome, Outcome | None]:
+             backward: bool, grad_factor: float, rec: Recorder, kernel_weights: torch.Tensor | None = None,
+             run_dtype_intermediates: bool = True) -> tuple[Outcome, Outcome | None]:
     """One case: the forward (kernel vs reference on rows that see a key; on rows that see none, in every
     family, the policy declared for the case's kind of row: ``expect[case.row_kind]``), then — if the forward
     passed and backward is on — dq (rows that see a key), dk, dv."""
@@ -296,7 +359,8 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
     if not backward or fwd.status != "pass":
         return fwd, None
     floors = accumulation_atols(inp, ref, weights, 1.0 / math.sqrt(case.D) if case.scale is None else case.scale,
-                                dtype, stored_out=out.masked_fill(~inp.seen[..., None], 0.0))
+                                dtype, stored_out=out.masked_fill(~inp.seen[..., None], 0.0),
+                                run_dtype_intermediates=run_dtype_intermediates)
     return fwd, run_backward(kernel, case, inp, dtype, grad_factor, ref, plain, leaves, tensors, floors, rec,
                              nan_rows=policy == "nan")
 
