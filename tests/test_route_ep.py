@@ -317,14 +317,8 @@ def test_lib_fairscale_refused_in_one_line_where_it_cannot_run():
             check_lib("lib:fairscale", *args)
 
 
-def test_lib_fairscale_passes_and_its_gumbel_noise_fails_the_output_check():
-    """fairscale 0.4.13's MOELayer at W=2 against its own documented semantics (capacity 2T/E per rank, weights
-    renormalised over the kept, capacity-padded All-to-Alls); with its gate's Gumbel noise left on it fails.
-    Runs where fairscale is installed (scripts/test-ep-libs.sh); skipped in the main venv."""
-    pytest.importorskip("fairscale.nn.moe", reason="fairscale is not installed (scripts/test-ep-libs.sh)")
-    cfg = compose("route-sim", ["ep_size=2", "tokens=128", "steps=0"])
-    s = route_sim.settings(cfg)
-    spec = ep.spec_for(s, 0, "fp32", ["lib:fairscale", "buggy_ep:FairscaleGumbel"])
+def _launch_and_judge(cfg, spec: dict) -> tuple[dict, dict]:
+    """Run ``spec`` at W = 2 from tests/ (where buggy_ep lives); each layer's records judged by its own recorder."""
     old = os.getcwd()
     os.chdir(TESTS)
     try:
@@ -336,6 +330,18 @@ def test_lib_fairscale_passes_and_its_gumbel_noise_fails_the_output_check():
         rec = make_recorder(cfg)
         ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"])
         recs[layer["label"]] = rec
+    return result, recs
+
+
+def test_lib_fairscale_passes_and_its_gumbel_noise_fails_the_output_check():
+    """fairscale 0.4.13's MOELayer at W=2 against its own documented semantics (capacity 2T/E per rank, weights
+    renormalised over the kept, capacity-padded All-to-Alls); with its gate's Gumbel noise left on it fails.
+    Runs where fairscale is installed (scripts/test-ep-libs.sh); skipped in the main venv."""
+    pytest.importorskip("fairscale.nn.moe", reason="fairscale is not installed (scripts/test-ep-libs.sh)")
+    cfg = compose("route-sim", ["ep_size=2", "tokens=128", "steps=0"])
+    s = route_sim.settings(cfg)
+    spec = ep.spec_for(s, 0, "fp32", ["lib:fairscale", "buggy_ep:FairscaleGumbel"])
+    result, recs = _launch_and_judge(cfg, spec)
     own = recs["lib:fairscale"]
     assert failed(own) == set(), [(c.check, c.observed, c.threshold) for c in own.checks_rows if not c.passed]
     assert {c.check.removeprefix("ep.") for c in own.checks_rows if c.applicable} == {
@@ -390,17 +396,7 @@ def test_lib_deepspeed_passes_and_its_2nd_expert_sampling_fails_the_output_check
     cfg = compose("route-sim", ["ep_size=2", "tokens=100", "capacity_factor=1.2", "steps=0"])
     s = route_sim.settings(cfg)
     spec = ep.spec_for(s, 0, "fp32", ["lib:deepspeed", "buggy_ep:DeepspeedSampling"], dropless=("lib:deepspeed",))
-    old = os.getcwd()
-    os.chdir(TESTS)
-    try:
-        result = ep.launch(spec, 2)
-    finally:
-        os.chdir(old)
-    recs = {}
-    for layer in spec["layers"]:
-        rec = make_recorder(cfg)
-        ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"])
-        recs[layer["label"]] = rec
+    result, recs = _launch_and_judge(cfg, spec)
     judged = {"output", "grad_input", "grad_router", "grad_experts", "a2a_bytes"}
     for label in ("lib:deepspeed", "lib:deepspeed@dropless"):
         rec = recs[label]
