@@ -89,11 +89,11 @@ def test_the_mismatch_is_exit_2_in_one_line_on_every_task_and_writes_nothing(tmp
 def test_outside_slurm_a_task_serves_nothing(monkeypatch) -> None:
     for key in TASK1:
         monkeypatch.delenv(key, raising=False)
-    assert ep_slurm.serve_peer(compose("route-sim", ["ep_size=2"])) is None
+    assert route_sim.serve_peer(compose("route-sim", ["ep_size=2"])) is None
     monkeypatch.setenv("SLURM_STEP_ID", "0")
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
-    assert ep_slurm.serve_peer(compose("route-sim", ["ep_size=2"])) is None  # task 0 runs the recipe itself
+    assert route_sim.serve_peer(compose("route-sim", ["ep_size=2"])) is None  # task 0 runs the recipe itself
 
 
 @pytest.fixture

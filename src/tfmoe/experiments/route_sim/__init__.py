@@ -33,11 +33,12 @@ from tfmoe.adapters.moe_layers import LayerSizes
 from tfmoe.components import moe
 from tfmoe.errors import BadInput
 from tfmoe.experiments.route_sim import course as route_course
+from tfmoe.experiments.route_sim import ep_slurm as route_ep_slurm
 from tfmoe.experiments.route_sim import expert_parallel as route_ep
 from tfmoe.experiments.route_sim import layer as route_layer
 from tfmoe.experiments.route_sim import training as route_training
 from tfmoe.experiments.route_sim.course import CourseResult
-from tfmoe.experiments.route_sim.ep_slurm import check_tasks, serve_peer  # ep_size=W across SLURM tasks
+from tfmoe.experiments.route_sim.ep_slurm import check_tasks  # ep_size=W across SLURM tasks
 from tfmoe.experiments.route_sim.plots import sweep_plots, training_plots
 from tfmoe.experiments.route_sim.settings import LayerSettings, Settings
 from tfmoe.experiments.route_sim.training import StrategyTrace
@@ -271,6 +272,12 @@ def summary(s: Settings, course: CourseResult, traces: dict[str, StrategyTrace])
             "under every strategy; it is trained on only under `aux_loss`.",
         ]
     return "\n".join(lines)
+
+
+def serve_peer(cfg: DictConfig) -> int | None:
+    """In a non-zero task of a SLURM step running route-sim ``ep_size=W``: serve as that task's rank of task 0's run
+    and return the exit code; None in every other process (the harness's hook, ``ep_slurm.serve_peer``)."""
+    return route_ep_slurm.serve_peer(cfg, settings)
 
 
 __all__ = ["Settings", "settings", "run", "sweep_plots", "layer_settings", "summary", "tag_values", "serve_peer",

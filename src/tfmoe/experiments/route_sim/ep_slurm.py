@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,7 +142,7 @@ def worker_env(step: SlurmStep, timeout_s: float) -> dict[str, str]:
 # ------------------------------------------------------------------------------------------ task 0: the recipe
 def launch(spec: dict[str, Any], step: SlurmStep) -> dict[str, Any]:
     """Task 0: run rank 0's worker (the other ranks are the step's other tasks); its gathered records."""
-    from tfmoe.experiments.route_sim.expert_parallel import launch as run_workers
+    from tfmoe.experiments.route_sim.ep_launch import launch as run_workers
 
     return run_workers(spec, step.world, worker_cmd=WORKER_CMD,
                        worker_env=worker_env(step, spec["timeout_s"]),
@@ -163,9 +163,10 @@ def failure_line(stderr: str, code: int, world: int, step: SlurmStep) -> str:
 
 
 # ------------------------------------------------------------------------------------------ tasks 1..W-1
-def serve_peer(cfg: Any) -> int | None:
+def serve_peer(cfg: Any, settings_of: Callable[[Any], Any]) -> int | None:
     """In a non-zero task of a multi-task SLURM step running route-sim: serve as this task's rank of task 0's run
-    and return the exit code (no run directory: task 0 writes it). None in every other process."""
+    and return the exit code (no run directory: task 0 writes it). None in every other process. ``settings_of``
+    is the recipe's own ``settings`` (a part never imports its recipe)."""
     from tfmoe.errors import BadInput, Terminated
     from tfmoe.status import Status, signal_exit_code
 
@@ -173,15 +174,13 @@ def serve_peer(cfg: Any) -> int | None:
     if step is None or step.rank == 0:
         return None
     try:
-        from tfmoe.experiments import route_sim
-
-        s = route_sim.settings(cfg)  # the same validation as task 0 (ep_size = the step's tasks: check_world)
+        s = settings_of(cfg)  # the same validation as task 0 (ep_size = the step's tasks: check_world)
         if s.ep.size == 1:
             return None
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return Status.ERROR.exit_code
-    from tfmoe.experiments.route_sim.expert_parallel import STARTUP_S, stop
+    from tfmoe.experiments.route_sim.ep_launch import STARTUP_S, stop
 
     bound = STARTUP_S + s.ep.timeout_s * (s.ep.steps + 4)  # as task 0 bounds its worker (one layer)
     proc = subprocess.Popen(WORKER_CMD, env=worker_env(step, s.ep.timeout_s),
@@ -204,7 +203,7 @@ def watch(proc: subprocess.Popen, step: SlurmStep, bound: float) -> int:
     because it ran past ``bound`` seconds."""
     import socket
 
-    from tfmoe.experiments.route_sim.expert_parallel import stop
+    from tfmoe.experiments.route_sim.ep_launch import stop
 
     start, seen, gone = time.monotonic(), False, None
     while True:
@@ -271,8 +270,8 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    from tfmoe.experiments.route_sim.ep_launch import STARTUP_S
     from tfmoe.experiments.route_sim.ep_worker import SPEC_ENV, emit, run_rank
-    from tfmoe.experiments.route_sim.expert_parallel import STARTUP_S
 
     torch.set_num_threads(1)
     store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=STARTUP_S)))
