@@ -21,6 +21,7 @@ import pytest
 
 from tfmoe.errors import BadInput
 from tfmoe.experiments import route_sim
+from tfmoe.experiments.route_sim import ep_launch
 from tfmoe.experiments.route_sim import expert_parallel as ep
 from tfmoe.testing import compose, make_recorder, run_cli
 
@@ -178,8 +179,8 @@ def test_bad_ep_size_is_exit_2_in_one_line(tmp_path):
 def test_failure_line_names_the_rank():
     stderr = ("...\nRoot Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
               "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 12)\n")
-    assert ep.failure_line(stderr, 1, 2) == "expert-parallel worker rank 1 of 2 failed (killed by SIGKILL)"
-    assert "a rank of 4" in ep.failure_line("", 1, 4)
+    assert ep_launch.failure_line(stderr, 1, 2) == "expert-parallel worker rank 1 of 2 failed (killed by SIGKILL)"
+    assert "a rank of 4" in ep_launch.failure_line("", 1, 4)
 
 
 def test_capacity_rule_is_exact():
