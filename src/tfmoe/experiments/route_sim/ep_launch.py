@@ -90,8 +90,15 @@ def failure_line(stderr: str, code: int, world: int) -> str:
     what = ""
     if exitcode:
         n = int(exitcode.group(1))
-        what = f"killed by {signal.Signals(-n).name}" if n < 0 and -n in signal.valid_signals() else f"exit {n}"
+        what = how_ended(n)
     errors = [ln.strip() for ln in stderr.splitlines() if re.match(r"\s*\w+(Error|Exception)\b.*:", ln)]
     last = f"; last error: {errors[-1][:240]}" if errors else ""
     who = f"rank {rank.group(1)} of {world}" if rank else f"a rank of {world} (torch.distributed.run exit {code})"
     return f"expert-parallel worker {who} failed ({what or 'no exit code'}){last}"
+
+
+def how_ended(code: int) -> str:
+    """A process's return code in words: 'killed by SIGKILL' (negative: the signal), else 'exit N'."""
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
+    return f"exit {code}"

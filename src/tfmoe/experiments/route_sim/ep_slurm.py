@@ -151,12 +151,13 @@ def launch(spec: dict[str, Any], step: SlurmStep) -> dict[str, Any]:
 
 def failure_line(stderr: str, code: int, world: int, step: SlurmStep) -> str:
     """One line: what rank 0's worker named (FAILED_MARK), else how it ended and its last error."""
+    from tfmoe.experiments.route_sim.ep_launch import how_ended
+
     named = [ln[len(FAILED_MARK):].strip() for ln in stderr.splitlines() if ln.startswith(FAILED_MARK)]
     where = f"SLURM job {step.job_id} step {step.step_id}"
     if named:
         return f"expert-parallel {named[-1][:400]} ({where})"
-    what = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() else \
-        f"exit {code}"
+    what = how_ended(code)
     errors = [ln.strip() for ln in stderr.splitlines() if re.match(r"\s*[\w.]+(Error|Exception)\b.*:", ln)]
     last = f"; last error: {errors[-1][:240]}" if errors else ""
     return f"expert-parallel worker rank 0 of {world} failed ({what}){last} ({where})"
@@ -180,7 +181,7 @@ def serve_peer(cfg: Any, settings_of: Callable[[Any], Any]) -> int | None:
     except BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return Status.ERROR.exit_code
-    from tfmoe.experiments.route_sim.ep_launch import STARTUP_S, stop
+    from tfmoe.experiments.route_sim.ep_launch import STARTUP_S, how_ended, stop
 
     bound = STARTUP_S + s.ep.timeout_s * (s.ep.steps + 4)  # as task 0 bounds its worker (one layer)
     proc = subprocess.Popen(WORKER_CMD, env=worker_env(step, s.ep.timeout_s),
@@ -191,8 +192,7 @@ def serve_peer(cfg: Any, settings_of: Callable[[Any], Any]) -> int | None:
         stop(proc)
         return signal_exit_code(getattr(exc, "signum", signal.SIGINT))
     if code < 0:
-        report_death(step, f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals()
-                     else f"signal {-code}")
+        report_death(step, how_ended(code))
         return signal_exit_code(-code)
     return 0 if code == 0 else Status.CRASHED.exit_code
 
