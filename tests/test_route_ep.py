@@ -57,18 +57,7 @@ def judged(tmp_path_factory):
     impls = ["own", *(f"buggy_ep:{name}" for name in PLANTED), "buggy_ep:RaisesInForward", "buggy_ep:OddExperts"]
     spec = ep.spec_for(s, 0, "fp32", impls, dropless=("own", "buggy_ep:EveryExpert"),
                        noisy=("own", "buggy_ep:NoisyOwnRng"))
-    old = os.getcwd()
-    os.chdir(TESTS)  # buggy_ep importable by the workers, as a user's module beside them
-    try:
-        result = ep.launch(spec, 2)
-    finally:
-        os.chdir(old)
-    recs = {}
-    for layer in spec["layers"]:
-        rec = make_recorder(cfg)
-        ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"],
-                 noisy=layer.get("noisy", False))
-        recs[layer["label"]] = rec
+    result, recs = _launch_and_judge(cfg, spec)
     recs["__launch__"] = (cfg, spec, result)
     return recs
 
@@ -319,7 +308,8 @@ def test_lib_fairscale_refused_in_one_line_where_it_cannot_run():
 
 
 def _launch_and_judge(cfg, spec: dict) -> tuple[dict, dict]:
-    """Run ``spec`` at W = 2 from tests/ (where buggy_ep lives); each layer's records judged by its own recorder."""
+    """Run ``spec`` at W = 2 from tests/ (buggy_ep importable by the workers, as a user's module beside them); each
+    layer's records judged by its own recorder (with noise where the spec asked for it)."""
     old = os.getcwd()
     os.chdir(TESTS)
     try:
@@ -329,7 +319,8 @@ def _launch_and_judge(cfg, spec: dict) -> tuple[dict, dict]:
     recs = {}
     for layer in spec["layers"]:
         rec = make_recorder(cfg)
-        ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"])
+        ep.judge([r[layer["label"]] for r in result["ranks"]], result["world"], spec, rec, layer["capacity_factor"],
+                 noisy=layer.get("noisy", False))
         recs[layer["label"]] = rec
     return result, recs
 
