@@ -404,3 +404,38 @@ def test_lib_deepspeed_passes_and_its_2nd_expert_sampling_fails_the_output_check
     rec = make_recorder(cfg)
     ep.judge(exact, result["world"], spec, rec, 1.2)
     assert "output" in failed(rec)
+
+
+@pytest.mark.slow  # two expert-parallel runs (the run and its replay), ~1 min
+def test_every_notebook_command_on_an_ep_run(tmp_path) -> None:
+    """An ep_size=2 run (per-rank rows, ep.noisy.* checks) through show (every format), diff, sql (every view),
+    export mlflow, failures add, conclude and replay: the cross-product of tests/test_notebook_cross_product.py
+    builds single-process route-sim runs only."""
+    from tfmoe.harness.method.conclusions import CONCLUSIONS_FILE
+    from tfmoe.harness.reading.sql import FILE_VIEWS
+    from tfmoe.harness.store.notebook import load_run
+
+    r = run_cli(["route-sim", "ep_size=2", "steps=2"], tmp_path)
+    assert r.exit_code == 0 and r.run_dir is not None, r.stdout[-2000:] + r.stderr[-2000:]
+    run, run_id = str(r.run_dir), str(load_run(r.run_dir).run["run_id"])
+    for fmt in ("table", "md", "json"):
+        shown = run_cli(["show", run, "--format", fmt], tmp_path)
+        assert shown.exit_code == 0 and run_id in shown.stdout, (fmt, shown.stdout[:500], shown.stderr[-500:])
+    assert run_cli(["diff", run, run], tmp_path).exit_code == 0
+    for view in FILE_VIEWS:
+        q = run_cli(["sql", f"SELECT run_id, count(*) AS n FROM {view} GROUP BY run_id", "--format", "csv"], tmp_path)
+        assert q.exit_code == 0 and run_id in q.stdout, (view, q.stdout[:500], q.stderr[-500:])
+    sent = run_cli(["sql", "SELECT count(*) AS n FROM metrics WHERE name = 'ep.rows_sent'", "--format", "csv"],
+                   tmp_path)  # the per-rank, per-peer rows reach SQL
+    assert sent.exit_code == 0 and int(sent.stdout.split()[-1]) > 0, (sent.stdout[-500:], sent.stderr[-500:])
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exported = run_cli(["export", "mlflow", "--tracking-uri", store], tmp_path)
+    assert exported.exit_code == 0 and "exported 1 run(s)" in exported.stdout, exported.stdout[-1000:]
+    log = tmp_path / "failures.md"
+    logged = run_cli(["failures", "add", run, "--file", str(log), "--hypothesis", "planted"], tmp_path)
+    assert logged.exit_code in (0, 2) and (logged.exit_code == 2) == (not log.exists()), logged.stderr[-500:]
+    concluded = run_cli(["conclude", run, "--proven", "it ran on 2 ranks"], tmp_path)
+    assert concluded.exit_code == 0 and (r.run_dir / CONCLUSIONS_FILE).exists(), concluded.stdout[-1000:]
+    replay = run_cli(["replay", run], tmp_path)
+    assert replay.exit_code == 0 and "reproduced" in replay.stdout and "NOT reproduced" not in replay.stdout, \
+        replay.stdout[-2000:]
