@@ -4,7 +4,9 @@ A correct kernel (SDPA) is made wrong by a factor (1 + ε), computed in fp64 and
 
 - ``out``: its output, on every case of a forward family (tfmoe: the family's check and the weights probe of its
   cases, read through a one-hot v, as the battery judges them);
-- ``grad``: its dq, dk, dv (tfmoe: kernel_backward on the same cases, forward unchanged);
+- ``grad``: its dq, dk, dv (tfmoe: kernel_backward on the same cases and its exact-gradient probe, forward
+  unchanged; FlashAttention's rule judges the probe too, and the line "rule-judged cases alone" gives tfmoe's
+  figure without it);
 - ``dropout``: its output with dropout_p (tfmoe: the dropout family's rescale check; FlashAttention's rule: the
   output against the reference with the kernel's own mask, read through the one-hot v).
 
@@ -33,12 +35,14 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from tfmoe.experiments.attn_check.kernel_cases import make_inputs
 from tfmoe.experiments.attn_check.kernel_dropout import dropout_probe, run_dropout_case
+from tfmoe.experiments.attn_check.kernel_exact_grads import PROBE_CASE, probe_inputs, run_exact_grad_probe
 from tfmoe.experiments.attn_check.kernel_judging import backward_rounds_to_run_dtype, run_case
 from tfmoe.experiments.attn_check.kernel_weights import run_weights_probe
 from tfmoe.experiments.attn_check.kernels import Kernel
@@ -225,10 +229,31 @@ def main() -> int:
                     print(f"    {case.label()}: tfmoe {ours_each[-1]:.3g}, FA {'n/a' if e is None else f'{e:.3g}'}",
                           flush=True)
                 theirs += [] if e is None else [e]
+            if what == "grad":  # the exact-gradient probe, a case of kernel_backward: both rules judge it too
+                case = replace(PROBE_CASE, Hkv=s.Hq)
+                inp = probe_inputs(s.B, s.Hq, dtype, args.seed, torch.device("cpu"))
+
+                def probe_caught(e: float, dtype=dtype) -> bool:
+                    kernel, rec = perturbed_kernel("grad", e), cpu_recorder(args.seed, dtype)
+                    return run_exact_grad_probe(kernel, s.B, s.Hq, dtype, args.seed, rec).status == "fail"
+
+                if probe_caught(0.0):
+                    bad.append(f"{family} {name}: tfmoe fails the unperturbed SDPA on the exact-gradient probe")
+                else:
+                    ours_each.append(bisect(probe_caught))
+                    e = fa_eps(fa_tensors(case, inp, dtype), inp.seen, [1, 2, 3])
+                    na += e is None
+                    theirs += [] if e is None else [e]
+                    if args.per_case:
+                        print(f"    exact-gradient probe: tfmoe {ours_each[-1]:.3g}, FA "
+                              f"{'n/a' if e is None else f'{e:.3g}'}", flush=True)
+                    rule_judged = min(ours_each[:-1], default=math.inf)
+                    print(f"    backward {name}: rule-judged cases alone {rule_judged:.3g}", flush=True)
             ours, fa = min(ours_each, default=math.inf), min(theirs, default=math.inf)
             ratio = ours / fa if math.isfinite(fa) else (0.0 if math.isfinite(ours) else math.nan)
             worst = max(worst, ratio) if ratio == ratio else worst
-            print(f"{family:18} {name:5} {len(idx):5d} {ours:10.3g} {fa:10.3g} {ratio:8.2f} {na:6d}", flush=True)
+            n_cases = len(idx) + (what == "grad")  # the backward family has the exact-gradient probe too
+            print(f"{family:18} {name:5} {n_cases:5d} {ours:10.3g} {fa:10.3g} {ratio:8.2f} {na:6d}", flush=True)
             if ratio > 1.05:
                 bad.append(f"{family} {name}: tfmoe catches at {ours:.3g}, FlashAttention's rule at {fa:.3g}")
     print(f"\nworst tfmoe/FA {worst:.2f}; {time.perf_counter() - t0:.0f} s")

@@ -368,3 +368,23 @@ def kernel_declares_no_bf16(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fa
 
 
 kernel_declares_no_bf16.tfmoe_lacks = ["bf16"]
+
+
+class _GradsTooLarge(torch.autograd.Function):
+    """Identity forward; dq, dk, dv come back multiplied by 1.0025 (in fp64, rounded to their dtype)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        return tuple((g.double() * 1.0025).to(g.dtype) for g in (gq, gk, gv))
+
+
+def kernel_grads_quarter_percent_large(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                       enable_gqa=False):
+    """Bug (backward): a stale constant 1.0025 left in the backward (a loss scale, a rescale). In bf16 the
+    rule-judged cases need ~0.3-0.9 % to see it (benchmarks/bench_kernel_sensitivity.py); the exact-gradient probe
+    sees any error above half an ulp (~0.2 % in bf16)."""
+    return _attend(*_GradsTooLarge.apply(q, k, v), attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)

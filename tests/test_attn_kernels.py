@@ -353,7 +353,8 @@ PLANTED = [("kernel_ignores_scale", "kernel_scale"), ("kernel_bottom_right", "ke
 # Planted bugs whose probe needs settings of its own (bug, family, overrides): the long_rows case; the fp16 one
 # accumulates in fp16 whatever the inputs, so in fp32 every family catches it: it is judged in fp16 here.
 PLANTED_OWN = [("kernel_hides_a_key_in_long_rows", "kernel_long_rows", (LONG,)),
-               ("kernel_fp16_online_softmax", "kernel_long_rows", (LONG, "dtype=fp16"))]
+               ("kernel_fp16_online_softmax", "kernel_long_rows", (LONG, "dtype=fp16")),
+               ("kernel_grads_quarter_percent_large", "kernel_backward", ("dtype=bf16",))]
 
 
 @pytest.mark.parametrize(("bug", "families"), PLANTED, ids=[p[0] for p in PLANTED])
@@ -374,9 +375,56 @@ def test_planted_bug_of_a_probe_with_its_own_settings_fails_exactly_its_family(b
     assert failed(checks) == {family}, {n: checks[n].detail for n in failed(checks)}
 
 
+def test_gradients_a_quarter_percent_large_are_seen_by_the_exact_probe_alone_in_bf16():
+    """In bf16 the rule-judged cases pass a backward 0.25 % too large (their limits are ~0.3-0.9 % of the
+    gradients); the exact-gradient probe (q ⟂ k, every value representable) fails it, naming its dv."""
+    checks, rec = battery("buggy_kernels:kernel_grads_quarter_percent_large", "dtype=bf16",
+                          "cases.masks=[none,causal]")
+    assert failed(checks) == {"kernel_backward"}, {n: checks[n].detail for n in failed(checks)}
+    detail = checks["kernel_backward"].detail
+    assert detail.startswith("1 of ") and "exact-gradient probe" in detail and "max|dv - exact|" in detail
+
+
+def test_exact_gradient_probe_passes_correct_kernels_exactly_in_half_precision():
+    """Every correct kernel here returns the probe's values exactly in fp16 and bf16 (err 0, not within a limit);
+    in fp32 within the fast-exp allowance."""
+    from tfmoe.experiments.attn_check.kernel_exact_grads import run_exact_grad_probe
+    from tfmoe.experiments.attn_check.kernels import load_kernel
+    from tfmoe.testing import cpu_recorder
+
+    for spec in ("torch:sdpa", "torch:sdpa-math", "buggy_kernels:plain_kernel", "buggy_kernels:kernel_normalises_last"):
+        kernel = load_kernel(spec, None, torch.device("cpu"))
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            rec = cpu_recorder(1, dtype)
+            o = run_exact_grad_probe(kernel, 2, 8, dtype, 1, rec)
+            assert o.status == "pass", (spec, dtype, o.detail)
+            errs = [r["value"] for r in rec.metrics_rows if r.get("probe") == "exact_grads"]
+            assert len(errs) == 4 and (dtype == torch.float32 or max(errs) == 0.0), (spec, dtype, errs)
+
+
+def test_exact_gradient_probe_inputs_are_exact_and_seeded():
+    """Boundary of the construction: every term sum within 2^8 grid units, the full-mantissa dv column at
+    2^p - 1 units (p = 8 bf16, 11 fp16), nothing all zero, and the same seed gives the same bits."""
+    from tfmoe.experiments.attn_check.kernel_exact_grads import CAP, FULL, TK, probe_inputs, term_sums
+
+    for dtype, p in ((torch.bfloat16, 8), (torch.float16, 11)):
+        a = probe_inputs(3, 5, dtype, 7, torch.device("cpu"))
+        b = probe_inputs(3, 5, dtype, 7, torch.device("cpu"))
+        assert all(torch.equal(x, y) for x, y in zip((a.q, a.k, a.v, a.grad_out), (b.q, b.k, b.v, b.grad_out),
+                                                      strict=True))
+        sums = term_sums(*(t.double() for t in (a.q, a.k, a.v, a.grad_out)))
+        sums["dv"] = sums["dv"][..., :FULL]
+        assert all(float(t.max()) <= CAP for t in sums.values())
+        assert float(a.grad_out[0, 0, :, FULL].double().sum()) == 2 ** p - 1
+        assert float((a.q.double() @ a.k.double().transpose(-2, -1)).abs().max()) == 0.0  # q ⟂ k
+        assert all(float(t.double().abs().sum()) > 0 for t in (a.q, a.k, a.v, a.grad_out))
+        assert TK & (TK - 1) == 0
+
+
 # Under the config a user runs with no options (the whole default matrix): every planted bug, generated from the
 # lists above, makes the run fail; the family that catches it there (a dtype-bound bug: the first it reaches).
-DEFAULT_CATCHER = {"kernel_hides_a_key_in_long_rows": "kernel_scale", "kernel_fp16_online_softmax": "kernel_scale"}
+DEFAULT_CATCHER = {"kernel_hides_a_key_in_long_rows": "kernel_scale", "kernel_fp16_online_softmax": "kernel_scale",
+                   "kernel_grads_quarter_percent_large": "kernel_backward"}
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from tfmoe import capabilities
 from tfmoe.errors import AdapterError, BadInput
 from tfmoe.experiments.attn_check.kernel_cases import ADDITIVE, FAMILIES, PROBES, Case, make_inputs
 from tfmoe.experiments.attn_check.kernel_dropout import run_dropout_backward, run_dropout_case
+from tfmoe.experiments.attn_check.kernel_exact_grads import run_exact_grad_probe
 from tfmoe.experiments.attn_check.kernel_judging import (
     Outcome,
     backward_rounds_to_run_dtype,
@@ -219,6 +220,16 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
     verdict["weights"] = record_family(rec, "weights", outcomes["weights"],
                                        "the weights of a case whose forward did not pass are not read")
     outcomes["backward"] = [backward_outcomes[i] for i in sorted(backward_outcomes)]
+    if "backward" not in decl.lacks:  # the exact-gradient probe: plain attention, so it rests on kernel_scale
+        if verdict.get("scale", "pass") == "pass":
+            try:
+                outcomes["backward"].append(run_exact_grad_probe(kernel, s.B, s.Hq, dtype, rec.seed, rec))
+            except (BadInput, AdapterError):
+                raise
+            except Exception as exc:
+                raise battery_fault(exc, s.spec, "while running the exact-gradient probe") from exc
+        else:
+            rec.note(f"kernel_backward: the exact-gradient probe not run: kernel_scale {verdict['scale']}")
     verdict["backward"] = record_family(rec, "backward", outcomes["backward"],
                                         "the backward of a case whose forward did not pass is not judged")
     if not s.backward:
