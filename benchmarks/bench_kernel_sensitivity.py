@@ -3,7 +3,8 @@
 A correct kernel (SDPA) is made wrong by a factor (1 + ε), computed in fp64 and rounded to the dtype:
 
 - ``out``: its output, on every case of a forward family (tfmoe: the family's check and the weights probe of its
-  cases, read through a one-hot v, as the battery judges them);
+  cases, read through a one-hot v, as the battery judges them) and on the family's exact-output probe (both
+  rules; "rule-judged cases alone" gives tfmoe's figure without it);
 - ``grad``: its dq, dk, dv (tfmoe: kernel_backward on the same cases and its exact-gradient probe, forward
   unchanged; FlashAttention's rule judges the probe too, and the line "rule-judged cases alone" gives tfmoe's
   figure without it);
@@ -42,7 +43,14 @@ import torch.nn.functional as F
 
 from tfmoe.experiments.attn_check.kernel_cases import make_inputs
 from tfmoe.experiments.attn_check.kernel_dropout import dropout_probe, run_dropout_case
-from tfmoe.experiments.attn_check.kernel_exact_grads import PROBE_CASE, probe_inputs, run_exact_grad_probe
+from tfmoe.experiments.attn_check.kernel_exact import (
+    EXACT_OUTPUT_MASKS,
+    PROBE_CASE,
+    output_probe_inputs,
+    probe_inputs,
+    run_exact_grad_probe,
+    run_exact_output_probe,
+)
 from tfmoe.experiments.attn_check.kernel_judging import backward_rounds_to_run_dtype, run_case
 from tfmoe.experiments.attn_check.kernel_weights import run_weights_probe
 from tfmoe.experiments.attn_check.kernels import Kernel
@@ -116,14 +124,15 @@ def fa_passes(got: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor, rows: t
     return err(got) <= 2.0 * err(plain) + atol
 
 
-def fa_tensors(case, inp, dtype):
-    """(out, dq, dk, dv) of SDPA, the fp64 reference and the plain same-dtype implementation."""
+def fa_tensors(case, inp, dtype, backward: bool = True):
+    """(out, dq, dk, dv) of SDPA, the fp64 reference and the plain same-dtype implementation (out alone when
+    not ``backward``)."""
     out = {}
     for name, cast in (("kernel", None), ("ref", torch.float64), ("plain", dtype)):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
+        leaves = [t.detach().clone().requires_grad_(backward) for t in (inp.q, inp.k, inp.v)]
         o = (sdpa(*leaves, **inp.kwargs) if cast is None
              else fa_attention(*leaves, inp.visible, inp.bias, case.scale, cast))
-        grads = torch.autograd.grad(o, leaves, inp.grad_out.to(o.dtype))
+        grads = torch.autograd.grad(o, leaves, inp.grad_out.to(o.dtype)) if backward else ()
         out[name] = [o.detach(), *grads]
     return out
 
@@ -229,6 +238,7 @@ def main() -> int:
                     print(f"    {case.label()}: tfmoe {ours_each[-1]:.3g}, FA {'n/a' if e is None else f'{e:.3g}'}",
                           flush=True)
                 theirs += [] if e is None else [e]
+            fa_alone = min(theirs, default=math.inf)  # FlashAttention's figure over the rule-judged cases
             if what == "grad":  # the exact-gradient probe, a case of kernel_backward: both rules judge it too
                 case = replace(PROBE_CASE, Hkv=s.Hq)
                 inp = probe_inputs(s.B, s.Hq, dtype, args.seed, torch.device("cpu"))
@@ -247,12 +257,36 @@ def main() -> int:
                     if args.per_case:
                         print(f"    exact-gradient probe: tfmoe {ours_each[-1]:.3g}, FA "
                               f"{'n/a' if e is None else f'{e:.3g}'}", flush=True)
-                    rule_judged = min(ours_each[:-1], default=math.inf)
-                    print(f"    backward {name}: rule-judged cases alone {rule_judged:.3g}", flush=True)
+                    print(f"    backward {name}: rule-judged cases alone: tfmoe {min(ours_each[:-1]):.3g}, FA "
+                          f"{fa_alone:.3g}", flush=True)
+            if what == "out" and family in EXACT_OUTPUT_MASKS:  # the family's exact-output probe, both rules
+                hkv = min(s.cases[i].Hkv for i in idx)
+                case, inp = output_probe_inputs(family, s.B, s.Hq, hkv, "top_left", dtype, args.seed,
+                                                torch.device("cpu"))
+
+                def out_probe_caught(e: float, dtype=dtype, case=case, inp=inp) -> bool:
+                    return run_exact_output_probe(perturbed_kernel("out", e), case, inp, dtype,
+                                                  cpu_recorder(args.seed, dtype)).status == "fail"
+
+                if out_probe_caught(0.0):
+                    bad.append(f"{family} {name}: tfmoe fails the unperturbed SDPA on the exact-output probe")
+                else:
+                    ours_each.append(bisect(out_probe_caught))
+                    counts = (inp.visible.expand(s.B, s.Hq, case.Tq, case.Tk).sum(-1) if inp.visible is not None
+                              else None)
+                    rows = inp.seen if counts is None else inp.seen & ((counts & (counts - 1)) == 0)
+                    e = fa_eps(fa_tensors(case, inp, dtype, backward=False), rows, [0])
+                    na += e is None
+                    theirs += [] if e is None else [e]
+                    if args.per_case:
+                        print(f"    exact-output probe: tfmoe {ours_each[-1]:.3g}, FA "
+                              f"{'n/a' if e is None else f'{e:.3g}'}", flush=True)
+                    print(f"    {family} {name}: rule-judged cases alone: tfmoe {min(ours_each[:-1], default=math.inf):.3g}"
+                          f", FA {fa_alone:.3g}", flush=True)
             ours, fa = min(ours_each, default=math.inf), min(theirs, default=math.inf)
             ratio = ours / fa if math.isfinite(fa) else (0.0 if math.isfinite(ours) else math.nan)
             worst = max(worst, ratio) if ratio == ratio else worst
-            n_cases = len(idx) + (what == "grad")  # the backward family has the exact-gradient probe too
+            n_cases = len(idx) + (what == "grad" or family in EXACT_OUTPUT_MASKS)  # + the family's exact probe
             print(f"{family:18} {name:5} {n_cases:5d} {ours:10.3g} {fa:10.3g} {ratio:8.2f} {na:6d}", flush=True)
             if ratio > 1.05:
                 bad.append(f"{family} {name}: tfmoe catches at {ours:.3g}, FlashAttention's rule at {fa:.3g}")

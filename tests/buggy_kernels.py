@@ -388,3 +388,11 @@ def kernel_grads_quarter_percent_large(q, k, v, attn_mask=None, dropout_p=0.0, i
     rule-judged cases need ~0.3-0.9 % to see it (benchmarks/bench_kernel_sensitivity.py); the exact-gradient probe
     sees any error above half an ulp (~0.2 % in bf16)."""
     return _attend(*_GradsTooLarge.apply(q, k, v), attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
+
+
+def kernel_output_quarter_percent_large(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                        enable_gqa=False):
+    """Bug (every forward family): the output 0.25 % too large, as if a dropout rescale 1/(1 - p), p = 0.0025, were
+    left on in evaluation. In bf16 the rule-judged cases and the weights probe pass it (their limits are ~1 % of
+    the output); each family's exact-output probe sees any error above half an ulp (~0.2 % in bf16)."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p) * 1.0025

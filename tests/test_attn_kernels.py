@@ -354,7 +354,8 @@ PLANTED = [("kernel_ignores_scale", "kernel_scale"), ("kernel_bottom_right", "ke
 # accumulates in fp16 whatever the inputs, so in fp32 every family catches it: it is judged in fp16 here.
 PLANTED_OWN = [("kernel_hides_a_key_in_long_rows", "kernel_long_rows", (LONG,)),
                ("kernel_fp16_online_softmax", "kernel_long_rows", (LONG, "dtype=fp16")),
-               ("kernel_grads_quarter_percent_large", "kernel_backward", ("dtype=bf16",))]
+               ("kernel_grads_quarter_percent_large", "kernel_backward", ("dtype=bf16",)),
+               ("kernel_output_quarter_percent_large", "kernel_scale", ("dtype=bf16",))]
 
 
 @pytest.mark.parametrize(("bug", "families"), PLANTED, ids=[p[0] for p in PLANTED])
@@ -388,7 +389,7 @@ def test_gradients_a_quarter_percent_large_are_seen_by_the_exact_probe_alone_in_
 def test_exact_gradient_probe_passes_correct_kernels_exactly_in_half_precision():
     """Every correct kernel here returns the probe's values exactly in fp16 and bf16 (err 0, not within a limit);
     in fp32 within the fast-exp allowance."""
-    from tfmoe.experiments.attn_check.kernel_exact_grads import run_exact_grad_probe
+    from tfmoe.experiments.attn_check.kernel_exact import run_exact_grad_probe
     from tfmoe.experiments.attn_check.kernels import load_kernel
     from tfmoe.testing import cpu_recorder
 
@@ -402,10 +403,44 @@ def test_exact_gradient_probe_passes_correct_kernels_exactly_in_half_precision()
             assert len(errs) == 4 and (dtype == torch.float32 or max(errs) == 0.0), (spec, dtype, errs)
 
 
+def test_output_a_quarter_percent_large_is_seen_by_the_exact_output_probe_alone_in_bf16():
+    checks, _ = battery("buggy_kernels:kernel_output_quarter_percent_large", "dtype=bf16",
+                        "cases.masks=[none,causal]")
+    assert failed(checks) == {"kernel_scale"}, {n: checks[n].detail for n in failed(checks)}
+    detail = checks["kernel_scale"].detail
+    assert detail.startswith("1 of ") and "exact-output probe" in detail and "max|out - exact|" in detail
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_every_forward_family_has_an_exact_output_probe_a_correct_kernel_meets_exactly(dtype):
+    """SDPA on the tests' matrix in half precision: each family of EXACT_OUTPUT_MASKS ran its probe, err 0."""
+    from tfmoe.experiments.attn_check.kernel_exact import EXACT_OUTPUT_MASKS
+
+    checks, rec = battery("torch:sdpa", f"dtype={dtype}", "kernel_checks.backward=false")
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    probed = {r["family"]: r["value"] for r in rec.metrics_rows if r.get("probe") == "exact_output"}
+    assert set(probed) == set(EXACT_OUTPUT_MASKS) and max(probed.values()) == 0.0, probed
+
+
+def test_exact_output_probe_rows_see_powers_of_two_and_a_full_mantissa():
+    from tfmoe.experiments.attn_check.kernel_exact import EXACT_OUTPUT_MASKS, FULL, output_probe_inputs
+
+    for family in EXACT_OUTPUT_MASKS:
+        case, inp = output_probe_inputs(family, 2, 4, 2 if family == "gqa" else 4, "top_left", torch.float16, 3,
+                                        torch.device("cpu"))
+        assert float((inp.q.double() @ inp.k.double().repeat_interleave(4 // case.Hkv, 1).transpose(-2, -1))
+                     .abs().max()) == 0.0
+        if inp.visible is not None:
+            counts = inp.visible.expand(2, 4, case.Tq, case.Tk).sum(-1)
+            assert set(counts.unique().tolist()) <= {0, 1, 2, 3, 4}
+            assert bool(((counts == 1) | (counts == 2) | (counts == 4)).any())
+        assert float(inp.v[:, :, 0, FULL].double().min()) == 2 ** 11 - 1  # fp16's full mantissa at key 0
+
+
 def test_exact_gradient_probe_inputs_are_exact_and_seeded():
     """Boundary of the construction: every term sum within 2^8 grid units, the full-mantissa dv column at
     2^p - 1 units (p = 8 bf16, 11 fp16), nothing all zero, and the same seed gives the same bits."""
-    from tfmoe.experiments.attn_check.kernel_exact_grads import CAP, FULL, TK, probe_inputs, term_sums
+    from tfmoe.experiments.attn_check.kernel_exact import CAP, FULL, TK, probe_inputs, term_sums
 
     for dtype, p in ((torch.bfloat16, 8), (torch.float16, 11)):
         a = probe_inputs(3, 5, dtype, 7, torch.device("cpu"))
@@ -424,7 +459,8 @@ def test_exact_gradient_probe_inputs_are_exact_and_seeded():
 # Under the config a user runs with no options (the whole default matrix): every planted bug, generated from the
 # lists above, makes the run fail; the family that catches it there (a dtype-bound bug: the first it reaches).
 DEFAULT_CATCHER = {"kernel_hides_a_key_in_long_rows": "kernel_scale", "kernel_fp16_online_softmax": "kernel_scale",
-                   "kernel_grads_quarter_percent_large": "kernel_backward"}
+                   "kernel_grads_quarter_percent_large": "kernel_backward",
+                   "kernel_output_quarter_percent_large": "kernel_scale"}
 
 
 @pytest.mark.slow

@@ -12,7 +12,12 @@ from tfmoe import capabilities
 from tfmoe.errors import AdapterError, BadInput
 from tfmoe.experiments.attn_check.kernel_cases import ADDITIVE, FAMILIES, PROBES, Case, make_inputs
 from tfmoe.experiments.attn_check.kernel_dropout import run_dropout_backward, run_dropout_case
-from tfmoe.experiments.attn_check.kernel_exact_grads import run_exact_grad_probe
+from tfmoe.experiments.attn_check.kernel_exact import (
+    EXACT_OUTPUT_MASKS,
+    output_probe_inputs,
+    run_exact_grad_probe,
+    run_exact_output_probe,
+)
 from tfmoe.experiments.attn_check.kernel_judging import (
     Outcome,
     backward_rounds_to_run_dtype,
@@ -211,6 +216,14 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
                 except Exception as exc:  # outside the kernel's call: the battery's own error, never the kernel's
                     raise battery_fault(exc, s.spec, f"while judging case {case.label()}") from exc
                 outcomes[family].append(o)
+            try:
+                probe = _exact_output_outcome(s, rec, kernel, align, family, outcomes[family], decl, verdict)
+            except (BadInput, AdapterError):
+                raise
+            except Exception as exc:
+                raise battery_fault(exc, s.spec, f"while running {family}'s exact-output probe") from exc
+            if probe is not None:
+                outcomes[family].append(probe)
         blocked_by = sorted({p for o in outcomes[family] if o.status == "blocked"
                              for p in prerequisites(o.case, s.Hq) if verdict.get(p) in UNMET})
         verdict[family] = record_family(rec, family, outcomes[family],
@@ -242,6 +255,22 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
         rec.check("kernel_ran", False, None, None, f"{s.spec} ran no case of the matrix (every family n/a): "
                   "see the notes for the kernel's reasons")
     _kernel_summary(rec, s, align, dtype, verdict, outcomes, policies, wall)
+
+
+def _exact_output_outcome(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, family: str,
+                          outs: list[Outcome], decl: capabilities.Declared, verdict: dict[str, str]
+                          ) -> Outcome | None:
+    """The family's exact-output probe (kernel_exact.output_probe_inputs), when the family judged a case,
+    the probe's own prerequisites passed and the kernel neither lacks the probe's features nor its mask
+    argument; None otherwise."""
+    if family not in EXACT_OUTPUT_MASKS or not any(o.status in ("pass", "fail") for o in outs):
+        return None
+    Hkv = min(o.case.Hkv for o in outs)  # gqa: its fewest kv heads; the mask families: as their cases
+    case, inp = output_probe_inputs(family, s.B, s.Hq, Hkv, align, rec.dtype, rec.seed, rec.device)
+    if (any(f in decl.lacks for f in case_features(case, s.Hq)) or missing_params(kernel, inp.kwargs)
+            or any(verdict.get(p) in UNMET for p in prerequisites(case, s.Hq))):
+        return None
+    return run_exact_output_probe(kernel, case, inp, rec.dtype, rec)
 
 
 def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, case: Case, i: int,

@@ -1,7 +1,8 @@
-"""The exact-gradient probe of ``kernel_backward``: inputs whose output and dq, dk, dv are exact in the run dtype.
+"""Exact probes: inputs on which a correct kernel's output (each forward family's exact-output probe) and dq, dk, dv
+(``kernel_backward``'s exact-gradient probe) are exact in fp16 and bf16, so an error of half an ulp shows.
 
 q and k live in disjoint halves of the head dimension (q ⟂ k), so every score is exactly 0 and each weight is
-exactly 1/Tk (Tk = 16, D = 16, scale 1/4: powers of two). q, k, v and dO are small integers, drawn until every
+exactly 1/Tk (Tk = 4, D = 16, scale 1/4: powers of two). q, k, v and dO are small integers, drawn until every
 value a kernel forms (O, dP = dO·vᵀ, δ = Σ dO∘O or Σ P∘dP, dS = P∘(dP - δ), dq, dk, dv) has terms whose absolute
 sum is at most 2^8 units of its grid: then every partial sum, in any order and any split into blocks, is exact in
 bf16 (8 significant bits) and so in fp16, fp32 and fp64. One column of dO, whose v column is 0 (so dP and δ do not
@@ -19,8 +20,13 @@ The rule, per dtype:
 - fp32 / fp64: the weights' exp is not exact, so each tensor is judged within 2·(u·max|g| + eps_acc·Σ|terms|),
   the a-priori fast-exp allowance of the rest of the battery (kernel_judging.accumulation_atols).
 
-The probe is a case of ``kernel_backward`` (plain attention, Hkv = Hq, no mask); it runs when the ``scale``
-family passed. Its sensitivity to a gradient scaled by (1 + ε) is the dtype's half ulp, relative: the most any
+The exact-output probe of a forward family (:func:`output_probe_inputs`) is the same construction for the
+output alone, with the family's kind of mask: each row sees 1, 2 or 4 of 4 keys (weights 1, 1/2, 1/4), additive
+masks as 0 / -inf, and v's full-mantissa column 2^p - 1 at key 0 (rows that see 3 keys or none are left to the
+family's other cases).
+
+The exact-gradient probe is a case of ``kernel_backward`` (plain attention, Hkv = Hq, no mask); it runs when the
+``scale`` family passed. Its sensitivity to a gradient scaled by (1 + ε) is the dtype's half ulp, relative: the most any
 rule can reach, since a smaller ε rounds away in the kernel's own output.
 """
 
@@ -30,7 +36,7 @@ import math
 
 import torch
 
-from tfmoe.components.reference_attention import reference_attention
+from tfmoe.components.reference_attention import kv_head_index, reference_attention
 from tfmoe.experiments.attn_check.kernel_cases import Case, CaseInputs
 from tfmoe.experiments.attn_check.kernel_judging import (
     Outcome,
@@ -142,3 +148,108 @@ def run_exact_grad_probe(kernel: Kernel, B: int, H: int, dtype: torch.dtype, see
         return Outcome(case, "fail", f"{label}: " + "; ".join(bad), worst, evidence=evidence)
     rule = "exact" if low else "within 2·(8·eps·max|g| + eps·Σ|terms|)"
     return Outcome(case, "pass", f"{label}: {rule}: " + ", ".join(texts), worst)
+
+
+# ------------------------------------------------------------------------------ the exact-output probe of a family
+OUT_TQ = 8  # queries; TK = 4 keys, D = 16 as above: every visible count 1, 2 or 4 (a power of two)
+EXACT_OUTPUT_MASKS = {"scale": "none", "gqa": "none", "causal": "causal", "padding_bool": "pad_bool",
+                      "padding_additive": "pad_additive", "fully_masked": "fully_masked", "mask_bool": "bool_random",
+                      "mask_additive": "additive_random", "per_head": "per_head_bool"}
+
+
+def _subsets(g: torch.Generator, rows: int) -> torch.Tensor:
+    """(rows, TK) bool: row r sees a random 1, 2 or 4 of the TK keys (r % 3 picks which count)."""
+    vis = torch.zeros(rows, TK, dtype=torch.bool)
+    for r in range(rows):
+        n = (1, 2, 4)[r % 3]
+        vis[r, torch.randperm(TK, generator=g)[:n]] = True
+    return vis
+
+
+def output_probe_inputs(family: str, B: int, Hq: int, Hkv: int, align: str, dtype: torch.dtype, seed: int,
+                        device: torch.device) -> tuple[Case, CaseInputs]:
+    """The exact-output probe of a forward family: q ⟂ k (every score 0), the family's kind of mask with each
+    row seeing 1, 2 or 4 of 4 keys (the additive kinds as 0 / -inf), v small integers but for one column that
+    is 2^p - 1 at key 0 and 0 elsewhere (a full mantissa in every row that sees key 0)."""
+    mask = EXACT_OUTPUT_MASKS[family]
+    case = Case(family, OUT_TQ, TK, D, Hkv, mask)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 524_287 + len(family))
+    half = D // 2
+
+    def ints(*shape: int) -> torch.Tensor:
+        return (torch.randint(0, 2, shape, generator=g) * (torch.randint(0, 2, shape, generator=g) * 2 - 1)).double()
+
+    q = torch.zeros(B, Hq, OUT_TQ, D, dtype=torch.float64)
+    k = torch.zeros(B, Hkv, TK, D, dtype=torch.float64)
+    q[..., :half], k[..., half:] = ints(B, Hq, OUT_TQ, half), ints(B, Hkv, TK, D - half)
+    v = ints(B, Hkv, TK, D)
+    v[..., FULL] = 0.0
+    v[:, :, 0, FULL] = 2.0 ** min(significant_bits(dtype), 11) - 1
+    kwargs: dict = {}
+    visible = None
+    if mask == "causal":
+        from tfmoe.components.reference_attention import causal_visibility
+
+        kwargs["is_causal"] = True
+        visible = causal_visibility(OUT_TQ, TK, align)[None, None]
+    elif mask in ("pad_bool", "pad_additive", "fully_masked"):
+        lengths = [(4, 2, 1)[b % 3] for b in range(B)]
+        if mask == "fully_masked":
+            lengths[-1] = 0
+        visible = (torch.arange(TK)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]  # (B,1,1,TK)
+    elif mask in ("bool_random", "additive_random"):
+        visible = _subsets(g, B * OUT_TQ).reshape(B, 1, OUT_TQ, TK)
+    elif mask == "per_head_bool":
+        visible = _subsets(g, B * Hq * OUT_TQ).reshape(B, Hq, OUT_TQ, TK)
+    if visible is not None and mask != "causal":
+        kwargs["attn_mask"] = (visible.clone() if mask in ("pad_bool", "fully_masked", "bool_random", "per_head_bool")
+                               else torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, -math.inf)
+                               .to(device))
+        kwargs["attn_mask"] = kwargs["attn_mask"].to(device)
+    if Hkv != Hq:
+        kwargs["enable_gqa"] = True
+    visible = None if visible is None else visible.to(device)
+    seen = (torch.ones(B, Hq, OUT_TQ, dtype=torch.bool, device=device) if visible is None
+            else visible.expand(B, Hq, OUT_TQ, TK).any(dim=-1))
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    return case, CaseInputs(q, k, v, torch.zeros_like(q), kwargs, visible, None, seen)
+
+
+def run_exact_output_probe(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, rec: Recorder
+                           ) -> Outcome:
+    """Judge the kernel's output on an exact-output probe (:func:`output_probe_inputs`) on the rows that see a
+    power-of-two count of keys (rows that see none or 3 are the family's other cases' to judge): exact in
+    fp16/bf16, within 2·(8·eps·max|O| + eps·Σ|terms|) in fp32/fp64."""
+    label = f"exact-output probe {case.label()[:-1]}, q ⟂ k: each row sees 1, 2 or 4 keys)"
+    evidence = {"q": inp.q, "k": inp.k, "v": inp.v, **{n: t for n, t in inp.kwargs.items()
+                                                        if isinstance(t, torch.Tensor)}}
+    try:
+        with torch.no_grad():
+            out = call_kernel(kernel, inp, inp.q, inp.k, inp.v)
+    except NotImplementedError as exc:
+        return Outcome(case, "n/a", f"{label}: {_raised(exc)}")
+    except Exception as exc:
+        return raised_outcome(kernel, case, exc, "exact-output probe", evidence)
+    B, Hq, Tq, _ = inp.q.shape
+    visible = (torch.ones(1, 1, Tq, TK, dtype=torch.bool, device=inp.q.device) if inp.visible is None
+               else inp.visible)
+    counts = visible.expand(B, Hq, Tq, TK).sum(dim=-1)  # (B,Hq,Tq)
+    rows = (counts > 0) & ((counts & (counts - 1)) == 0)
+    ref = reference_attention(inp.q, inp.k, inp.v, inp.visible, None, None)
+    diff = (out.detach().double() - ref).abs()[rows]
+    err = math.inf if not bool(torch.isfinite(diff).all()) else (float(diff.max()) if diff.numel() else 0.0)
+    low = torch.finfo(dtype).bits <= 16
+    eps = torch.finfo(accumulation_dtype(dtype)).eps
+    terms = (visible.expand(B, Hq, Tq, TK).double() / counts.clamp_min(1)[..., None]) @ \
+        inp.v.double().abs()[:, kv_head_index(Hq, inp.k.shape[1], inp.q.device)]  # Σ_j P_ij·|v_j|
+    limit = 0.0 if low else 2.0 * (8.0 * eps * float(ref[rows].abs().max()) + eps * float(terms[rows].max()))
+    rec.metric("err", err, tensor="out", plain_err=0.0, limit=limit, probe="exact_output", **case.tags())
+    ratio = err / limit if limit > 0 else (0.0 if err == 0 else math.inf)
+    if not err <= limit:
+        n = int((diff > limit).sum()) if math.isfinite(err) else int((~torch.isfinite(diff)).sum())
+        return Outcome(case, "fail", f"{label}: max|out - exact| {err:.3g} on {n} elements of {int(rows.sum())} "
+                       f"judged rows vs limit {limit:.3g}" + (" (exact in this dtype: every weight is 1, 1/2 or "
+                                                            "1/4 and every sum representable)" if low else ""),
+                       ratio, evidence={**evidence, "out": out, "ref": ref})
+    return Outcome(case, "pass", f"{label}: {'exact' if low else 'within the fast-exp allowance'}: max|out - exact| "
+                   f"{err:.3g} on {int(rows.sum())} rows", ratio)
