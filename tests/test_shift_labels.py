@@ -226,3 +226,23 @@ def test_per_position_table_is_whole_when_redirected_at_80_columns() -> None:
 def test_low_precision_run_passes_with_dtype_tolerances() -> None:
     rec = run_recorded("shift-labels", ["dtype=bf16", "model.n_layers=1"])
     assert rec.all_passed, [(c.check, c.observed, c.threshold) for c in rec.checks_rows if not c.passed]
+
+
+def test_token_losses_moves_the_host_batch_to_the_models_device():
+    """F-210: the first CUDA run (H200) crashed in padding_invariance: the batch is built on the host and
+    token_losses fed it to a model on cuda:0. A model on the meta device records where its inputs arrive."""
+
+    class WhereInputsArrive(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3, device="meta"))
+            self.seen: list[torch.device] = []
+
+        def forward(self, idx, padding_mask=None, position_ids=None):
+            self.seen += [t.device for t in (idx, padding_mask, position_ids)]
+            return torch.zeros(*idx.shape, 7, device=idx.device)
+
+    m = WhereInputsArrive()
+    b = slb.shift_and_pad([[1, 2, 3, 4], [1, 5, 4]], pad_id=0, pad_side="right", ignore_index=IGN)
+    _, loss = slb.token_losses(m, b, IGN)
+    assert m.seen and {d.type for d in m.seen} == {"meta"} and loss.device.type == "meta"

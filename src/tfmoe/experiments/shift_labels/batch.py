@@ -78,9 +78,11 @@ def shift_and_pad(seqs: list[list[int]], pad_id: int, pad_side: str, ignore_inde
 def token_losses(model: TinyCausalLM, batch: ShiftedBatch, ignore_index: int = -100,
                  positions_from_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits (B,L-1,V) fp32, per-token loss (B,L-1) fp32 with 0 where ignored)."""
-    pos = position_ids_from_mask(batch.attention_mask) if positions_from_mask else None
-    logits = model(batch.inputs, padding_mask=batch.attention_mask.bool(), position_ids=pos).float()
-    loss = F.cross_entropy(logits.transpose(1, 2), batch.labels, ignore_index=ignore_index, reduction="none")
+    device = next(model.parameters()).device  # the batch is built on the host (F-210: a CUDA run crashed here)
+    inputs, attention_mask, labels = (t.to(device) for t in (batch.inputs, batch.attention_mask, batch.labels))
+    pos = position_ids_from_mask(attention_mask) if positions_from_mask else None
+    logits = model(inputs, padding_mask=attention_mask.bool(), position_ids=pos).float()
+    loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=ignore_index, reduction="none")
     return logits, loss  # cross_entropy puts 0 at ignored positions
 
 
