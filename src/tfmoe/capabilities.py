@@ -53,6 +53,7 @@ FEATURES: dict[str, str] = {
     "dropout": "attention dropout",
     "kv_cache": "a tfmoe KVCache",
     "attention_weights": "the attention weights returned beside the output",
+    "fp32": "float32 inputs",
     "fp16": "float16 inputs",
     "bf16": "bfloat16 inputs",
     "backward": "a backward pass",

@@ -44,7 +44,7 @@ PREREQ_TEXT = {"scale": "kernel_scale (plain attention)", "gqa": "kernel_gqa (Hk
 
 
 UNMET = ("fail", "not judged")
-DTYPE_FEATURES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPE_FEATURES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def case_features(case: Case, Hq: int) -> list[str]:
@@ -71,8 +71,8 @@ def kernel_declarations(s: KernelSettings, kernel: Kernel, dtype: torch.dtype) -
     decl = capabilities.declared(kernel.fn, config_lacks=config)
     if dtype in DTYPE_FEATURES:
         name = DTYPE_FEATURES[dtype]
-        refused = capabilities.refusal(decl, {name: f"run it in fp32 (drop dtype={name}), or remove {name} from "
-                                                    "its lacks"}, s.spec)
+        instead = "dtype=bf16 or dtype=fp16" if name == "fp32" else f"fp32 (drop dtype={name})"
+        refused = capabilities.refusal(decl, {name: f"run it in {instead}, or remove {name} from its lacks"}, s.spec)
         if refused is not None:
             raise refused
     return decl  # a prerequisite family with this verdict blocks the cases resting on it

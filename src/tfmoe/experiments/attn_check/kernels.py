@@ -20,6 +20,10 @@ SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
             "math": "MATH"}
 CUDA_ONLY = {"torch:sdpa-efficient", "torch:sdpa-cudnn", "torch:flex-compiled"}
+# SDPA backends that take only fp16/bf16 on CUDA (FlashAttention-2, cuDNN's fused attention): on an H200 every
+# fp32 case raised "backend cannot run this case" (F-211); on CPU, flash takes fp32
+FP16_BF16_ONLY_ON_CUDA = ("flash", "cudnn")
+FLEX_COMPILED_MIN_HEAD_DIM = 16  # torch's flex_attention lowering: "NYI: embedding dimension ... at least 16"
 BUILTINS = ("torch:sdpa", *(f"torch:sdpa-{b}" for b in BACKENDS), "torch:flex", "torch:flex-compiled",
             "tfmoe:chunked")
 
@@ -85,9 +89,19 @@ def _flex(compiled: bool, causal_align: str) -> Callable[..., torch.Tensor]:
             block_mask = create_block_mask(mask_mod, B, Hq if per_head else None, Tq, Tk, device=q.device)
         score_mod = None if bias is None else (
             lambda s, b, h, q_idx, kv_idx: s + bias[b, h if per_head else 0, q_idx, kv_idx])
+        if compiled and min(q.shape[-1], v.shape[-1]) < FLEX_COMPILED_MIN_HEAD_DIM:
+            raise NotImplementedError(f"compiled FlexAttention needs a head dim of at least "
+                                      f"{FLEX_COMPILED_MIN_HEAD_DIM} (torch's lowering), got {q.shape[-1]}")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-            return attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+            try:
+                return attend(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                              enable_gqa=enable_gqa)
+            except Exception as exc:  # the compiler's "not yet implemented", wrapped (InductorError), is a refusal
+                if not compiled or "NotImplementedError" not in str(exc):
+                    raise
+                raise NotImplementedError(f"compiled FlexAttention cannot run this case: "
+                                          f"{str(exc).splitlines()[0][:300]}") from None
 
     flex.__name__ = "flex_attention_compiled" if compiled else "flex_attention"
     return flex
@@ -121,7 +135,11 @@ def load_kernel(spec: str, causal_align: str | None, device: torch.device) -> Ke
     if spec == "torch:sdpa":
         return Kernel(spec, F.scaled_dot_product_attention, None, "top_left")
     if spec.startswith("torch:sdpa-") and spec.removeprefix("torch:sdpa-") in BACKENDS:
-        return Kernel(spec, _sdpa_backend(spec.removeprefix("torch:sdpa-")), None, "top_left")
+        name = spec.removeprefix("torch:sdpa-")
+        fn = _sdpa_backend(name)
+        if device.type == "cuda" and name in FP16_BF16_ONLY_ON_CUDA:
+            fn.tfmoe_lacks = ("fp32",)  # a declared lack: dtype=fp32 exits 2 before any check
+        return Kernel(spec, fn, None, "top_left")
     if spec in ("torch:flex", "torch:flex-compiled"):
         align = causal_align or "top_left"
         kernel = Kernel(spec, _flex(spec.endswith("compiled"), align), None, None)

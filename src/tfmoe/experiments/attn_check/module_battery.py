@@ -108,9 +108,9 @@ def declarations(s: ModuleSettings, adapter: AttentionAdapter, dtype: torch.dtyp
     if s.n_kv_heads != s.n_heads:
         main["gqa"] = "set n_kv_heads=null (= n_heads)"
     main["causal" if s.causal else "non_causal"] = "set causal=false" if s.causal else "set causal=true"
-    for name, tag in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+    for name, tag in ((torch.float32, "fp32"), (torch.float16, "fp16"), (torch.bfloat16, "bf16")):
         if dtype == name:
-            main[tag] = "set dtype=fp32"
+            main[tag] = "set dtype=bf16" if tag == "fp32" else "set dtype=fp32"
     if s.lengths_given and any(n < s.T for n in s.lengths):
         main["padding_mask"] = "set lengths=null (a layer without a padding mask then runs on full rows)"
     refused = caps.refusal(decl, main, s.impl)

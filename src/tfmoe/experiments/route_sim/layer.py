@@ -465,7 +465,7 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     decl = declarations(p, lut)
     run_name = PRECISION_OF.get(rec.dtype)
     if run_name in decl.lacks:  # rule 1: the run's own dtype is declared lacking
-        fix = "run it with dtype=fp32 or dtype=fp64"
+        fix = "run it with dtype=bf16 or dtype=fp64" if run_name == "fp32" else "run it with dtype=fp32 or dtype=fp64"
         if decl.sources.get(run_name) == "half_precision_unsupported":
             raise BadInput(f"impl={lut.label} cannot run in {str(rec.dtype).removeprefix('torch.')} (it declares it "
                            f"lacks {run_name}): {lut.half_precision_unsupported}: {fix}")
