@@ -12,7 +12,8 @@ NOT_A_FUNCTION = 42
 
 def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *, dropout_p=0.0, kv_head=None,
             causal_offset=None, use_bool=True, use_float=True, fill_empty=True, mask_view=None, use_dropout=True,
-            rescale=True, uniform_causal_empty=False, rescale_by=None, hide_in_long_rows=False, normalise_last=False):
+            rescale=True, uniform_causal_empty=False, rescale_by=None, hide_in_long_rows=False, normalise_last=False,
+            approx_reciprocal=False):
     """A plain (B,Hq,Tq,D) attention, written without SDPA (dropout on the weights, torch's RNG, 1/(1-p));
     the keyword switches plant the bugs."""
     B, Hq, Tq, D = q.shape
@@ -22,7 +23,7 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
     if Hkv != Hq:
         if not enable_gqa:
             raise ValueError("Hkv != Hq needs enable_gqa=True")
-        heads = kv_head(Hq, Hkv) if kv_head else torch.arange(Hq) // (Hq // Hkv)
+        heads = kv_head(Hq, Hkv) if kv_head else torch.arange(Hq, device=q.device) // (Hq // Hkv)
         if normalise_last:  # as the library's adapter: repeat_interleave, whose backward sums the group at once
             k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
         else:
@@ -31,7 +32,7 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
     allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
     if is_causal:
         offset = 0 if causal_offset is None else causal_offset(Tq, Tk)
-        allowed = torch.arange(Tk)[None, :] <= torch.arange(Tq)[:, None] + offset
+        allowed = torch.arange(Tk, device=q.device)[None, :] <= torch.arange(Tq, device=q.device)[:, None] + offset
     allowed = allowed.expand(B, Hq, Tq, Tk)
     if attn_mask is not None and attn_mask.dtype == torch.bool and use_bool:
         allowed = allowed & attn_mask
@@ -47,6 +48,9 @@ def _attend(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=Fal
         empty = torch.isinf(s).all(dim=-1, keepdim=True)
         s = s.masked_fill(empty, 0.0)
         e = torch.exp(s - s.amax(dim=-1, keepdim=True).detach())
+        if approx_reciprocal:  # acc·(1/l) with 1/l one ulp high: PTX rcp.approx's bound, as a fused GPU kernel
+            r = 1.0 / e.sum(dim=-1, keepdim=True)
+            return ((e @ v) * torch.nextafter(r, torch.full_like(r, math.inf))).masked_fill(empty, 0.0)
         return ((e @ v) / e.sum(dim=-1, keepdim=True)).masked_fill(empty, 0.0)
     if fill_empty:
         empty = torch.isinf(s).all(dim=-1, keepdim=True)
@@ -77,6 +81,14 @@ def kernel_normalises_last(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=Fal
     if dropout_p:
         raise NotImplementedError("kernel_normalises_last has no dropout")
     return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, normalise_last=True)
+
+
+def kernel_approx_reciprocal(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Correct: normalises last with a reciprocal one ulp high, as a fused GPU kernel's rcp.approx may (F-211: SDPA's
+    efficient backend on an H200 erred by an ulp of its output in fp32 where a row sees one key)."""
+    if dropout_p:
+        return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, normalise_last=True, approx_reciprocal=True)
 
 
 def kernel_ignores_scale(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -327,17 +339,18 @@ def kernel_fp16_online_softmax(q, k, v, attn_mask=None, dropout_p=0.0, is_causal
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if Hkv != Hq:
-        heads = torch.arange(Hq) // (Hq // Hkv)
+        heads = torch.arange(Hq, device=q.device) // (Hq // Hkv)
         k, v = k[:, heads], v[:, heads]
     s = (q.float() @ k.float().transpose(-2, -1)) * (1.0 / math.sqrt(D) if scale is None else scale)
     if is_causal:
-        s = s.masked_fill(torch.arange(Tk)[None, :] > torch.arange(Tq)[:, None], float("-inf"))
+        s = s.masked_fill(torch.arange(Tk, device=q.device)[None, :] > torch.arange(Tq, device=q.device)[:, None],
+                         float("-inf"))
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.float()
     acc = torch.float16
-    m = torch.full((B, Hq, Tq, 1), float("-inf"), dtype=acc)
-    denom = torch.zeros(B, Hq, Tq, 1, dtype=acc)
-    o = torch.zeros(B, Hq, Tq, D, dtype=acc)
+    m = torch.full((B, Hq, Tq, 1), float("-inf"), dtype=acc, device=q.device)
+    denom = torch.zeros(B, Hq, Tq, 1, dtype=acc, device=q.device)
+    o = torch.zeros(B, Hq, Tq, D, dtype=acc, device=q.device)
     for c in range(0, Tk, 64):
         sb = s[..., c:c + 64]
         m_new = torch.maximum(m, sb.amax(dim=-1, keepdim=True).to(acc))

@@ -322,7 +322,11 @@ def test_chunked_mode_runs_without_the_naive_path():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_cuda_battery_passes(dtype):
-    checks, rec = battery("device=cuda", f"dtype={dtype}")
+    """On CUDA the chunked memory probe runs at its default T=1024 (F-212: at FAST's T=256 the output and the fp32
+    accumulators alone were 0.37 of the naive peak on an H200, over memory_ratio_max=0.1)."""
+    rec = run_recorded("attn-check", [o for o in FAST if not o.startswith("chunked.probe_T=")] +
+                       ["device=cuda", f"dtype={dtype}"])
+    checks = {c.check: c for c in rec.checks_rows}
     assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
     assert any(r["device_ms"] is not None for r in rec.timings_rows)  # CUDA events
 

@@ -559,9 +559,17 @@ def test_default_matrix_on_sdpa_passes(kernel):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kernel", ["torch:sdpa", "torch:sdpa-flash", "torch:sdpa-efficient", "torch:sdpa-cudnn",
                                     "torch:sdpa-math", "torch:flex", "torch:flex-compiled"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 def test_cuda_kernels_pass_or_say_why_not(kernel, dtype):
+    """First run on an H200 (torch 2.11, cuDNN 9.19): flash and cuDNN take no fp32 (declared: exit 2, F-211);
+    cuDNN's rows that see no key were neither zeros, NaN nor uniform (F-213, open: xfail, not strict)."""
+    if dtype == "fp32" and kernel in ("torch:sdpa-flash", "torch:sdpa-cudnn"):
+        with pytest.raises(BadInput, match="lacks fp32"):
+            battery(kernel, "device=cuda", f"dtype={dtype}")
+        return
     checks, rec = battery(kernel, "device=cuda", f"dtype={dtype}")
+    if kernel in ("torch:sdpa", "torch:sdpa-cudnn") and failed(checks) == {"kernel_fully_masked"}:
+        pytest.xfail("F-213: cuDNN's rows that see no key: " + checks["kernel_fully_masked"].detail[:200])
     assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
 
 
@@ -792,9 +800,47 @@ def test_backward_false_is_a_declared_lack_of_backward():
 @pytest.mark.parametrize(("overrides", "fragment"), [
     (["kernel=buggy_kernels:kernel_declares_no_bf16", "dtype=bf16"], "declares it lacks bf16"),
     (["kernel=torch:sdpa", "dtype=fp16", "lacks=[fp16]"], "declares it lacks fp16"),
+    (["kernel=torch:sdpa", "lacks=[fp32]"], "declares it lacks fp32.*dtype=bf16"),
     (["kernel=torch:sdpa", "lacks=[padding]"], "unknown feature"),
     (["kernel=torch:sdpa", "kernel_checks.long_row=[2,2048]"], "long_row")])
 def test_declared_lack_of_the_main_setting_is_refused(overrides, fragment):
     with pytest.raises(BadInput, match=fragment) as err:
         run_recorded("attn-check", overrides)
     assert "\n" not in str(err.value)
+
+
+def test_cuda_backends_that_take_no_fp32_declare_it():
+    """F-211: on the first CUDA run (H200) torch:sdpa-flash and torch:sdpa-cudnn in fp32 raised "backend cannot
+    run this case" on every case, and the run failed kernel_ran. FlashAttention-2 and cuDNN's fused attention
+    take fp16/bf16 only: on CUDA they declare fp32 lacking (exit 2 before any check); on CPU flash takes fp32."""
+    from tfmoe.experiments.attn_check.kernels import load_kernel
+
+    for spec in ("torch:sdpa-flash", "torch:sdpa-cudnn"):
+        assert getattr(load_kernel(spec, None, torch.device("cuda")).fn, "tfmoe_lacks", ()) == ("fp32",)
+    for spec in ("torch:sdpa-efficient", "torch:sdpa-math"):
+        assert not getattr(load_kernel(spec, None, torch.device("cuda")).fn, "tfmoe_lacks", ())
+    assert not getattr(load_kernel("torch:sdpa-flash", None, torch.device("cpu")).fn, "tfmoe_lacks", ())
+
+
+def test_compiled_flex_refuses_a_head_dim_below_16_as_not_implemented():
+    """F-211: compiled FlexAttention on CUDA raised torch's InductorError ("NYI: embedding dimension ... at least
+    16") on the tests' D=12 case, and the run crashed. It is the compiler's own "not implemented": that case is
+    n/a, said before anything is compiled."""
+    from tfmoe.experiments.attn_check.kernels import _flex
+
+    q = torch.randn(1, 2, 5, 12)
+    with pytest.raises(NotImplementedError, match="head dim of at least 16"):
+        _flex(True, "top_left")(q, q, q)
+
+
+def test_a_reciprocal_one_ulp_high_passes_in_fp32_where_a_row_sees_one_key():
+    """F-211: on an H200, SDPA's efficient backend in fp32 failed kernel_scale at Tk = 1 (4.77e-07 vs 2.38e-07:
+    the weight is exactly 1 there, the plain yardstick exact, and the limit FlashAttention's one rounding). A
+    kernel that normalises last with a reciprocal one ulp high (PTX rcp.approx's bound) failed the same cases by
+    the same figures here; the measured-weights floor now carries the output's normalisation (1.5·eps_acc·|O|)."""
+    rec = run_recorded("attn-check", ["kernel=buggy_kernels:kernel_approx_reciprocal", "kernel_checks.long_row=null",
+                                      "cases.shapes=[[1,1,64],[239,1,64],[5,7,12]]", "kernel_checks.backward=false"])
+    checks = {c.check: c for c in rec.checks_rows if c.applicable}
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    one_key = [r for r in rec.metrics_rows if r["name"] == "err" and r.get("Tk") == 1 and not r.get("probe")]
+    assert one_key and max(r["value"] for r in one_key) > 0  # the reciprocal's error is there, and allowed
