@@ -844,3 +844,15 @@ def test_a_reciprocal_one_ulp_high_passes_in_fp32_where_a_row_sees_one_key():
     assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
     one_key = [r for r in rec.metrics_rows if r["name"] == "err" and r.get("Tk") == 1 and not r.get("probe")]
     assert one_key and max(r["value"] for r in one_key) > 0  # the reciprocal's error is there, and allowed
+
+
+def test_sdpa_fp32_passes_the_default_matrix_at_seed_26_where_a_per_head_yardstick_failed_it():
+    """F-209: a per-head forward yardstick (FlashAttention's layout) failed SDPA fp32 in kernel_mask_additive at
+    (64, 128, 13), Hkv 2, additive_random, seed 26 of the default matrix (1.37e-06 vs 1.29e-06); the grouped
+    yardstick stays. Here: 0.90 of its limit (avx2 kernels), 0.92 under ATEN_CPU_CAPABILITY=default (~18 s)."""
+    rec = run_recorded("attn-check", ["kernel=torch:sdpa", "seed=26", "kernel_checks.backward=false"])
+    checks = {c.check: c for c in rec.checks_rows if c.applicable}
+    assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
+    case = [r for r in rec.metrics_rows if r["name"] == "err" and not r.get("probe") and r.get("Hkv") == 2
+            and (r.get("Tq"), r.get("Tk"), r.get("D"), r.get("mask")) == (64, 128, 13, "additive_random")]
+    assert case and all(0 < r["value"] <= r["limit"] for r in case)
