@@ -239,6 +239,8 @@ def main() -> int:
                           flush=True)
                 theirs += [] if e is None else [e]
             fa_alone = min(theirs, default=math.inf)  # FlashAttention's figure over the rule-judged cases
+
+            probes = []  # (name, tfmoe catches at e?, FlashAttention's ε on it): the family's exact probe
             if what == "grad":  # the exact-gradient probe, a case of kernel_backward: both rules judge it too
                 case = replace(PROBE_CASE, Hkv=s.Hq)
                 inp = probe_inputs(s.B, s.Hq, dtype, args.seed, torch.device("cpu"))
@@ -247,18 +249,8 @@ def main() -> int:
                     kernel, rec = perturbed_kernel("grad", e), cpu_recorder(args.seed, dtype)
                     return run_exact_grad_probe(kernel, s.B, s.Hq, dtype, args.seed, rec).status == "fail"
 
-                if probe_caught(0.0):
-                    bad.append(f"{family} {name}: tfmoe fails the unperturbed SDPA on the exact-gradient probe")
-                else:
-                    ours_each.append(bisect(probe_caught))
-                    e = fa_eps(fa_tensors(case, inp, dtype), inp.seen, [1, 2, 3])
-                    na += e is None
-                    theirs += [] if e is None else [e]
-                    if args.per_case:
-                        print(f"    exact-gradient probe: tfmoe {ours_each[-1]:.3g}, FA "
-                              f"{'n/a' if e is None else f'{e:.3g}'}", flush=True)
-                    print(f"    backward {name}: rule-judged cases alone: tfmoe {min(ours_each[:-1]):.3g}, FA "
-                          f"{fa_alone:.3g}", flush=True)
+                probes.append(("exact-gradient", probe_caught, lambda case=case, inp=inp, dtype=dtype: fa_eps(
+                    fa_tensors(case, inp, dtype), inp.seen, [1, 2, 3])))
             if what == "out" and family in EXACT_OUTPUT_MASKS:  # the family's exact-output probe, both rules
                 hkv = min(s.cases[i].Hkv for i in idx)
                 case, inp = output_probe_inputs(family, s.B, s.Hq, hkv, "top_left", dtype, args.seed,
@@ -268,21 +260,26 @@ def main() -> int:
                     return run_exact_output_probe(perturbed_kernel("out", e), case, inp, dtype,
                                                   cpu_recorder(args.seed, dtype)).status == "fail"
 
-                if out_probe_caught(0.0):
-                    bad.append(f"{family} {name}: tfmoe fails the unperturbed SDPA on the exact-output probe")
-                else:
-                    ours_each.append(bisect(out_probe_caught))
+                def fa_on_output_probe(case=case, inp=inp, dtype=dtype) -> float | None:
                     counts = (inp.visible.expand(s.B, s.Hq, case.Tq, case.Tk).sum(-1) if inp.visible is not None
                               else None)
                     rows = inp.seen if counts is None else inp.seen & ((counts & (counts - 1)) == 0)
-                    e = fa_eps(fa_tensors(case, inp, dtype, backward=False), rows, [0])
-                    na += e is None
-                    theirs += [] if e is None else [e]
-                    if args.per_case:
-                        print(f"    exact-output probe: tfmoe {ours_each[-1]:.3g}, FA "
-                              f"{'n/a' if e is None else f'{e:.3g}'}", flush=True)
-                    print(f"    {family} {name}: rule-judged cases alone: tfmoe {min(ours_each[:-1], default=math.inf):.3g}"
-                          f", FA {fa_alone:.3g}", flush=True)
+                    return fa_eps(fa_tensors(case, inp, dtype, backward=False), rows, [0])
+
+                probes.append(("exact-output", out_probe_caught, fa_on_output_probe))
+            for probe, caught, fa_figure in probes:
+                if caught(0.0):
+                    bad.append(f"{family} {name}: tfmoe fails the unperturbed SDPA on the {probe} probe")
+                    continue
+                ours_each.append(bisect(caught))
+                e = fa_figure()
+                na += e is None
+                theirs += [] if e is None else [e]
+                if args.per_case:
+                    print(f"    {probe} probe: tfmoe {ours_each[-1]:.3g}, FA {'n/a' if e is None else f'{e:.3g}'}",
+                          flush=True)
+                print(f"    {family} {name}: rule-judged cases alone: tfmoe "
+                      f"{min(ours_each[:-1], default=math.inf):.3g}, FA {fa_alone:.3g}", flush=True)
             ours, fa = min(ours_each, default=math.inf), min(theirs, default=math.inf)
             ratio = ours / fa if math.isfinite(fa) else (0.0 if math.isfinite(ours) else math.nan)
             worst = max(worst, ratio) if ratio == ratio else worst

@@ -44,6 +44,7 @@ from tfmoe.experiments.attn_check.kernel_judging import (
     accumulation_dtype,
     call_kernel,
     enter_backward,
+    forward_or_outcome,
     raised_outcome,
 )
 from tfmoe.experiments.attn_check.kernels import Kernel
@@ -223,13 +224,9 @@ def run_exact_output_probe(kernel: Kernel, case: Case, inp: CaseInputs, dtype: t
     label = f"exact-output probe {case.label()[:-1]}, q ⟂ k: each row sees 1, 2 or 4 keys)"
     evidence = {"q": inp.q, "k": inp.k, "v": inp.v, **{n: t for n, t in inp.kwargs.items()
                                                         if isinstance(t, torch.Tensor)}}
-    try:
-        with torch.no_grad():
-            out = call_kernel(kernel, inp, inp.q, inp.k, inp.v)
-    except NotImplementedError as exc:
-        return Outcome(case, "n/a", f"{label}: {_raised(exc)}")
-    except Exception as exc:
-        return raised_outcome(kernel, case, exc, "exact-output probe", evidence)
+    out = forward_or_outcome(kernel, case, inp, label, "exact-output probe", evidence)
+    if isinstance(out, Outcome):
+        return out
     B, Hq, Tq, _ = inp.q.shape
     visible = (torch.ones(1, 1, Tq, TK, dtype=torch.bool, device=inp.q.device) if inp.visible is None
                else inp.visible)

@@ -128,6 +128,19 @@ def raised_outcome(kernel: Kernel, case: Case, exc: Exception, during: str, evid
     return Outcome(case, "fail", f"{case.label()}: {during}: {raised}", math.inf, evidence=evidence, raised=raised)
 
 
+def forward_or_outcome(kernel: Kernel, case: Case, inp: CaseInputs, label: str, during: str,
+                       evidence: dict[str, torch.Tensor]) -> torch.Tensor | Outcome:
+    """The kernel's output on the case's inputs (no grad), or the Outcome its raise makes: NotImplementedError is
+    n/a; the user's exception fails the case; tfmoe's crashes the run (:func:`raised_outcome`)."""
+    try:
+        with torch.no_grad():
+            return call_kernel(kernel, inp, inp.q, inp.k, inp.v)
+    except NotImplementedError as exc:
+        return Outcome(case, "n/a", f"{label}: {_raised(exc)}")
+    except Exception as exc:  # the user's kernel raised: this case fails; tfmoe's error crashes the run
+        return raised_outcome(kernel, case, exc, during, evidence)
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """What a kernel accumulates in for inputs of ``dtype``: fp32, or fp64 for fp64 runs (eps_acc is its eps)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -323,13 +336,9 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
     passed and backward is on — dq (rows that see a key), dk, dv."""
     tensors = {"q": inp.q, "k": inp.k, "v": inp.v, **{k: v for k, v in inp.kwargs.items()
                                                       if isinstance(v, torch.Tensor)}}
-    try:
-        with torch.no_grad():
-            out = call_kernel(kernel, inp, inp.q, inp.k, inp.v)
-    except NotImplementedError as exc:
-        return Outcome(case, "n/a", f"{case.label()}: {_raised(exc)}"), None
-    except Exception as exc:  # the user's kernel raised: this case fails; tfmoe's error crashes the run
-        return raised_outcome(kernel, case, exc, "forward", tensors), None
+    out = forward_or_outcome(kernel, case, inp, case.label(), "forward", tensors)
+    if isinstance(out, Outcome):
+        return out, None
     leaves = {name: [t.detach().to(cast).requires_grad_(backward) for t in (inp.q, inp.k, inp.v)]
               for name, cast in (("ref", torch.float64), ("plain", dtype))}
     with torch.set_grad_enabled(backward):
