@@ -378,3 +378,21 @@ def test_low_precision_run_measures_visibility_in_fp32():
     rec = run_recorded("arch", ["dtype=bf16"])
     assert rec.all_passed, [c.check for c in rec.checks_rows if not c.passed]
     assert rec.tensors_saved["visibility_encoder"].eq(1).all()
+
+
+def test_visibility_perturbs_tokens_on_the_ids_device_and_returns_host_matrices():
+    """The arch experiment on CUDA (found by a fake-device audit after the first GPU run, not on a GPU): the
+    perturbed batch added a host arange to device ids, and the device matrix was compared with host patterns and
+    drawn with .numpy(). Ids on the meta device stand in for CUDA here (meta refuses a host operand too)."""
+    from tfmoe.experiments.arch.checks import visibility_matrix
+
+    seen: list[torch.device] = []
+
+    def forward(batch: torch.Tensor) -> torch.Tensor:  # (N,T) ids -> (N,T,4); output i sees tokens j <= i
+        seen.append(batch.device)
+        g = torch.Generator().manual_seed(0)
+        emb = torch.randn(16, 4, generator=g)
+        return emb[torch.tensor([[1, 2, 3, 4]] * batch.shape[0])].cumsum(dim=1) + torch.arange(batch.shape[0])[:, None, None]
+
+    matrix, diffs, _ = visibility_matrix(forward, torch.tensor([1, 2, 3, 4]).to("meta"), 16, 8.0)
+    assert seen == [torch.device("meta")] and matrix.device.type == "cpu" and diffs.device.type == "cpu"

@@ -128,7 +128,7 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, max_new_tokens: int, 
         if eos_id is not None and bool(finished.all()):
             break
     V = step_logits[0].shape[-1] if step_logits else 0
-    logits_t = torch.stack(step_logits, dim=1) if step_logits else torch.zeros(B, 0, V)
+    logits_t = torch.stack(step_logits, dim=1) if step_logits else torch.zeros(B, 0, V, device=prompt.device)
     return Generation(tokens, logits_t, finished, prompt.shape[1],
                       sum(c.nbytes() for c in caches), caches)
 

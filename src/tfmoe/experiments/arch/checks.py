@@ -59,15 +59,16 @@ def visibility_matrix(forward: Callable[[torch.Tensor], torch.Tensor], ids: torc
 
     forward: ids (N,T) -> outputs (N,T_out,F). Row 0 of the batch is the original, row j+1 has token j
     replaced by a different id. Returns (matrix (T_out,T) of 0/1, diffs (T_out,T) max |Δ| per output
-    position, tol) with tol = tol_eps · eps(dtype) · max(1, max|output|)."""
+    position, tol) with tol = tol_eps · eps(dtype) · max(1, max|output|); matrix and diffs on the host (the
+    expected patterns, the evidence and the figure are host tensors)."""
     T = ids.shape[0]
     batch = ids.repeat(T + 1, 1)  # (T+1,T)
-    j = torch.arange(T)
+    j = torch.arange(T, device=ids.device)
     batch[j + 1, j] = (ids + 1 + j) % vocab_size  # a different token at position j
     with torch.no_grad():
         out = forward(batch)  # (T+1,T_out,F)
     base = out[0].double()
-    diffs = (out[1:].double() - base).abs().amax(dim=-1).T  # (T_out,T): [i, j] = change of output i
+    diffs = (out[1:].double() - base).abs().amax(dim=-1).T.cpu()  # (T_out,T): [i, j] = change of output i
     tol = tol_eps * dtype_eps(out.dtype) * max(1.0, float(base.abs().max()))
     return (diffs > tol).to(torch.int64), diffs, tol
 
