@@ -72,6 +72,9 @@ def _flex(compiled: bool, causal_align: str) -> Callable[..., torch.Tensor]:
     def flex(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if dropout_p:
             raise NotImplementedError("FlexAttention has no attention dropout")
+        if compiled and min(q.shape[-1], v.shape[-1]) < FLEX_COMPILED_MIN_HEAD_DIM:
+            raise NotImplementedError(f"compiled FlexAttention needs a head dim of at least "
+                                      f"{FLEX_COMPILED_MIN_HEAD_DIM} (torch's lowering), got {q.shape[-1]}")
         B, Hq, Tq, _ = q.shape
         Tk = k.shape[2]
         offset = 0 if causal_align == "top_left" else Tk - Tq
@@ -89,9 +92,6 @@ def _flex(compiled: bool, causal_align: str) -> Callable[..., torch.Tensor]:
             block_mask = create_block_mask(mask_mod, B, Hq if per_head else None, Tq, Tk, device=q.device)
         score_mod = None if bias is None else (
             lambda s, b, h, q_idx, kv_idx: s + bias[b, h if per_head else 0, q_idx, kv_idx])
-        if compiled and min(q.shape[-1], v.shape[-1]) < FLEX_COMPILED_MIN_HEAD_DIM:
-            raise NotImplementedError(f"compiled FlexAttention needs a head dim of at least "
-                                      f"{FLEX_COMPILED_MIN_HEAD_DIM} (torch's lowering), got {q.shape[-1]}")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
             try:
