@@ -409,3 +409,87 @@ def kernel_output_quarter_percent_large(q, k, v, attn_mask=None, dropout_p=0.0, 
     left on in evaluation. In bf16 the rule-judged cases and the weights probe pass it (their limits are ~1 % of
     the output); each family's exact-output probe sees any error above half an ulp (~0.2 % in bf16)."""
     return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p) * 1.0025
+
+
+# ------------------------------------------------------------ what a row that sees no key gives, one per kind
+def _empty_rows_give(q, k, v, attn_mask, is_causal, scale, enable_gqa, kind):
+    """plain_kernel, except that a row that sees no key gives ``kind``: zeros, nan, mean_of_v (every key weighted
+    alike) or other (finite and unspecified: the first key's value)."""
+    out = _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+    Hq, Tq, Tk = q.shape[1], q.shape[2], k.shape[2]
+    empty = torch.zeros(q.shape[0], Hq, Tq, dtype=torch.bool, device=q.device)
+    if attn_mask is not None:
+        vis = attn_mask if attn_mask.dtype == torch.bool else ~torch.isinf(attn_mask)
+        empty = ~vis.expand(q.shape[0], Hq, Tq, Tk).any(dim=-1)
+    vv = v.repeat_interleave(Hq // v.shape[1], dim=1)  # (B,Hq,Tk,D)
+    fill = {"zeros": torch.zeros_like(out), "nan": torch.full_like(out, math.nan),
+            "mean_of_v": vv.mean(dim=2, keepdim=True).expand_as(out),
+            "other": vv[:, :, :1].expand_as(out)}[kind]
+    return torch.where(empty[..., None], fill, out)
+
+
+def kernel_empty_rows_mean_of_v(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                enable_gqa=False):
+    """Correct under fully_masked_expect=uniform (or mean_of_v, finite, any): a row that sees no key averages v."""
+    return _empty_rows_give(q, k, v, attn_mask, is_causal, scale, enable_gqa, "mean_of_v")
+
+
+def kernel_empty_rows_finite(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Correct under fully_masked_expect=finite (or any): a row that sees no key gives finite, unspecified values
+    (the first key's value)."""
+    return _empty_rows_give(q, k, v, attn_mask, is_causal, scale, enable_gqa, "other")
+
+
+EMPTY_ROW_KERNELS = {"zeros": "plain_kernel", "nan": "kernel_nan_rows", "mean_of_v": "kernel_empty_rows_mean_of_v",
+                     "other": "kernel_empty_rows_finite"}
+
+
+class _EmptyRowsModule(torch.nn.Module):
+    """The course's interface (qkv, out Linear layers; forward(x, padding_mask) -> (out, weights)); a row that
+    sees no key gets the weights of ``kind`` (zeros, nan, mean_of_v: uniform, other: all on the first key)."""
+
+    kind = "zeros"
+
+    def __init__(self, d_model: int, n_heads: int, causal: bool = False, dropout: float = 0.0):
+        super().__init__()
+        self.h, self.causal = n_heads, causal
+        self.qkv = torch.nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = torch.nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x, padding_mask=None):
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.h, D // self.h).transpose(1, 2) for t in self.qkv(x).split(D, dim=-1))
+        vis = torch.ones(1, 1, T, T, dtype=torch.bool, device=x.device)
+        if self.causal:
+            vis = vis & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        if padding_mask is not None:
+            vis = vis & padding_mask.bool()[:, None, None, :]
+        vis = vis.expand(B, self.h, T, T)
+        empty = ~vis.any(dim=-1, keepdim=True)
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(D // self.h)
+        w = s.masked_fill(~vis, float("-inf")).masked_fill(empty, 0.0).softmax(dim=-1)
+        fill = {"zeros": torch.zeros_like(w), "nan": torch.full_like(w, math.nan),
+                "mean_of_v": torch.full_like(w, 1.0 / T),
+                "other": torch.nn.functional.one_hot(torch.zeros_like(w[..., 0], dtype=torch.long), T).to(w.dtype)}
+        w = torch.where(empty, fill[self.kind], w)
+        return self.out((w @ v).transpose(1, 2).reshape(B, T, D)), w
+
+
+class EmptyRowsZeros(_EmptyRowsModule):
+    kind = "zeros"
+
+
+class EmptyRowsNan(_EmptyRowsModule):
+    kind = "nan"
+
+
+class EmptyRowsMeanOfV(_EmptyRowsModule):
+    kind = "mean_of_v"
+
+
+class EmptyRowsFinite(_EmptyRowsModule):
+    kind = "other"
+
+
+EMPTY_ROW_MODULES = {"zeros": "EmptyRowsZeros", "nan": "EmptyRowsNan", "mean_of_v": "EmptyRowsMeanOfV",
+                     "other": "EmptyRowsFinite"}

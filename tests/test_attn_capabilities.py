@@ -240,3 +240,37 @@ def test_a_huge_layer_is_refused_naming_the_dominant_knob(override, monkeypatch)
         attn_check.settings(compose("attn-check", [override, *fix[1].split()]))
     else:  # T: the naive path's own guard (refuse_if_too_big) names T and mode=chunked
         assert "mode=chunked" in message or "T=" in message
+
+
+# ------------------------------------------------ rows that see no key: one policy vocabulary in every mode
+ACCEPTED = {"finite": {"zeros", "mean_of_v", "other"}, "zeros": {"zeros"}, "nan": {"nan"},
+            "mean_of_v": {"mean_of_v"}, "uniform": {"mean_of_v"}, "any": {"zeros", "mean_of_v", "other", "nan"}}
+
+
+@pytest.mark.parametrize("kind", ["zeros", "nan", "mean_of_v", "other"])
+def test_fully_masked_policies_mean_the_same_in_module_and_kernel_mode(kind):
+    """The same rows (zeros, NaN, the uniform average of v, finite and unspecified) meet the same policies in
+    module mode (fully_masked_policy) and kernel mode (kernel_checks.fully_masked_expect): `any` accepts
+    anything (NaN included), `finite` any finite value; a finite unspecified row no longer fails under `any`."""
+    import buggy_kernels as bk
+
+    for policy, kinds in ACCEPTED.items():
+        assert caps.fully_masked_accepts(policy, kind) == (kind in kinds)
+        module = run_recorded("attn-check", [f"impl=buggy_kernels:{bk.EMPTY_ROW_MODULES[kind]}", "checks=[fully_masked]",
+                                             f"fully_masked_policy={policy}", "dropout=0"])
+        row = {c.check: c for c in module.checks_rows}["fully_masked_rows"]
+        kernel = run_recorded("attn-check", [f"kernel=buggy_kernels:{bk.EMPTY_ROW_KERNELS[kind]}",
+                                             "cases.shapes=[[5,7,12],[1,6,16]]", "kernel_checks.long_row=null",
+                                             "kernel_checks.dropout_p=0", "cases.masks=[none,pad_bool,fully_masked]",
+                                             f"kernel_checks.fully_masked_expect={policy}"])
+        fam = {c.check: c for c in kernel.checks_rows}["kernel_fully_masked"]
+        assert row.passed == fam.passed == (kind in kinds), (policy, kind, row.detail, fam.detail)
+        if not fam.passed and kind == "other":  # the fix it names is itself accepted
+            assert "set it to finite" in fam.detail
+
+
+def test_unknown_policy_is_refused_in_both_modes_with_the_vocabulary():
+    with pytest.raises(BadInput, match="finite, zeros, nan, mean_of_v, any"):
+        run_recorded("attn-check", ["kernel=torch:sdpa", "kernel_checks.fully_masked_expect=ones"])
+    with pytest.raises(BadInput, match="'finite', 'zeros', 'nan', 'mean_of_v', 'any'"):
+        run_recorded("attn-check", ["fully_masked_policy=ones"])

@@ -201,7 +201,7 @@ def test_kv_cache_compares_with_the_modules_own_forward():
     assert any("kv_cache_decode not judged" in n and "sdpa_match" in n for n in rec.notes)
 
 
-def test_shapes_judges_only_what_the_module_shows():
+def test_shapes_judges_only_what_the_module_shows(capsys):
     rows = [shapes.ShapeRow("qkv", "(B, T, 3D)", (2, 4, 24), None, "module", True),
             shapes.ShapeRow("scores", "(B, H, T, T)", (2, 2, 4, 4), (9, 9), "derived", False),
             shapes.ShapeRow("output", "(B, T, D)", (2, 4, 8), (4, 2, 8), "module", True)]
@@ -214,6 +214,13 @@ def test_shapes_judges_only_what_the_module_shows():
     assert "qkv = x·W_qkvᵀ" in checks["shapes"].detail and any("not observed" in n for n in rec.notes)
     checks, _ = battery("checks=[masks]")
     assert "NOT observed" not in checks["shapes"].detail
+    # a layer with no fused qkv layer to hook was called all the same: the table says what was observed
+    capsys.readouterr()
+    checks, rec = battery("impl=torch:mha", "checks=[masks]")
+    assert checks["shapes"].passed and "NOT observed" not in checks["shapes"].detail
+    assert "no fused qkv / output layer" in checks["shapes"].detail
+    table = capsys.readouterr().out
+    assert "no such layer to hook" in table and "never called" not in table
 
 
 def test_module_that_raises_fails_its_checks_instead_of_crashing():

@@ -631,7 +631,8 @@ def test_policy_forms_resolve_per_kind():
 
     assert fully_masked_expect("zeros") == {"bool": ("zeros",), "additive": ("zeros",), "causal": ("zeros",)}
     assert fully_masked_expect(float("nan"))["causal"] == ("nan",)  # Hydra reads the bare word nan as a float
-    assert fully_masked_expect("any")["bool"] == ("zeros", "nan", "uniform")
+    assert fully_masked_expect("any")["bool"] == ("any",)  # anything, NaN included (module mode's meaning)
+    assert fully_masked_expect("finite")["bool"] == ("finite",)  # kernel mode takes module mode's default too
     assert fully_masked_expect({"additive": ["nan", "zeros"]}) == {
         "bool": ("zeros",), "additive": ("nan", "zeros"), "causal": ("zeros",)}  # missing kinds: zeros
 

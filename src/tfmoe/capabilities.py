@@ -207,3 +207,44 @@ def precision_note(part: str, precision: str, error: float, plain: float, *, det
 
 def _long(precision: str) -> str:
     return {"fp64": "float64", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[precision]
+
+
+# ------------------------------------------------------------------------------ rows that see no key
+# One vocabulary for what a query row that sees no key must give, in module mode (``fully_masked_policy``) and
+# kernel mode (``kernel_checks.fully_masked_expect``). What such a row gives is classified as zeros, mean_of_v
+# (the uniform average of v), nan (any non-finite value) or other (finite, none of those):
+FULLY_MASKED_POLICIES: dict[str, str] = {
+    "finite": "any finite value (zeros, the uniform average of v, or another finite value)",
+    "zeros": "zeros (after the output projection: its bias)",
+    "nan": "NaN (or another non-finite value)",
+    "mean_of_v": "the uniform average of v (every key weighted alike)",
+    "any": "any value at all, NaN included (reported, never judged)",
+}
+POLICY_ALIASES = {"uniform": "mean_of_v"}  # kernel mode's older name for mean_of_v
+# which classified kinds each policy accepts
+_ACCEPTS = {"finite": {"zeros", "mean_of_v", "other"}, "zeros": {"zeros"}, "nan": {"nan"},
+            "mean_of_v": {"mean_of_v"}, "any": {"zeros", "mean_of_v", "other", "nan"}}
+
+
+def policy_name(value: str) -> str:
+    """The canonical name of a fully-masked policy (``uniform`` is ``mean_of_v``); ValueError when unknown."""
+    name = POLICY_ALIASES.get(value, value)
+    if name not in FULLY_MASKED_POLICIES:
+        raise ValueError(value)
+    return name
+
+
+def fully_masked_accepts(policies: str | Iterable[str], kind: str) -> bool:
+    """Whether rows that see no key and give ``kind`` (zeros | mean_of_v | uniform | nan | other | none, as
+    :func:`tfmoe.components.comparison.classify_rows` names them) meet any of ``policies``. No such row ("none")
+    meets every policy."""
+    kind = POLICY_ALIASES.get(kind, kind)
+    if kind == "none":
+        return True
+    names = [policies] if isinstance(policies, str) else list(policies)
+    return any(kind in _ACCEPTS[policy_name(p)] for p in names)
+
+
+def policy_allows_nan(policies: str | Iterable[str]) -> bool:
+    """Whether the policy lets non-finite values from those rows reach the gradients (nan, any)."""
+    return fully_masked_accepts(policies, "nan")

@@ -36,17 +36,18 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from tfmoe import capabilities
 from tfmoe.capabilities import declared, precision_name
 from tfmoe.components.reference_attention import CAUSAL_ALIGNS
 from tfmoe.errors import BadInput
 from tfmoe.experiments.attn_check.checks import GROUPS
-from tfmoe.experiments.attn_check.kernel_cases import MASKS, POLICIES, ROW_KINDS, build_cases
+from tfmoe.experiments.attn_check.kernel_cases import MASKS, ROW_KINDS, build_cases
 from tfmoe.experiments.attn_check.settings import KernelSettings, ModuleSettings, Settings
 from tfmoe.recorder import Recorder
 from tfmoe.validate import require_int, require_number
 
 MODES = ("full", "chunked")
-FULLY_MASKED_POLICIES = ("finite", "zeros", "nan", "mean_of_v", "any")
+FULLY_MASKED_POLICIES = (*capabilities.FULLY_MASKED_POLICIES, *capabilities.POLICY_ALIASES)
 PADDED_QUERY_POLICIES = ("any", "attend", "zeros")
 
 
@@ -177,6 +178,7 @@ def module_settings(cfg: DictConfig) -> ModuleSettings:
         policy = "nan"  # Hydra's grammar reads the bare word nan as a float
     if policy not in FULLY_MASKED_POLICIES:
         raise BadInput(f"fully_masked_policy={policy!r} is unknown: use one of {list(FULLY_MASKED_POLICIES)}")
+    policy = capabilities.policy_name(policy)
     padded = OmegaConf.select(cfg, "padded_query_policy", default="any")
     if padded not in PADDED_QUERY_POLICIES:
         raise BadInput(f"padded_query_policy={padded!r} is unknown: use any (padded query rows are don't-care), "
@@ -281,15 +283,14 @@ def _policy_name(p: Any) -> Any:  # Hydra's grammar reads the bare word nan as a
 
 
 def _policies(value: Any, key: str) -> tuple[str, ...]:
-    """One kind's policies: a name, a list of names, or any."""
+    """One kind's policies: a name or a list of names (tfmoe.capabilities.FULLY_MASKED_POLICIES, the same
+    vocabulary as module mode's fully_masked_policy; uniform = mean_of_v)."""
     value = _list(value)
     names = [_policy_name(p) for p in value] if isinstance(value, list) else [_policy_name(value)]
-    if names == ["any"]:
-        return POLICIES
-    if not names or any(not isinstance(p, str) or p not in POLICIES for p in names):
+    if not names or any(not isinstance(p, str) or p not in FULLY_MASKED_POLICIES for p in names):
         shown = value if not isinstance(value, float) else _policy_name(value)
-        raise BadInput(f"{key}={shown!r} is unknown: use zeros, nan, uniform, a list of them (e.g. "
-                       f"{key}=[zeros,nan]), any, or one per kind of row, e.g. "
+        raise BadInput(f"{key}={shown!r} is unknown: use one of {', '.join(FULLY_MASKED_POLICIES)}, a list of them "
+                       f"(e.g. {key}=[zeros,nan]), or one per kind of row, e.g. "
                        "kernel_checks.fully_masked_expect={bool:zeros,additive:nan,causal:uniform}")
     return tuple(dict.fromkeys(names))
 

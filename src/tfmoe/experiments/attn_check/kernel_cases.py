@@ -26,7 +26,6 @@ MASK_FAMILY = {"causal": "causal", "pad_bool": "padding_bool", "pad_additive": "
                "bool_random": "mask_bool", "bool_structured": "mask_bool", "additive_random": "mask_additive",
                "additive_structured": "mask_additive", "per_head_bool": "per_head", "per_head_additive": "per_head"}
 ADDITIVE = ("pad_additive", "fully_masked_additive", "additive_random", "additive_structured", "per_head_additive")
-POLICIES = ("zeros", "nan", "uniform")
 # What makes a row see no key, each with its own declared policy (kernel_checks.fully_masked_expect): a causal
 # mask (is_causal, bottom-right with Tq > Tk), a boolean mask, an additive mask all -inf on the row.
 ROW_KINDS = ("bool", "additive", "causal")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tfmoe.capabilities import fully_masked_accepts
 from tfmoe.components.comparison import Comparison, classify_rows, judge, max_abs_err
 from tfmoe.components.reference_attention import (
     causal_visibility,
@@ -27,7 +28,7 @@ from tfmoe.components.reference_attention import (
     reference_attention,
 )
 from tfmoe.errors import AdapterError, ContractError
-from tfmoe.experiments.attn_check.kernel_cases import POLICIES, Case, CaseInputs
+from tfmoe.experiments.attn_check.kernel_cases import Case, CaseInputs
 from tfmoe.experiments.attn_check.kernels import BUILTINS, Kernel
 from tfmoe.faults import culprit_frame, is_tfmoe_frame, raised_detail
 from tfmoe.recorder import Recorder
@@ -361,14 +362,15 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
     ratio = j.ratio
     problems = [] if j.passed else [j.text("out")]
     allowed = expect[case.row_kind]
-    if policy != "none" and policy not in allowed:
+    if not fully_masked_accepts(allowed, policy):
         n = int((~inp.seen).sum())
-        problems.append(f"{n} rows that see no key ({case.row_kind} mask) give {policy}, expected "
-                        f"{'|'.join(allowed)} (kernel_checks.fully_masked_expect; set it to {policy}, or "
-                        f"{{{case.row_kind}:{policy}}} for {case.row_kind} rows only, if that is your kernel's "
-                        "documented policy)" if policy in POLICIES else
-                        f"{n} rows that see no key ({case.row_kind} mask) give {policy} (neither zeros, NaN nor "
-                        "the uniform average of v)")
+        accept = {"other": "finite", "mean_of_v": "uniform"}.get(policy, policy)
+        gives = ("finite values that are neither zeros nor the uniform average of v" if policy == "other"
+                 else policy)
+        problems.append(f"{n} rows that see no key ({case.row_kind} mask) give {gives}, expected "
+                        f"{'|'.join(allowed)} (kernel_checks.fully_masked_expect; set it to {accept}, or "
+                        f"{{{case.row_kind}:{accept}}} for {case.row_kind} rows only, if that is your kernel's "
+                        "documented policy)")
         ratio = math.inf
     evidence = {**tensors, "out": out, "ref": ref.detach()}
     fwd = Outcome(case, "fail" if problems else "pass",

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tfmoe.capabilities import fully_masked_accepts, policy_allows_nan
 from tfmoe.components.comparison import classify_rows
 from tfmoe.components.references import output, project, rows_with_a_key, visibility
 from tfmoe.experiments.attn_check.layer import LayerUnderTest
@@ -69,21 +70,24 @@ def check_fully_masked(layer: LayerUnderTest) -> None:
     rec.note(f"fully masked query rows ({n_masked} in the probe): module -> {module_kind}; "
              f"torch {torch.__version__} SDPA -> {sdpa_kind}. Policy: excluded from every comparison; "
              f"fully_masked_policy={policy}")
+    accepted = fully_masked_accepts(policy, module_kind)
+    nan_allowed = policy_allows_nan(policy)
     causes = []
     if nonfinite_other:
         causes.append(f"{nonfinite_other} non-finite values in the outputs of rows that DO see a key")
-    if policy in ("finite", "zeros", "mean_of_v") and nonfinite_masked:
+    if not accepted and nonfinite_masked:
         causes.append(f"the fully masked rows are {module_kind} ({nonfinite_masked} non-finite values): give them a "
                       "finite value (an additive finfo.min mask, or weights set to 0 where a row sees no key), or "
                       "declare fully_masked_policy=nan")
-    if policy in ("zeros", "nan", "mean_of_v") and module_kind != policy and n_masked:
-        causes.append(f"the fully masked rows are {module_kind}, the declared policy is {policy}")
-    if policy != "nan" and policy != "any" and nonfinite_grads:
+    elif not accepted:
+        causes.append(f"the fully masked rows are {module_kind}, the declared policy is {policy}"
+                      + (" (set fully_masked_policy=finite if any finite value is your layer's documented policy)"
+                         if module_kind == "other" else ""))
+    if not nan_allowed and nonfinite_grads:
         causes.append(f"{nonfinite_grads} non-finite gradient values from a loss over the other rows only "
                       "(the fully masked rows' NaN reaches the backward)")
-    bad = nonfinite_other + (nonfinite_masked if policy in ("finite", "zeros", "mean_of_v") else 0) + (
-        n_masked if policy in ("zeros", "nan", "mean_of_v") and module_kind != policy else 0) + (
-        nonfinite_grads if policy not in ("nan", "any") else 0)
+    bad = nonfinite_other + (0 if accepted else max(nonfinite_masked, n_masked)) + (
+        0 if nan_allowed else nonfinite_grads)
     rec.check("fully_masked_rows", bad == 0, float(bad), 0.0,
               f"{n_masked} fully masked query rows: module gives {module_kind}, SDPA gives {sdpa_kind}; policy "
               f"{policy}; " + ("; ".join(causes) if causes else

@@ -14,6 +14,9 @@ from tfmoe.components.references import project, reference_dtype
 from tfmoe.experiments.attn_check.layer import LayerUnderTest, projection_tensors
 from tfmoe.tables import Rows
 
+# a step whose layer the adapter does not name (separate q/k/v projections, no output layer): nothing to hook
+NO_LAYER = {"qkv": "no fused qkv layer (not judged)", "merged": "no output layer named (not judged)"}
+
 
 @dataclass
 class ShapeRow:
@@ -84,14 +87,16 @@ def check_shapes(layer: LayerUnderTest) -> None:
     rows = [
         ShapeRow("x", "(B, T, D)", (B, T, D), tuple(layer.x.shape), "input", True),
         ShapeRow("qkv = x·W_qkvᵀ", "(B, T, (H+2·Hkv)·Dh)", (B, T, (H + 2 * Hkv) * Dh), seen.get("qkv"),
-                 "module: output of its fused qkv layer", True),
+                 "module: output of its fused qkv layer" if qkv_layer is not None else NO_LAYER["qkv"],
+                 qkv_layer is not None),
         ShapeRow("q, k, v split into heads", "(B, H, T, Dh)", (B, H, T, Dh), tuple(q.shape), derived, False),
         ShapeRow("scores = q·kᵀ/√Dh", "(B, H, T, T)", (B, H, T, T), tuple(scores.shape), derived, False),
         ShapeRow("weights = softmax(scores)", "(B, H, T, T)", (B, H, T, T),
                  None if attn is None else tuple(attn.shape), "module: returned weights", returns),
         ShapeRow("context = weights·v", "(B, H, T, Dh)", (B, H, T, Dh), tuple(context.shape), derived, False),
-        ShapeRow("heads merged", "(B, T, H·Dh)", (B, T, H * Dh), seen.get("merged"), "module: input of its output layer",
-                 True),
+        ShapeRow("heads merged", "(B, T, H·Dh)", (B, T, H * Dh), seen.get("merged"),
+                 "module: input of its output layer" if out_layer is not None else NO_LAYER["merged"],
+                 out_layer is not None),
         ShapeRow("output = merged·W_outᵀ", "(B, T, D)", (B, T, D), tuple(out.shape), "module: output", True),
     ]
     wrong, unobserved = judge_shapes(rows)
@@ -99,8 +104,10 @@ def check_shapes(layer: LayerUnderTest) -> None:
                  ["step", "formula", "expected", "observed", "from"])
     for r in rows:
         ok = r.observed is None or tuple(r.observed) == r.expected
-        shown = ("not returned (n/a)" if r.step.startswith("weights") and not returns else
-                 "not observed (layer never called)") if r.observed is None else str(r.observed)
+        shown = str(r.observed) if r.observed is not None else (
+            "not returned (n/a)" if r.step.startswith("weights") and not returns else
+            "not observed: no such layer to hook" if r.source in NO_LAYER.values() else
+            "not observed: the module never called that layer")
         table.add(r.step, r.formula, str(r.expected), shown, r.source,
                   style="red" if not ok else ("yellow" if r.observed is None else ("dim" if not r.judged else None)))
     table.print_to(layer.rec.console)
@@ -110,8 +117,12 @@ def check_shapes(layer: LayerUnderTest) -> None:
     if unobserved:
         detail += (f"; NOT observed (the module never called the layer, so its shape was not checked): "
                    f"{', '.join(unobserved)}")
-        layer.rec.note(f"shapes: {', '.join(unobserved)} not observed: {layer.adapter.name} never calls a fused qkv / "
-                     "output layer as modules; only its input, returned weights and output shapes were checked")
+        layer.rec.note(f"shapes: {', '.join(unobserved)} not observed: {layer.adapter.name} never calls its fused qkv / "
+                       "output layer as a module; only its input, returned weights and output shapes were checked")
+    unhooked = [r.step for r in rows if r.source in NO_LAYER.values()]
+    if unhooked:
+        detail += (f"; {', '.join(unhooked)}: the layer has no fused qkv / output layer the adapter names, so "
+                   "that step cannot be observed (not judged)")
     if not returns:
         detail += "; weights: the layer returns none (n/a)"
     detail += "; q/k/v, scores, context are derived from the weights (shown, not judged)"
