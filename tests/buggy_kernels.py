@@ -493,3 +493,44 @@ class EmptyRowsFinite(_EmptyRowsModule):
 
 EMPTY_ROW_MODULES = {"zeros": "EmptyRowsZeros", "nan": "EmptyRowsNan", "mean_of_v": "EmptyRowsMeanOfV",
                      "other": "EmptyRowsFinite"}
+
+
+# ------------------------------------------------- a kernel without GQA whose queries and keys must be as long
+def _square_only(q, k, attn_mask):
+    if k.shape[1] != q.shape[1]:
+        raise NotImplementedError("no grouped kv heads")
+    if q.shape[2] != k.shape[2]:
+        raise NotImplementedError("queries and keys must be equally long")
+
+
+def kernel_square_only(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Correct where it runs: Hkv = Hq and Tq = Tk only (NotImplementedError otherwise, undeclared: detected)."""
+    _square_only(q, k, attn_mask)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
+
+
+def kernel_square_only_causal_sees_next(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                        enable_gqa=False):
+    """Bug (causal): as kernel_square_only, but a causal query also sees the next key."""
+    _square_only(q, k, attn_mask)
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   causal_offset=lambda Tq, Tk: 1)
+
+
+def kernel_declares_square_only(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                enable_gqa=False):
+    """Correct where it runs; declares what it lacks (tfmoe_lacks) instead of raising."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p)
+
+
+kernel_declares_square_only.tfmoe_lacks = ("gqa", "unequal_lengths")
+
+
+def kernel_declares_square_only_causal_sees_next(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                                 scale=None, enable_gqa=False):
+    """Bug (causal): as kernel_declares_square_only, but a causal query also sees the next key."""
+    return _attend(q, k, v, attn_mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                   causal_offset=lambda Tq, Tk: 1)
+
+
+kernel_declares_square_only_causal_sees_next.tfmoe_lacks = ("gqa", "unequal_lengths")

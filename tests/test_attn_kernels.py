@@ -857,3 +857,68 @@ def test_sdpa_fp32_passes_the_default_matrix_at_seed_26_where_a_per_head_yardsti
     case = [r for r in rec.metrics_rows if r["name"] == "err" and not r.get("probe") and r.get("Hkv") == 2
             and (r.get("Tq"), r.get("Tk"), r.get("D"), r.get("mask")) == (64, 128, 13, "additive_random")]
     assert case and all(0 < r["value"] <= r["limit"] for r in case)
+
+
+# ------------------------------------------------------------- coverage: substitutes and vacuous families
+# The issue's shapes: one square case of one key, the rest rectangular; kv heads rotate through 6, 2, 1
+ISSUE_SHAPES = ["cases.shapes=[[1,1,64],[5,7,12],[7,5,8],[6,6,16]]", "kernel_checks.long_row=null"]
+
+
+@pytest.mark.parametrize("how", ["detected", "declared"])
+def test_a_square_only_kernel_without_gqa_is_judged_on_substitutes_and_its_causal_bug_caught(how):
+    """A kernel without GQA whose Tq must equal Tk could run one causal case of the matrix, Tq = Tk = 1, where a
+    causal mask hides nothing: the matrix substitutes cases it can run (kv heads = query heads, Tq = Tk), so the
+    correct kernel passes, a query that also sees the next key fails kernel_causal alone, and dropout is judged."""
+    name = "kernel_square_only" if how == "detected" else "kernel_declares_square_only"
+    rec = run_recorded("attn-check", [f"kernel=buggy_kernels:{name}", *ISSUE_SHAPES])
+    checks = {c.check: c for c in rec.checks_rows if c.applicable}
+    assert not failed(checks), {n: checks[n].detail for n in failed(checks)}
+    assert checks["kernel_dropout"].passed and "substituted" in checks["kernel_dropout"].detail
+    assert "could reveal the causal mask" in checks["kernel_causal"].detail
+    assert "kernel_gqa" in not_applicable(rec)
+    if how == "detected":
+        assert any("read as lacking unequal_lengths" in n for n in rec.notes)
+        assert any("read as lacking gqa" in n for n in rec.notes)
+    bug = name.replace("kernel_declares_square_only", "kernel_declares_square_only_causal_sees_next") \
+        if how == "declared" else "kernel_square_only_causal_sees_next"
+    checks, _ = battery(f"buggy_kernels:{bug}", *ISSUE_SHAPES)
+    assert failed(checks) == {"kernel_causal"}
+
+
+def test_a_family_judged_only_on_vacuous_cases_is_not_judged_never_passed():
+    """With one key per row a causal mask, a padding of none and the scale change nothing: those families say
+    `not judged` with the reason, and the causal bug is not passed."""
+    rec = run_recorded("attn-check", ["kernel=buggy_kernels:kernel_declares_square_only_causal_sees_next",
+                                      "cases.shapes=[[1,1,64]]", "kernel_checks.long_row=null"])
+    na = not_applicable(rec)
+    for family in ("kernel_causal", "kernel_scale", "kernel_padding_bool", "kernel_weights"):
+        assert na[family].startswith("not judged: every case it could run is vacuous"), na[family]
+    judged = {c.check for c in rec.checks_rows if c.applicable}
+    assert "kernel_causal" not in judged and "kernel_fully_masked" in judged  # rows without a key: revealing
+
+
+def test_substitute_keeps_the_family_and_drops_only_what_is_lacked():
+    from tfmoe.experiments.attn_check.kernel_battery import substitute
+    from tfmoe.experiments.attn_check.kernel_cases import Case
+
+    both = {"gqa", "unequal_lengths"}
+    assert substitute(Case("causal", 5, 7, 12, 2, "causal"), 6, both) == Case("causal", 7, 7, 12, 6, "causal")
+    assert substitute(Case("causal", 5, 7, 12, 2, "causal"), 6, {"gqa"}) == Case("causal", 5, 7, 12, 6, "causal")
+    assert substitute(Case("gqa", 6, 6, 16, 2, "none"), 6, both) is None  # GQA is that family's property
+    assert substitute(Case("dropout", 48, 32, 32, 6, "none", dropout_p=0.2), 6, both) == \
+        Case("dropout", 32, 32, 32, 6, "none", dropout_p=0.2)  # Tk <= D kept: the one-hot read
+    assert substitute(Case("long_rows", 2, 2048, 32, 6, "none"), 6, both) is None
+    assert substitute(Case("causal", 6, 6, 16, 6, "causal"), 6, both) is None  # nothing to substitute
+    assert substitute(Case("causal", 5, 7, 12, 6, "causal"), 6, both | {"causal"}) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("kernel", ["kernel_square_only", "kernel_square_only_causal_sees_next"])
+def test_default_run_judges_a_square_only_kernel_without_gqa(kernel):
+    """The issue's case under the defaults: the causal bug fails the default run, the correct kernel passes."""
+    rec = run_recorded("attn-check", [f"kernel=buggy_kernels:{kernel}"])
+    checks = {c.check: c for c in rec.checks_rows if c.applicable}
+    assert failed(checks) == (set() if kernel == "kernel_square_only" else {"kernel_causal"}), \
+        {n: checks[n].detail for n in failed(checks)}
+    assert checks["kernel_dropout"].passed

@@ -47,6 +47,7 @@ FEATURES: dict[str, str] = {
     "causal": "causal attention",
     "non_causal": "attention that is not causal (every real key visible)",
     "gqa": "fewer key/value heads than query heads (GQA/MQA)",
+    "unequal_lengths": "queries and keys of different lengths (Tq != Tk; kernel mode)",
     "bool_mask": "an arbitrary boolean (Tq, Tk) attention mask",
     "additive_mask": "an additive float attention mask",
     "per_head_mask": "a per-head attention mask (B, Hq, Tq, Tk)",

@@ -4,13 +4,22 @@ each family judged only on cases whose prerequisite families passed; a conforman
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from tfmoe import capabilities
 from tfmoe.errors import AdapterError, BadInput
-from tfmoe.experiments.attn_check.kernel_cases import ADDITIVE, FAMILIES, PROBES, Case, make_inputs
+from tfmoe.experiments.attn_check.kernel_cases import (
+    ADDITIVE,
+    FAMILIES,
+    PROBES,
+    REVEALS,
+    Case,
+    case_reveals,
+    make_inputs,
+)
 from tfmoe.experiments.attn_check.kernel_dropout import run_dropout_backward, run_dropout_case
 from tfmoe.experiments.attn_check.kernel_exact import (
     EXACT_OUTPUT_MASKS,
@@ -43,13 +52,15 @@ PREREQ_TEXT = {"scale": "kernel_scale (plain attention)", "gqa": "kernel_gqa (Hk
                "mask_additive": "kernel_mask_additive ((B,1,Tq,Tk) float masks)"}
 
 
-UNMET = ("fail", "not judged")
+UNMET = ("fail", "not judged")  # "vacuous" (judged only where its property cannot show) blocks nothing
 DTYPE_FEATURES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def case_features(case: Case, Hq: int) -> list[str]:
     """The capabilities (tfmoe.capabilities.FEATURES) a case's forward needs."""
     needs = ["gqa"] if case.Hkv != Hq else []
+    if case.Tq != case.Tk:
+        needs.append("unequal_lengths")
     if case.mask == "causal":
         needs.append("causal")
     elif case.mask in ADDITIVE:
@@ -120,6 +131,18 @@ def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_bl
         if by["n/a"] and not by["blocked"]:  # declared lacking, or NotImplementedError: listed, never failed
             rec.not_applicable(name, f"{counts}: " + "; ".join(extras))
         return "not judged" if by["blocked"] else "n/a"  # not judged: what rests on it is not judged either
+    judged_cases = by["pass"] + by["fail"]
+    subs = sum(o.substitute for o in judged_cases)
+    revealing = sum(o.reveals for o in judged_cases)
+    coverage = (f"coverage: {len(judged_cases)} cases judged" + (f" ({subs} substituted for cases the kernel cannot "
+                "take)" if subs else "") + f", {revealing} of them could reveal {REVEALS[family]}")
+    if not by["fail"] and not revealing:  # judged only where the property is vacuous: never a pass
+        why = f"not judged: every case it could run is vacuous for {REVEALS[family]} ({coverage}: " \
+              f"{', '.join(o.case.label() for o in judged_cases[:3])})"
+        rec.note(f"{name} {why}")
+        rec.not_applicable(name, why + ("; " + "; ".join(extras) if extras else ""))
+        return "vacuous"
+    extras.insert(0, coverage)
     failed = sorted(by["fail"], key=lambda o: -o.ratio)
     measured = [o for o in failed if not o.raised]
     raised = [o for o in failed if o.raised]
@@ -199,6 +222,7 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
     t0 = time.perf_counter()
     backward_outcomes: dict[int, Outcome] = {}
     weights_outcomes: dict[int, Outcome] = {}
+    n_subs = 0
     for family in FAMILIES:
         if family in PROBES:
             continue
@@ -216,6 +240,21 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
                 except Exception as exc:  # outside the kernel's call: the battery's own error, never the kernel's
                     raise battery_fault(exc, s.spec, f"while judging case {case.label()}") from exc
                 outcomes[family].append(o)
+            decl = _detect_lacks(family, outcomes[family], decl, rec)
+            for case in _substitutes(family, outcomes[family], decl, kernel, s.Hq):
+                i = len(s.cases) + n_subs  # its own draws, after every default case's
+                n_subs += 1
+                try:
+                    o = _judge_case(s, rec, kernel, align, case, i, verdict, policies, backward_outcomes,
+                                    weights_outcomes, decl, rounds)
+                except (BadInput, AdapterError):
+                    raise
+                except Exception as exc:
+                    raise battery_fault(exc, s.spec, f"while judging case {case.label()}") from exc
+                for sub in (o, backward_outcomes.get(i), weights_outcomes.get(i)):
+                    if sub is not None:
+                        sub.substitute = True
+                outcomes[family].append(o)
             try:
                 probe = _exact_output_outcome(s, rec, kernel, align, family, outcomes[family], decl, verdict)
             except (BadInput, AdapterError):
@@ -229,6 +268,9 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
         verdict[family] = record_family(rec, family, outcomes[family],
                                         "prerequisite " + ", ".join(f"{PREREQ_TEXT[p]} {verdict[p]}"
                                                                     for p in blocked_by) + ": fix that first")
+    if n_subs:
+        rec.note(f"{n_subs} cases substituted for default cases the kernel cannot take (kv heads = query heads, "
+                 "Tq = Tk): each family judged where the kernel can run")
     outcomes["weights"] = [weights_outcomes[i] for i in sorted(weights_outcomes)]
     verdict["weights"] = record_family(rec, "weights", outcomes["weights"],
                                        "the weights of a case whose forward did not pass are not read")
@@ -255,6 +297,60 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
         rec.check("kernel_ran", False, None, None, f"{s.spec} ran no case of the matrix (every family n/a): "
                   "see the notes for the kernel's reasons")
     _kernel_summary(rec, s, align, dtype, verdict, outcomes, policies, wall)
+
+
+def _detect_lacks(family: str, outs: list[Outcome], decl: capabilities.Declared, rec: Recorder
+                  ) -> capabilities.Declared:
+    """Capabilities detected from what the kernel raised (tfmoe.capabilities rule 3, read once for the matrix):
+    NotImplementedError on every scale case with Tq != Tk while a Tq = Tk case ran is a lack of
+    ``unequal_lengths``; on every gqa case with Tq = Tk, a lack of ``gqa``. Later cases needing a detected lack are
+    n/a without a call, and each family gets substitutes (:func:`_substitutes`)."""
+    ran = [o for o in outs if o.status in ("pass", "fail")]
+    if family == "scale" and "unequal_lengths" not in decl.lacks:
+        rect = [o for o in outs if o.case.Tq != o.case.Tk]
+        if rect and ran and all(o.not_implemented for o in rect) and any(o.case.Tq == o.case.Tk for o in ran):
+            rec.note("detected: the kernel raised NotImplementedError on every case with Tq != Tk and ran those "
+                     "with Tq = Tk: read as lacking unequal_lengths (declare it: tfmoe_lacks or lacks=[...])")
+            return decl.with_lack("unequal_lengths", NotImplementedError(rect[0].detail.split(": ", 1)[-1]))
+    if family == "gqa" and "gqa" not in decl.lacks:
+        square = [o for o in outs if o.case.Tq == o.case.Tk]
+        if square and all(o.not_implemented for o in square):
+            rec.note("detected: the kernel raised NotImplementedError on every gqa case: read as lacking gqa "
+                     "(declare it: tfmoe_lacks or lacks=[...])")
+            return decl.with_lack("gqa", NotImplementedError(square[0].detail.split(": ", 1)[-1]))
+    return decl
+
+
+def substitute(case: Case, Hq: int, lacks: frozenset[str] | set[str]) -> Case | None:
+    """The case a kernel that lacks ``lacks`` can run in place of ``case``, judging the same family: kv heads =
+    query heads (not in the gqa family, whose property that is), Tq = Tk = max(Tq, Tk) (the dropout probe: Tk,
+    which keeps Tk <= D). None when nothing substitutes (the long row's square would cost Tk² per head)."""
+    new = case
+    if "gqa" in lacks and case.Hkv != Hq and case.family != "gqa":
+        new = replace(new, Hkv=Hq)
+    if "unequal_lengths" in lacks and case.Tq != case.Tk and case.family != "long_rows":
+        T = case.Tk if case.family == "dropout" else max(case.Tq, case.Tk)
+        new = replace(new, Tq=T, Tk=T)
+    if new == case or any(f in lacks for f in case_features(new, Hq)):
+        return None
+    return new
+
+
+def _substitutes(family: str, outs: list[Outcome], decl: capabilities.Declared, kernel: Kernel, Hq: int
+                 ) -> list[Case]:
+    """The family's substitutes for its cases that are n/a or skipped for lacking gqa (declared, detected, or no
+    ``enable_gqa`` in the signature) or unequal lengths: distinct, and none the family already ran."""
+    lacks = set(decl.lacks) | ({"gqa"} if kernel.params is not None and "enable_gqa" not in kernel.params else set())
+    have = {o.case for o in outs}
+    new: list[Case] = []
+    for o in outs:
+        if o.status not in ("n/a", "skipped") or o.substitute:
+            continue
+        sub = substitute(o.case, Hq, lacks)
+        if sub is not None and sub not in have:
+            have.add(sub)
+            new.append(sub)
+    return new
 
 
 def _exact_output_outcome(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, family: str,
@@ -305,6 +401,9 @@ def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, ca
         if o.policy != "none":
             policies.setdefault(case.mask, set()).add(o.policy)
         rec.metric("case_passed", float(o.status == "pass"), status=o.status, policy=o.policy, **case.tags())
+    o.reveals = case_reveals(case, inp)
+    if family != "dropout" and o.status == "pass":
+        probe.reveals = case_reveals(replace(case, family="weights"), inp)
     not_run = Outcome(case, o.status, o.detail) if o.status in ("n/a", "skipped") else None
     if bwd is not None:
         backward_outcomes[i] = bwd
@@ -321,12 +420,17 @@ def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, ca
 def _kernel_summary(rec: Recorder, s: KernelSettings, align: str, dtype: torch.dtype, verdict: dict[str, str],
                     outcomes: dict[str, list[Outcome]], policies: dict[str, set[str]], wall: float) -> None:
     table = Rows(f"attn-check kernel={s.spec} ({str(dtype).removeprefix('torch.')}, causal_align={align})",
-                 ["family", "verdict", "pass", "fail", "n/a", "skipped", "not judged"])
+                 ["family", "verdict", "pass", "fail", "n/a", "skipped", "not judged", "substituted",
+                  "could reveal"])
     for family in FAMILIES:
         outs = outcomes[family]
         n = [sum(o.status == st for o in outs) for st in ("pass", "fail", "n/a", "skipped", "blocked")]
+        judged = [o for o in outs if o.status in ("pass", "fail")]
         v = verdict.get(family, "n/a")
-        table.add(f"kernel_{family}", v, *n, style="red" if v == "fail" else None)
+        v = "not judged (vacuous)" if v == "vacuous" else v
+        table.add(f"kernel_{family}", v, *n, sum(o.substitute for o in judged),
+                  f"{sum(o.reveals for o in judged)}/{len(judged)}" if judged else "-",
+                  style="red" if v == "fail" else ("yellow" if v.startswith("not judged") else None))
     table.print_to(rec.console)
     pol = "; ".join(f"{m}: {', '.join(sorted(k))}" for m, k in sorted(policies.items())) or "none observed"
     rec.print(f"rows that see no key: {pol}; matrix {wall:.1f} s")

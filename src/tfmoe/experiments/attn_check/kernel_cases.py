@@ -201,3 +201,30 @@ def make_inputs(case: Case, B: int, Hq: int, align: str, seed: int, index: int, 
     grad_out = grad_out * seen[..., None]
     return CaseInputs(q, k, v, grad_out, kwargs, visible, bias, seen)
 
+
+
+# What each family's property is, as a case can reveal it (kernel_battery.record_family's coverage)
+REVEALS = {"scale": "the softmax scale (a row that sees two keys or more)",
+           "gqa": "the kv head each query head reads (Hkv < Hq)",
+           "causal": "the causal mask (a key hidden from a row)",
+           "padding_bool": "the padding mask (a padded key)", "padding_additive": "the padding mask (a padded key)",
+           "fully_masked": "rows that see no key", "mask_bool": "the mask (a key hidden from a row)",
+           "mask_additive": "the mask (a key hidden from a row)", "per_head": "the per-head mask (a key hidden)",
+           "long_rows": "an accumulation over thousands of keys", "dropout": "dropout (p > 0)",
+           "weights": "the weights (a row that sees two keys or more)", "backward": "the gradients"}
+
+
+def case_reveals(case: Case, inp: CaseInputs) -> bool:
+    """Whether the case's inputs can show its family's property at all: a mask that hides no key (a causal mask
+    over one key, a padding mask with no padding) or a softmax over one key (the scale, the weights) cannot. A
+    family judged only on such cases is not judged (kernel_battery.record_family), never passed."""
+    B, Hq, Tq, Tk = inp.q.shape[0], inp.q.shape[1], case.Tq, case.Tk
+    if case.family in ("scale", "weights"):
+        counts = (torch.full((B, Hq, Tq), Tk, device=inp.q.device) if inp.visible is None
+                  else inp.visible.expand(B, Hq, Tq, Tk).sum(dim=-1))
+        return bool((counts >= 2).any())
+    if case.family == "fully_masked":
+        return not bool(inp.seen.all())
+    if case.mask != "none":
+        return inp.visible is not None and not bool(inp.visible.all())
+    return True

@@ -47,6 +47,9 @@ class Outcome:
     policy: str = "none"  # the kernel's output on rows that see no key
     evidence: dict[str, torch.Tensor] = field(default_factory=dict)
     raised: str = ""  # the kernel raised: raised_detail(exc) (observed None; the diagnosis never reads it)
+    not_implemented: bool = False  # n/a because the kernel raised NotImplementedError (undeclared: rule 3)
+    reveals: bool = True  # the case's inputs can show its family's property (kernel_cases.case_reveals)
+    substitute: bool = False  # run in place of a default case the kernel cannot take (kernel_battery.substitute)
 
 
 def missing_params(kernel: Kernel, kwargs: dict[str, Any]) -> list[str]:
@@ -137,7 +140,7 @@ def forward_or_outcome(kernel: Kernel, case: Case, inp: CaseInputs, label: str, 
         with torch.no_grad():
             return call_kernel(kernel, inp, inp.q, inp.k, inp.v)
     except NotImplementedError as exc:
-        return Outcome(case, "n/a", f"{label}: {_raised(exc)}")
+        return Outcome(case, "n/a", f"{label}: {_raised(exc)}", not_implemented=True)
     except Exception as exc:  # the user's kernel raised: this case fails; tfmoe's error crashes the run
         return raised_outcome(kernel, case, exc, during, evidence)
 
