@@ -534,3 +534,116 @@ def kernel_declares_square_only_causal_sees_next(q, k, v, attn_mask=None, dropou
 
 
 kernel_declares_square_only_causal_sees_next.tfmoe_lacks = ("gqa", "unequal_lengths")
+
+
+# ------------------------------------------- online softmax over key blocks, backward by autograd (fp32 floors)
+def _online_softmax(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, *, block=64,
+                    base2=False, grad_scale=None):
+    """Correct: a loop over blocks of ``block`` keys keeping a running max m, denominator l and output o, each
+    block rescaling them by exp(m_old - m_new) (``base2``: exp2, log2(e) folded into the scale); the max stays in
+    autograd's graph, as written in most pure-PyTorch kernels. Rows that see no key give 0. ``grad_scale`` plants
+    a backward (1 + ε) times too large."""
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if Hkv != Hq:
+        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+    unit = math.log2(math.e) if base2 else 1.0
+    sc = (1.0 / math.sqrt(D) if scale is None else scale) * unit
+    ex = torch.exp2 if base2 else torch.exp
+    acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    m = torch.full((B, Hq, Tq, 1), float("-inf"), dtype=acc, device=q.device)
+    denom = torch.zeros(B, Hq, Tq, 1, dtype=acc, device=q.device)
+    o = torch.zeros(B, Hq, Tq, D, dtype=acc, device=q.device)
+    for c in range(0, Tk, block):
+        s = (qa @ ka[:, :, c:c + block].transpose(-2, -1)) * sc  # (B,Hq,Tq,b)
+        if is_causal:
+            hidden = torch.arange(c, min(c + block, Tk), device=q.device)[None, :] > \
+                torch.arange(Tq, device=q.device)[:, None]
+            s = s.masked_fill(hidden, float("-inf"))
+        if attn_mask is not None:
+            mb = attn_mask[..., c:c + block]
+            s = s.masked_fill(~mb, float("-inf")) if mb.dtype == torch.bool else s + mb.to(acc) * unit
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        m_safe = m_new.masked_fill(torch.isinf(m_new), 0.0)
+        p = ex(s - m_safe)
+        alpha = ex(m - m_safe)
+        denom = denom * alpha + p.sum(dim=-1, keepdim=True)
+        o = o * alpha + p @ va[:, :, c:c + block]
+        m = m_new
+    out = torch.where(denom > 0, o / denom.clamp_min(torch.finfo(acc).tiny), 0.0)
+    if grad_scale is not None:
+        out = _ScaleGrad.apply(out, grad_scale)
+    return out.to(q.dtype)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def kernel_online_softmax(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Correct: blockwise online softmax (blocks of 64 keys, exp), backward by autograd through the running max."""
+    if dropout_p:
+        raise NotImplementedError("no dropout")
+    return _online_softmax(q, k, v, attn_mask, is_causal, scale, enable_gqa)
+
+
+def kernel_online_softmax_exp2(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                               enable_gqa=False):
+    """Correct: as kernel_online_softmax, blocks of 128 keys, exp2 with log2(e) folded into the scale."""
+    if dropout_p:
+        raise NotImplementedError("no dropout")
+    return _online_softmax(q, k, v, attn_mask, is_causal, scale, enable_gqa, block=128, base2=True)
+
+
+def kernel_online_softmax_grads_large(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                      enable_gqa=False):
+    """Bug (backward): kernel_online_softmax whose dq, dk, dv are (1 + 2^-8) times too large."""
+    if dropout_p:
+        raise NotImplementedError("no dropout")
+    return _online_softmax(q, k, v, attn_mask, is_causal, scale, enable_gqa, grad_scale=1.0 + 2.0 ** -8)
+
+
+# ---------------------------------------- half precision: dk/dv summed in the run dtype one block after another
+def kernel_half_groups_by_index(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                enable_gqa=False):
+    """Correct: kernel_normalises_last with its kv heads expanded by indexing (k[:, heads]), whose backward adds
+    the group's per-head dk, dv into one tensor of the run dtype, head after head (each partial sum rounded)."""
+    B, Hq, Tq, D = q.shape
+    Hkv = k.shape[1]
+    if Hkv != Hq:
+        heads = torch.arange(Hq, device=q.device) // (Hq // Hkv)
+        k, v = k[:, heads], v[:, heads]
+    return _attend(q, k, v, attn_mask, is_causal, scale, False, dropout_p=dropout_p, normalise_last=True)
+
+
+def kernel_half_query_chunks(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                             chunk=4):
+    """Correct: attention one chunk of ``chunk`` queries at a time through autograd in the run dtype (as
+    memory-efficient kernels chunk their queries): every chunk reads all of k and v, so their backward adds each
+    chunk's dk, dv contribution into tensors of the run dtype, chunk after chunk."""
+    Tq = q.shape[2]
+    outs = []
+    for c in range(0, Tq, chunk):
+        mask = attn_mask
+        if attn_mask is not None and attn_mask.shape[-2] == Tq:
+            mask = attn_mask[..., c:c + chunk, :]
+        offset = c  # the chunk's queries sit at positions c.. of the sequence
+        outs.append(_attend(q[:, :, c:c + chunk], k, v, mask, is_causal, scale, enable_gqa, dropout_p=dropout_p,
+                            causal_offset=(lambda Tq_, Tk_, o=offset: o) if is_causal else None,
+                            normalise_last=True))
+    return torch.cat(outs, dim=2)
+
+
+def kernel_half_query_chunks_grads_large(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                         enable_gqa=False):
+    """Bug (backward): kernel_half_query_chunks with dq, dk, dv (1 + 2^-8) times too large."""
+    return _ScaleGrad.apply(kernel_half_query_chunks(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa),
+                            1.0 + 2.0 ** -8)

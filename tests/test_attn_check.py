@@ -464,3 +464,12 @@ def test_full_message_keeps_a_real_libraries_load_error_whole():
     text = full_message(err.value)
     assert text.startswith("RuntimeError: Error(s) in loading state_dict for Attention:")
     assert '"to_out.weight"' in text and "\n" not in text
+
+
+def test_module_mode_families_judged_only_vacuously_say_not_judged():
+    """A causal mask over one key, and a padding mask that pads nothing, hide nothing: not judged, never pass."""
+    checks, _ = battery("T=1", "checks=[masks]", "lengths=[1,1]")
+    assert not checks["causal_zero"].applicable and checks["causal_zero"].detail.startswith("not judged")
+    assert not checks["padding_zero"].applicable and "vacuous" in checks["padding_zero"].detail
+    checks, _ = battery("checks=[masks]")
+    assert checks["causal_zero"].applicable and checks["padding_zero"].applicable

@@ -922,3 +922,76 @@ def test_default_run_judges_a_square_only_kernel_without_gqa(kernel):
     assert failed(checks) == (set() if kernel == "kernel_square_only" else {"kernel_causal"}), \
         {n: checks[n].detail for n in failed(checks)}
     assert checks["kernel_dropout"].passed
+
+
+# ------------------------------------------------------- kernels written another way: floors for their rounding
+def _long_row_probe(seed: int = 0):
+    """The default matrix's long_rows case (Tq=2, Tk=2048, D=32, Hkv=6, v offset by 4), its inputs as the battery
+    draws them, and the float64 reference's gradients."""
+    from tfmoe.experiments.attn_check import kernel_settings
+    from tfmoe.experiments.attn_check.kernel_cases import make_inputs
+    from tfmoe.testing import compose
+
+    s = kernel_settings(compose("attn-check", ["kernel=torch:sdpa"]))
+    i = len(s.cases) - 1
+    assert s.cases[i].family == "long_rows"
+    inp = make_inputs(s.cases[i], s.B, s.Hq, "top_left", seed, i, torch.device("cpu"), torch.float32)
+    leaves = [t.double().requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
+    ref = reference_attention(*leaves, None, None, None)
+    return inp, torch.autograd.grad(ref, leaves, inp.grad_out.double())
+
+
+def test_float64_verdict_on_the_long_row_probe_a_rounding_of_the_row_max_path_not_a_wrong_gradient():
+    """The online-softmax kernels' dk on the 2,048-key probe, against float64 on that exact probe: the same kernel
+    run in float64 is exact (the algorithm is right); in fp32 its dk error sits on the keys that attain a block's
+    max, and detaching the max (the same maths) removes it — the floor lacked the row-max term."""
+    import buggy_kernels as bk
+
+    inp, ref_g = _long_row_probe()
+    for kw in ({}, {"block": 128, "base2": True}):
+        mine = [t.double().requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
+        g64 = torch.autograd.grad(bk._online_softmax(*mine, **kw), mine, inp.grad_out.double())
+        assert max(float((a - b).abs().max()) for a, b in zip(g64, ref_g, strict=True)) < 1e-12
+        mine = [t.clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
+        dk = torch.autograd.grad(bk._online_softmax(*mine, **kw), mine, inp.grad_out)[1].double()
+        err = (dk - ref_g[1]).abs().amax(dim=-1)  # (B,H,Tk)
+        assert float(err.max()) > 1e-6  # the issue's figures: 4.26e-6 and 7.35e-6 (this probe, seed 0)
+        scores = inp.q.double() @ inp.k.double().transpose(-2, -1)  # (B,H,Tq,Tk)
+        block = kw.get("block", 64)
+        is_max = torch.zeros_like(err, dtype=torch.bool)
+        for c in range(0, scores.shape[-1], block):
+            idx = scores[..., c:c + block].argmax(dim=-1) + c  # (B,H,Tq)
+            is_max.scatter_(-1, idx, True)
+        assert float(err[~is_max].max()) < float(err[is_max].max()) / 20  # the error is on the max keys
+
+
+def test_online_softmax_kernels_pass_the_long_row_in_fp32_and_their_plant_is_caught():
+    """Two blockwise online-softmax kernels (exp over 64-key blocks, exp2 over 128) whose backward is autograd's pass
+    with the long row on two seeds; the run's note says the backward differentiates through the row max; a
+    backward (1 + 2^-8) too large still fails, and SDPA's and a plain softmax's backward get no such term."""
+    for kernel in ("kernel_online_softmax", "kernel_online_softmax_exp2"):
+        for seed in (0, 1):
+            checks, rec = battery(f"buggy_kernels:{kernel}", LONG, f"seed={seed}")
+            assert not failed(checks), {n: checks[n].detail for n in failed(checks)}
+            assert checks["kernel_long_rows"].passed
+            assert any("differentiates through the row max" in n for n in rec.notes)
+    checks, rec = battery("buggy_kernels:kernel_online_softmax_grads_large", LONG)
+    assert failed(checks) == {"kernel_backward"}
+    assert not any("differentiates through the row max" in n for n in rec.notes)
+    for kernel in ("torch:sdpa", "buggy_kernels:plain_kernel"):
+        _, rec = battery(kernel, "cases.masks=[none]")
+        assert any("does not route rounding through the row max" in n for n in rec.notes)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_kernels_summing_dk_dv_in_the_run_dtype_pass_and_their_plant_is_caught(dtype):
+    """kv heads expanded by indexing (the group's dk, dv added head after head in the dtype) and queries run in
+    chunks through autograd (each chunk's dk, dv added in the dtype): correct, they pass on two seeds; the chunked
+    one with a backward (1 + 2^-8) too large fails kernel_backward."""
+    tiny = ["cases.shapes=[[5,7,12],[7,5,8],[1,6,16],[17,17,16]]", "kernel_checks.dropout_p=0", f"dtype={dtype}"]
+    for kernel in ("kernel_half_groups_by_index", "kernel_half_query_chunks"):
+        for seed in (0, 1):
+            checks, _ = battery(f"buggy_kernels:{kernel}", *tiny, f"seed={seed}")
+            assert not failed(checks), {n: checks[n].detail for n in failed(checks)}
+    checks, _ = battery("buggy_kernels:kernel_half_query_chunks_grads_large", *tiny)
+    assert failed(checks) == {"kernel_backward"}

@@ -153,7 +153,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, scale: float,
                        dtype: torch.dtype, stored_out: torch.Tensor | None = None,
                        parts: dict[str, dict[str, float]] | None = None,
-                       run_dtype_intermediates: bool = True) -> dict[str, float]:
+                       run_dtype_intermediates: bool = True, row_max: bool = False) -> dict[str, float]:
     """Rounding floors for the gradients, where FlashAttention's "rounding at the reference's scale" is 0 or
     far below what any fp32-accumulating kernel can reach (eps_acc = fp32's eps, fp64's for fp64 runs;
     independent roundings add in quadrature; each floor is twice the estimate):
@@ -186,7 +186,18 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
       per-head gradients measured on the reference (SDPA fp16, MQA, seed 10 of the reduced matrix: dv 1.18x the
       limit without this term).
     - ``run_dtype_intermediates``: the backward rounds dP and δ to the run dtype (below; detected by
-      :func:`backward_rounds_to_run_dtype`, True where not measured)."""
+      :func:`backward_rounds_to_run_dtype`, True where not measured).
+    - ``row_max``: the backward differentiates through the row's max (a safe softmax's shift, or an online
+      softmax's running max, left in autograd's graph; detected by :func:`backward_differentiates_row_max`). The
+      max's exact gradient is 0 (softmax is shift-invariant), but autograd forms it as a sum over the row's keys of
+      P_ij·(dO_i·v_j - δ_i) (and, blockwise, of each rescaling's terms), each rounded at its own magnitude, and
+      hands the result to the key that attains the max: dk_j* += scale·e_i·q_i, dq_i += scale·e_i·k_j*, with
+      e_i ≈ eps_acc·(Σ_j P_ij·Σ_d|dO_id·v_jd| + Σ_d|dO_id·O_id|), not weighted by P_ij*. A float64 run of such a
+      kernel (blockwise online softmax, exp or exp2, blocks of 1 to 2048 keys) matches the reference to 6e-15, and
+      in fp32 its errors reach 1.10x this estimate for dk and 0.86x for dq (Tq = 2, Tk = 2048, v offset by 0, 4,
+      16, seeds 0-2; 0.06x and 0.59x at 97 and 257 keys): a rounding of that order of accumulation, not a wrong
+      gradient (with the max detached the same kernel's dk is 58x closer). dq gets scale·max_i e_i·max|k|; dk_j
+      the group's rows in quadrature, scale·(Σ_i (e_i·max|q_i|)²)^½."""
     acc = accumulation_dtype(dtype)
     eps = torch.finfo(acc).eps
     d_o, o = inp.grad_out.double(), ref_out.detach()
@@ -246,12 +257,26 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
         dv_heads = w.transpose(-2, -1) @ d_o  # (B,Hq,Tk,D)
         dk_g = half_eps * float(dk_heads.abs().reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
         dv_g = half_eps * float(dv_heads.abs().reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
+        # ... or adds them into one tensor of the run dtype, head after head (kv heads expanded by indexing: the
+        # backward's index_put accumulates): each partial sum S_c = Σ_{h<=c} g_h rounds too, ≤ (eps/2)·Σ_{c>=2}|S_c|
+        # (a correct bf16 kernel so written reached 0.98 of its dv limit without this term, seed 0)
+        dk_g += half_eps * float(dk_heads.reshape(B, Hkv, -1, Tk, D).cumsum(dim=2)[:, :, 1:].abs().sum(dim=2).max())
+        dv_g += half_eps * float(dv_heads.reshape(B, Hkv, -1, Tk, D).cumsum(dim=2)[:, :, 1:].abs().sum(dim=2).max())
+    dq_m = dk_m = 0.0
+    if row_max:  # the row max's exact-zero gradient, rounded, on the key that attains it
+        heads_v = inp.v.double()[:, heads].abs()
+        e_max = eps * ((w * (d_o.abs() @ heads_v.transpose(-2, -1))).sum(dim=-1, keepdim=True)
+                       + (d_o * o).abs().sum(dim=-1, keepdim=True))  # (B,Hq,Tq,1)
+        dq_m = scale * float(e_max.max()) * float(inp.k.double().abs().max())
+        q_row = inp.q.double().abs().amax(dim=-1, keepdim=True)  # (B,Hq,Tq,1)
+        dk_m = scale * float((e_max * q_row).pow(2).reshape(B, Hkv, -1).sum(dim=-1).sqrt().max())
     if parts is not None:  # each term, for diagnosis (benchmarks/bench_kernel_sensitivity.py --per-case)
-        parts.update(dq=dict(acc=dq, fast_exp=dq_p, scores=dq_s, own_out=dq_o, run_dtype=dq_r),
-                     dk=dict(acc=dk, fast_exp=dk_p, scores=dk_s, group=dk_g, own_out=dk_o, run_dtype=dk_r),
+        parts.update(dq=dict(acc=dq, fast_exp=dq_p, scores=dq_s, own_out=dq_o, run_dtype=dq_r, row_max=dq_m),
+                     dk=dict(acc=dk, fast_exp=dk_p, scores=dk_s, group=dk_g, own_out=dk_o, run_dtype=dk_r,
+                             row_max=dk_m),
                      dv=dict(acc=dv, fast_exp=dv_p, scores=dv_s, group=dv_g))
-    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s, dq_o, dq_r),
-            "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g, dk_o, dk_r),
+    return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s, dq_o, dq_r, dq_m),
+            "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g, dk_o, dk_r, dk_m),
             "dv": 2.0 * math.hypot(dv, dv_p, dv_s, dv_g)}
 
 
@@ -288,6 +313,47 @@ def backward_rounds_to_run_dtype(kernel: Kernel, dtype: torch.dtype, device: tor
                     f"{floor:.3g}): the backward "
                     + (f"rounds dP and δ to {str(dtype).removeprefix('torch.')}; the dq/dk floors carry that"
                        if rounds else "keeps dP and δ at fp32 or better; the dq/dk floors leave that rounding out"))
+
+
+def backward_differentiates_row_max(kernel: Kernel, dtype: torch.dtype, device: torch.device, seed: int,
+                                    rounds: bool, factor: float) -> tuple[bool, str]:
+    """Whether the kernel's backward differentiates through its row max (:func:`accumulation_atols`, ``row_max``),
+    measured on one probe (B = 2, H = 2, Tq = 1, Tk = 256, D = 32, v offset by 16 so δ is large): every score is
+    0 ± 0.1 but key 0's, 0.5 (q's own direction), so key 0 attains every row's max whatever the kernel's key
+    blocks, its weight stays near 1/Tk (a plain softmax's rounding there is P-weighted, small), and the max's
+    rounded zero gradient lands on it alone. Such a backward errs on key 0's dk beyond the limit without the term, while every
+    other key stays within it; an error on every key is a wrong gradient, not this rounding (it is not excused).
+    A probe that raises leaves the term out. Returns the verdict and a note saying what was seen."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 999_979)
+    B, H, Tq, Tk, D = 2, 2, 1, 256, 32
+    q = torch.randn(B, H, Tq, D, generator=g)
+    k = 0.1 * torch.randn(B, H, Tk, D, generator=g)  # scores ≈ 0 ± 0.1: every weight near 1/Tk
+    k[:, :, :1] = q * (0.5 * math.sqrt(D) / q.pow(2).sum(dim=-1, keepdim=True))  # key 0's score 0.5: the max
+    v = torch.randn(B, H, Tk, D, generator=g) + 16.0
+    d_o = torch.randn(B, H, Tq, D, generator=g)
+    q, k, v, d_o = (t.to(device=device, dtype=dtype) for t in (q, k, v, d_o))
+    inp = CaseInputs(q, k, v, d_o, {}, None, None, torch.ones(B, H, Tq, dtype=torch.bool, device=device))
+    try:
+        mine = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        dk = enter_backward(call_kernel(kernel, inp, *mine), mine, d_o)[1].double()
+    except Exception as exc:
+        return False, f"kernel_backward: the row-max probe raised {_raised(exc)}: the floors leave that rounding out"
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref, w = reference_attention(*leaves, None, None, None, return_weights=True)
+    ref_dk = torch.autograd.grad(ref, leaves[1], d_o.double())[0]
+    plain_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    plain_dk = torch.autograd.grad(plain_attention(*plain_leaves, None, None, None), plain_leaves[1], d_o)[0]
+    floor = accumulation_atols(inp, ref, w, D ** -0.5, dtype, run_dtype_intermediates=rounds)["dk"]
+    j = judge(dk, ref_dk, plain_dk, dtype, factor)
+    limit = replace(j, atol=max(j.atol, floor)).threshold  # the rule's limit with the floors, as run_backward's
+    err = (dk - ref_dk).abs().amax(dim=-1)  # (B,H,Tk)
+    on_max, elsewhere = float(err[..., 0].max()), float(err[..., 1:].max())
+    found = on_max > limit and elsewhere <= limit
+    return found, (f"kernel_backward: the row-max probe's dk errs by {on_max:.3g} on the key that attains the max, "
+                   f"{elsewhere:.3g} elsewhere (limit without the row-max term {limit:.3g}): the backward "
+                   + ("differentiates through the row max (its exact-zero gradient, rounded, lands on that key; "
+                      "detaching the max removes it); the dq/dk floors carry that rounding" if found else
+                      "does not route rounding through the row max; the floors leave that term out"))
 
 
 def measured_weights_atol(inp: CaseInputs, weights: torch.Tensor, kernel_weights: torch.Tensor,
@@ -334,7 +400,7 @@ def reordered_yardstick(inp: CaseInputs, case: Case, plain: torch.Tensor, ref: t
 
 def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, expect: dict[str, tuple[str, ...]],
              backward: bool, grad_factor: float, rec: Recorder, kernel_weights: torch.Tensor | None = None,
-             run_dtype_intermediates: bool = True) -> tuple[Outcome, Outcome | None]:
+             run_dtype_intermediates: bool = True, row_max: bool = False) -> tuple[Outcome, Outcome | None]:
     """One case: the forward (kernel vs reference on rows that see a key; on rows that see none, in every
     family, the policy declared for the case's kind of row: ``expect[case.row_kind]``), then — if the forward
     passed and backward is on — dq (rows that see a key), dk, dv."""
@@ -382,7 +448,7 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
         return fwd, None
     floors = accumulation_atols(inp, ref, weights, 1.0 / math.sqrt(case.D) if case.scale is None else case.scale,
                                 dtype, stored_out=out.masked_fill(~inp.seen[..., None], 0.0),
-                                run_dtype_intermediates=run_dtype_intermediates)
+                                run_dtype_intermediates=run_dtype_intermediates, row_max=row_max)
     return fwd, run_backward(kernel, case, inp, dtype, grad_factor, ref, plain, leaves, tensors, floors, rec,
                              nan_rows=policy == "nan")
 

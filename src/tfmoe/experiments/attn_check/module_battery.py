@@ -265,6 +265,9 @@ def run_groups(layer: LayerUnderTest) -> None:
     if "masks" in asked:
         group("masks", ["row_sums"] + (["causal_zero"] if s.causal else [])
               + (["padding_zero"] if not bool(layer.padding_mask.all()) else []), masks.check_rows_and_masks)
+        if s.lengths_given and bool(layer.padding_mask.all()) and "padding_mask" not in layer.declared.lacks:
+            rec.not_applicable("padding_zero", f"not judged: lengths={list(s.lengths)} pad no key, so a padding "
+                               "mask hides nothing (vacuous); give a row a length below T to judge it")
     if "sdpa" in asked:
         group("sdpa", ["sdpa_match"] + (["padded_query_rows"] if s.padded_query_policy == "zeros" else []),
               sdpa.check_sdpa)

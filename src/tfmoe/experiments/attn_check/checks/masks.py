@@ -32,7 +32,10 @@ def check_rows_and_masks(layer: LayerUnderTest) -> None:
                      f"(rows without a visible key{'' if s.padded_query_policy == 'attend' else ' and padded queries'} excluded); "
                      "tolerance 4·eps·(1+log2 T)" + cause,
                      evidence=layer.evidence(attn=attn))
-    if s.causal:
+    if s.causal and s.T < 2:  # one key per row: a causal mask hides nothing, a pass would be vacuous
+        layer.rec.not_applicable("causal_zero", "not judged: with T=1 each query sees its one key, so a causal mask "
+                                 "hides nothing (vacuous); set T >= 2 to judge it")
+    elif s.causal:
         future = ~torch.ones(s.T, s.T, dtype=torch.bool).tril()  # (T,T) key j > query i
         leak = hidden_weight_max(attn, future[None, None], layer.valid)
         layer.rec.metric("future_weight_max", leak)
