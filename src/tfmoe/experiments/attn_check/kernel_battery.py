@@ -30,6 +30,7 @@ from tfmoe.experiments.attn_check.kernel_exact import (
 from tfmoe.experiments.attn_check.kernel_judging import (
     Outcome,
     backward_differentiates_row_max,
+    backward_query_chunk,
     backward_rounds_to_run_dtype,
     battery_fault,
     missing_params,
@@ -213,12 +214,15 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
     if s.module_keys_set:
         rec.note("kernel mode ignores the module-mode keys (impl, B, T, d_model, ...)")
 
-    rounds, row_max = True, False
+    rounds, row_max, chunk = True, False, 0
     if "backward" not in decl.lacks:
         rounds, note = backward_rounds_to_run_dtype(kernel, dtype, device, rec.seed)
         rec.note(note)
         row_max, note = backward_differentiates_row_max(kernel, dtype, device, rec.seed, rounds, s.grad_factor)
         rec.note(note)
+        chunk, note = backward_query_chunk(kernel, dtype, device, rec.seed)
+        if note:
+            rec.note(note)
     verdict: dict[str, str] = {}
     outcomes: dict[str, list[Outcome]] = {f: [] for f in FAMILIES}
     policies: dict[str, set[str]] = {}
@@ -237,7 +241,7 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
                 case = s.cases[i]
                 try:
                     o = _judge_case(s, rec, kernel, align, case, i, verdict, policies, backward_outcomes,
-                                    weights_outcomes, decl, rounds, row_max)
+                                    weights_outcomes, decl, rounds, row_max, chunk)
                 except (BadInput, AdapterError):
                     raise
                 except Exception as exc:  # outside the kernel's call: the battery's own error, never the kernel's
@@ -249,7 +253,7 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
                 n_subs += 1
                 try:
                     o = _judge_case(s, rec, kernel, align, case, i, verdict, policies, backward_outcomes,
-                                    weights_outcomes, decl, rounds, row_max)
+                                    weights_outcomes, decl, rounds, row_max, chunk)
                 except (BadInput, AdapterError):
                     raise
                 except Exception as exc:
@@ -375,11 +379,12 @@ def _exact_output_outcome(s: KernelSettings, rec: Recorder, kernel: Kernel, alig
 def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, case: Case, i: int,
                 verdict: dict[str, str], policies: dict[str, set[str]], backward_outcomes: dict[int, Outcome],
                 weights_outcomes: dict[int, Outcome], decl: capabilities.Declared, rounds: bool = True,
-                row_max: bool = False) -> Outcome:
+                row_max: bool = False, chunk: int = 0) -> Outcome:
     """One case of the matrix: blocked, skipped, not applicable (declared), or run and judged; then its probes
     (the backward, and the weights read through a one-hot v) into backward_outcomes and weights_outcomes.
     ``rounds``: the backward rounds dP and δ to the run dtype (kernel_judging.backward_rounds_to_run_dtype);
-    ``row_max``: it differentiates through the row max (kernel_judging.backward_differentiates_row_max)."""
+    ``row_max``: it differentiates through the row max (kernel_judging.backward_differentiates_row_max);
+    ``chunk``: it adds dk, dv over chunks of that many queries in the run dtype (kernel_judging.backward_query_chunk)."""
     family, device, dtype = case.family, rec.device, rec.dtype
     blocked = [p for p in prerequisites(case, s.Hq) if verdict.get(p) in UNMET]
     inp = make_inputs(case, s.B, s.Hq, align, rec.seed, i, device, dtype)
@@ -398,11 +403,11 @@ def _judge_case(s: KernelSettings, rec: Recorder, kernel: Kernel, align: str, ca
         o = run_dropout_case(kernel, case, inp, dtype, seed, s.dropout_seeds, rec)
         rec.metric("case_passed", float(o.status == "pass"), status=o.status, **case.tags())
         if backward and o.status == "pass":
-            bwd = run_dropout_backward(kernel, case, inp, dtype, seed, s.grad_factor, rec, rounds, row_max)
+            bwd = run_dropout_backward(kernel, case, inp, dtype, seed, s.grad_factor, rec, rounds, row_max, chunk)
     else:  # the weights first: the output's and gradients' floors are measured on them where they passed
         probe, read = run_weights_probe(kernel, case, inp, dtype, rec)
         o, bwd = run_case(kernel, case, inp, dtype, s.fully_masked_expect, backward, s.grad_factor, rec, read,
-                          rounds, row_max)
+                          rounds, row_max, chunk)
         if o.policy != "none":
             policies.setdefault(case.mask, set()).add(o.policy)
         rec.metric("case_passed", float(o.status == "pass"), status=o.status, policy=o.policy, **case.tags())

@@ -139,7 +139,7 @@ def dropout_probe(inp: CaseInputs, case: Case, dtype: torch.dtype) -> tuple[torc
 
 def run_dropout_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, seed: int,
                          factor: float, rec: Recorder, run_dtype_intermediates: bool = True,
-                         row_max: bool = False) -> Outcome:
+                         row_max: bool = False, query_chunk: int = 0) -> Outcome:
     """The dropout case's dq, dk, dv, judged against the fp64 reference *with the kernel's own mask*.
 
     One call under torch seed ``seed`` with autograd on; its output on the one-hot probe reads that call's mask
@@ -179,7 +179,8 @@ def run_dropout_backward(kernel: Kernel, case: Case, inp: CaseInputs, dtype: tor
     ref_g = torch.autograd.grad(ref, ref_leaves, inp.grad_out.double())
     plain_g = torch.autograd.grad(plain, plain_leaves, inp.grad_out)
     floors = accumulation_atols(probe, ref.detach(), (w * keep / (1.0 - p)).detach(), scale, dtype,
-                                run_dtype_intermediates=run_dtype_intermediates, row_max=row_max)
+                                run_dtype_intermediates=run_dtype_intermediates, row_max=row_max,
+                                query_chunk=query_chunk)
     bad, worst = [], (0.0, "")
     for i, name in enumerate(("dq", "dk", "dv")):
         j = judge(got[i], ref_g[i], plain_g[i], dtype, factor)

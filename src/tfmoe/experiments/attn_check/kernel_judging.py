@@ -153,7 +153,8 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Tensor, scale: float,
                        dtype: torch.dtype, stored_out: torch.Tensor | None = None,
                        parts: dict[str, dict[str, float]] | None = None,
-                       run_dtype_intermediates: bool = True, row_max: bool = False) -> dict[str, float]:
+                       run_dtype_intermediates: bool = True, row_max: bool = False,
+                       query_chunk: int = 0) -> dict[str, float]:
     """Rounding floors for the gradients, where FlashAttention's "rounding at the reference's scale" is 0 or
     far below what any fp32-accumulating kernel can reach (eps_acc = fp32's eps, fp64's for fp64 runs;
     independent roundings add in quadrature; each floor is twice the estimate):
@@ -197,7 +198,11 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
       in fp32 its errors reach 1.10x this estimate for dk and 0.86x for dq (Tq = 2, Tk = 2048, v offset by 0, 4,
       16, seeds 0-2; 0.06x and 0.59x at 97 and 257 keys): a rounding of that order of accumulation, not a wrong
       gradient (with the max detached the same kernel's dk is 58x closer). dq gets scale·max_i e_i·max|k|; dk_j
-      the group's rows in quadrature, scale·(Σ_i (e_i·max|q_i|)²)^½."""
+      the group's rows in quadrature, scale·(Σ_i (e_i·max|q_i|)²)^½.
+    - ``query_chunk`` = C > 0: the backward adds dk, dv chunk after chunk of C queries into tensors of the run dtype
+      (a kernel running its queries in chunks through autograd; detected by :func:`backward_query_chunk`): each
+      chunk's contribution and each partial sum rounds, ≤ (eps/2)·Σ_h (Σ_c |chunk_c| + Σ_{c>=2} |S_c|) per element,
+      the partial sums S_c over the chunks in autograd's order (last chunk first) from the reference's P and dS."""
     acc = accumulation_dtype(dtype)
     eps = torch.finfo(acc).eps
     d_o, o = inp.grad_out.double(), ref_out.detach()
@@ -270,14 +275,29 @@ def accumulation_atols(inp: CaseInputs, ref_out: torch.Tensor, weights: torch.Te
         dq_m = scale * float(e_max.max()) * float(inp.k.double().abs().max())
         q_row = inp.q.double().abs().amax(dim=-1, keepdim=True)  # (B,Hq,Tq,1)
         dk_m = scale * float((e_max * q_row).pow(2).reshape(B, Hkv, -1).sum(dim=-1).sqrt().max())
+    dk_c = dv_c = 0.0
+    if query_chunk and Tq > query_chunk:  # dk, dv summed chunk after chunk of queries in the run dtype
+        half_eps = torch.finfo(dtype).eps / 2
+        zero = torch.zeros(B, Hq, Tk, D, dtype=torch.float64, device=w.device)
+        sums, run = {"dk": zero, "dv": zero}, {"dk": zero, "dv": zero}  # Σ|rounded terms|, the partial sums
+        starts = list(range(0, Tq, query_chunk))[::-1]  # autograd's order: the last chunk's gradient first
+        for n, c in enumerate(starts):
+            rows = slice(c, c + query_chunk)
+            part = {"dk": scale * (d_s[:, :, rows].transpose(-2, -1) @ inp.q.double()[:, :, rows]),
+                    "dv": w[:, :, rows].transpose(-2, -1) @ d_o[:, :, rows]}  # (B,Hq,Tk,D)
+            for name in ("dk", "dv"):
+                run[name] = run[name] + part[name]
+                sums[name] = sums[name] + part[name].abs() + (run[name].abs() if n else 0.0)
+        dk_c = half_eps * float(sums["dk"].reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
+        dv_c = half_eps * float(sums["dv"].reshape(B, Hkv, -1, Tk, D).sum(dim=2).max())
     if parts is not None:  # each term, for diagnosis (benchmarks/bench_kernel_sensitivity.py --per-case)
         parts.update(dq=dict(acc=dq, fast_exp=dq_p, scores=dq_s, own_out=dq_o, run_dtype=dq_r, row_max=dq_m),
                      dk=dict(acc=dk, fast_exp=dk_p, scores=dk_s, group=dk_g, own_out=dk_o, run_dtype=dk_r,
-                             row_max=dk_m),
-                     dv=dict(acc=dv, fast_exp=dv_p, scores=dv_s, group=dv_g))
+                             row_max=dk_m, query_chunks=dk_c),
+                     dv=dict(acc=dv, fast_exp=dv_p, scores=dv_s, group=dv_g, query_chunks=dv_c))
     return {"dq": 2.0 * math.hypot(dq, dq_p, dq_s, dq_o, dq_r, dq_m),
-            "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g, dk_o, dk_r, dk_m),
-            "dv": 2.0 * math.hypot(dv, dv_p, dv_s, dv_g)}
+            "dk": 2.0 * math.hypot(dk, dk_p, dk_s, dk_g, dk_o, dk_r, dk_m, dk_c),
+            "dv": 2.0 * math.hypot(dv, dv_p, dv_s, dv_g, dv_c)}
 
 
 def backward_rounds_to_run_dtype(kernel: Kernel, dtype: torch.dtype, device: torch.device, seed: int
@@ -356,6 +376,47 @@ def backward_differentiates_row_max(kernel: Kernel, dtype: torch.dtype, device: 
                       "does not route rounding through the row max; the floors leave that term out"))
 
 
+def backward_query_chunk(kernel: Kernel, dtype: torch.dtype, device: torch.device, seed: int) -> tuple[int, str]:
+    """The query chunk C a half-precision backward adds dv over in the run dtype (0: none seen), read on one probe
+    (B = H = 1, Tq = 64, Tk = 4, D = 16, q = 0 so every weight is exactly 1/4, dO drawn in [1, 2) in the dtype): the
+    exact dv is Σ_i dO_i/4, and a kernel that sums each chunk of C rows once and adds the chunks in the dtype (last
+    chunk first, autograd's order) gives bit for bit what that order gives. The smallest C < 64 that reproduces the
+    kernel's dv exactly, when one rounding of the whole sum does not, is the kernel's; fp32 runs are not probed."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return 0, ""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + 999_961)
+    B, H, Tq, Tk, D = 1, 1, 64, 4, 16
+    k, v = torch.randn(B, H, Tk, D, generator=g), torch.randn(B, H, Tk, D, generator=g)
+    d_o = (1.0 + torch.rand(B, H, Tq, D, generator=g)).to(dtype)
+    q = torch.zeros(B, H, Tq, D)
+    inp = CaseInputs(q.to(device=device, dtype=dtype), k.to(device=device, dtype=dtype),
+                     v.to(device=device, dtype=dtype), d_o.to(device), {}, None, None,
+                     torch.ones(B, H, Tq, dtype=torch.bool, device=device))
+    try:
+        mine = [t.detach().clone().requires_grad_(True) for t in (inp.q, inp.k, inp.v)]
+        dv = enter_backward(call_kernel(kernel, inp, *mine), mine, inp.grad_out)[2].double().cpu()
+    except Exception as exc:
+        return 0, f"kernel_backward: the query-chunk probe raised {_raised(exc)}: no chunked sum assumed"
+    contrib = d_o.double()[0, 0] / Tk  # (Tq,D): each row's dv contribution to every key, exact
+    got = dv[0, 0]  # (Tk,D): every key's dv is the same sum
+
+    def summed(chunk: int) -> torch.Tensor:
+        parts = [contrib[c:c + chunk].sum(dim=0).to(dtype).double() for c in range(0, Tq, chunk)][::-1]
+        acc = parts[0]
+        for p in parts[1:]:
+            acc = (acc + p).to(dtype).double()
+        return acc
+
+    if torch.equal(got, summed(Tq).expand_as(got)):
+        return 0, "kernel_backward: the query-chunk probe's dv is the whole sum rounded once: no chunked sum"
+    for chunk in (1, 2, 4, 8, 16, 32):
+        if torch.equal(got, summed(chunk).expand_as(got)):
+            return chunk, (f"kernel_backward: the query-chunk probe's dv is, bit for bit, {Tq // chunk} chunks of "
+                           f"{chunk} queries added in {str(dtype).removeprefix('torch.')}: the dk/dv floors carry "
+                           "those partial sums")
+    return 0, "kernel_backward: the query-chunk probe's dv matches no chunked sum: none assumed"
+
+
 def measured_weights_atol(inp: CaseInputs, weights: torch.Tensor, kernel_weights: torch.Tensor,
                           ref_out: torch.Tensor, dtype: torch.dtype) -> float:
     """The output's floor measured on the kernel's own weights (read exactly through a one-hot v: kernel_weights),
@@ -400,7 +461,8 @@ def reordered_yardstick(inp: CaseInputs, case: Case, plain: torch.Tensor, ref: t
 
 def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, expect: dict[str, tuple[str, ...]],
              backward: bool, grad_factor: float, rec: Recorder, kernel_weights: torch.Tensor | None = None,
-             run_dtype_intermediates: bool = True, row_max: bool = False) -> tuple[Outcome, Outcome | None]:
+             run_dtype_intermediates: bool = True, row_max: bool = False, query_chunk: int = 0
+             ) -> tuple[Outcome, Outcome | None]:
     """One case: the forward (kernel vs reference on rows that see a key; on rows that see none, in every
     family, the policy declared for the case's kind of row: ``expect[case.row_kind]``), then — if the forward
     passed and backward is on — dq (rows that see a key), dk, dv."""
@@ -448,7 +510,8 @@ def run_case(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.dtype, ex
         return fwd, None
     floors = accumulation_atols(inp, ref, weights, 1.0 / math.sqrt(case.D) if case.scale is None else case.scale,
                                 dtype, stored_out=out.masked_fill(~inp.seen[..., None], 0.0),
-                                run_dtype_intermediates=run_dtype_intermediates, row_max=row_max)
+                                run_dtype_intermediates=run_dtype_intermediates, row_max=row_max,
+                                query_chunk=query_chunk)
     return fwd, run_backward(kernel, case, inp, dtype, grad_factor, ref, plain, leaves, tensors, floors, rec,
                              nan_rows=policy == "nan")
 
