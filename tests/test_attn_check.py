@@ -66,7 +66,8 @@ def test_course_module_passes_in_every_cpu_dtype(dtype):
 
 def test_non_causal_full_rows_skip_the_mask_checks():
     checks, _ = battery("causal=false", "lengths=[4,4]", "dropout=0")
-    assert "causal_zero" not in checks and "padding_zero" not in checks
+    assert "causal_zero" not in checks  # not asked for: the layer is not causal
+    assert not checks["padding_zero"].applicable and "vacuous" in checks["padding_zero"].detail  # said, not passed
     assert failed(checks) == set()
 
 
