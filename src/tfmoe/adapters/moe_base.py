@@ -44,6 +44,8 @@ from tfmoe.adapters.moe_layers import (
     call_layer,
     per_expert_fill,
     probe_combine_weights,
+    probe_plan,
+    reference_expert,
 )
 from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
@@ -86,6 +88,7 @@ class MoEAdapter(ABC):
     lacks: tuple[str, ...] = ()
     router_dtype: torch.dtype | str | None = None
     expert_dtype: torch.dtype | str | None = None
+    mixing: str | None = None  # None = the weight multiplies each expert's output; or a MIXING form
 
     @abstractmethod
     def build(self, sizes: LayerSizes, seed: int) -> nn.Module: ...
@@ -99,9 +102,11 @@ class MoEAdapter(ABC):
     @abstractmethod
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights: ...
 
-    def probe_targets(self, module: nn.Module) -> tuple[list[nn.Module], Filler]:
-        """The modules whose outputs are the experts' (each expert: ``per_expert_fill``; one module for all,
-        experts on dim 0: ``stacked_fill``). Default: ``module.experts`` as a list of experts."""
+    def probe_targets(self, module: nn.Module) -> list[nn.Module] | tuple[list[nn.Module], Filler]:
+        """The modules whose outputs are the experts' outputs: a list, one per expert in expert order; or
+        ``(modules, filler)`` (one module for all, experts on dim 0: ``stacked_fill``); or ``[]`` when no module
+        returns one expert's output (the weights are then read off ``router_logits`` / ``router_probs`` through the
+        declared semantics). Default: ``module.experts``."""
         experts = getattr(module, "experts", None)
         if not isinstance(experts, (nn.ModuleList, list, tuple)):
             raise BadInput(f"impl={self.spec}: the adapter names no expert modules: override probe_targets(module)")
@@ -146,18 +151,45 @@ class AdaptedLayer(LayerUnderTest):
                            f"{tuple(x.shape)}: it must return the layer's output shaped like x")
         return out
 
+    def _router_output(self, name: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        n, e = x.numel() // x.shape[-1], self.sizes.n_experts
+        t = call_layer(getattr(self.adapter, name), module, x)
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor) or t.numel() != n * e:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise BadInput(f"impl={self.label}: the adapter's {name}(module, x) returned {got} for x {tuple(x.shape)}: "
+                           f"return a tensor of (tokens, n_experts) = ({n}, {e}) (any leading shape), or None")
+        return t.reshape(n, e)
+
     def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
         out = self.forward(module, x)
-        n, e = x.numel() // x.shape[-1], self.sizes.n_experts
-        targets, fill = self.adapter.probe_targets(module)
-        weights, zero_tol, rows = probe_combine_weights(lambda t: self.forward(module, t), x, targets, e, fill)
-        probs = call_layer(self.adapter.router_probs, module, x)
-        logits = call_layer(self.adapter.router_logits, module, x)
-        return out, Captured(weights, None if probs is None else probs.reshape(n, e),
-                             None if logits is None else logits.reshape(n, e), rows, zero_tol)
+        e = self.sizes.n_experts
+        targets, fill = probe_plan(self.adapter.probe_targets(module), self.label)
+        probs = self._router_output("router_probs", module, x)
+        logits = self._router_output("router_logits", module, x)
+        if targets and self.probe_experts:
+            weights, zero_tol, rows = probe_combine_weights(lambda t: self.forward(module, t), x, targets, e, fill,
+                                                            self.probe_direction)
+        else:  # read off the router by the battery, through the declared semantics
+            if probs is None and logits is None:
+                why = ("probe_targets(module) returned no module" if not targets else
+                       "the layer declares its weights applied inside the experts (mixing = weight_inside_expert)")
+                raise BadInput(f"impl={self.label}: {why}, so the combine weights are read off the router, but the "
+                               "adapter gives neither router_logits(module, x) nor router_probs(module, x): "
+                               "implement one (a tensor (tokens, n_experts))")
+            weights, zero_tol, rows = None, 0.0, None
+        return out, Captured(weights, probs, logits, rows, zero_tol)
 
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
-        return self.adapter.reference_weights(module)
+        w = self.adapter.reference_weights(module)
+        if not isinstance(w, ref.LayerWeights):
+            raise BadInput(f"impl={self.label}: reference_weights(module) returned {type(w).__name__}: return a "
+                           "tfmoe.components.moe_reference.LayerWeights")
+        w.experts = [reference_expert(ex, f"experts[{i}]", self.label) for i, ex in enumerate(w.experts)]
+        if w.shared is not None:
+            w.shared = [reference_expert(ex, f"shared[{i}]", self.label) for i, ex in enumerate(w.shared_list)]
+        return w
 
     def alternatives(self) -> dict[str, ref.RoutingSemantics]:
         sem = self.semantics

@@ -1,0 +1,53 @@
+"""First contact, MoE: three public MoE implementations tfmoe has never used (torchao's MOEFeedForwardAOQuantizable,
+torchscale's X-MoE MOELayer, mh-moe's SparseMoE), plus layers in other common forms (weight inside the expert, a
+latent MoE projecting after the mixture, experts the reference cannot rebuild, a layer holding a ProcessGroup),
+each written from ``docs/`` alone (``scripts/first_contact/fc_{torchao,torchscale_moe,mhmoe,forms}.py``), correct
+and with real bugs planted, every case through ``tfmoe route-sim``. Same table and verdicts as
+``scripts/first_contact.py``.
+
+    bash scripts/first-contact-moe.sh [--only ID] [--markdown FILE] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import first_contact as fc  # noqa: E402
+from first_contact import Case  # noqa: E402
+
+
+def _route(*a: str) -> tuple[str, ...]:
+    return ("route-sim", *a, "steps=0")
+
+
+FORMS = "tfmoe (layer forms)"
+CASES: tuple[Case, ...] = (
+    Case("torchao.moe", "torchao", "correct", _route("impl=fc_torchao:Adapter")),
+    Case("torchao.moe.shared", "torchao", "correct", _route("impl=fc_torchao:Shared")),
+    Case("torchao.moe.bug-not-renormalised", "torchao", "bug", _route("impl=fc_torchao:BugNotRenormalised")),
+    Case("torchao.moe.bug-gelu-experts", "torchao", "bug", _route("impl=fc_torchao:BugGeluExperts")),
+    Case("torchscale.xmoe.top1", "torchscale", "correct", _route("impl=fc_torchscale_moe:Top1", "top_k=1")),
+    Case("torchscale.xmoe.top2", "torchscale", "correct", _route("impl=fc_torchscale_moe:Top2")),
+    Case("torchscale.xmoe.top1.bug-argmin", "torchscale", "bug", _route("impl=fc_torchscale_moe:BugTop1Argmin",
+                                                                          "top_k=1")),
+    Case("torchscale.xmoe.top2.bug-first-only", "torchscale", "bug",
+         _route("impl=fc_torchscale_moe:BugTop2FirstOnly")),
+    Case("mhmoe.sparse", "mh-moe", "correct", _route("impl=fc_mhmoe:Adapter")),
+    Case("mhmoe.sparse.bug-noisy-eval", "mh-moe", "bug", _route("impl=fc_mhmoe:BugNoisyEval")),
+    Case("mhmoe.sparse.bug-expert-scaled", "mh-moe", "bug", _route("impl=fc_mhmoe:BugExpertScaled")),
+    Case("forms.inside-weight", FORMS, "correct", _route("impl=fc_forms:InsideWeight")),
+    Case("forms.inside-weight.bug-not-renormalised", FORMS, "bug", _route("impl=fc_forms:BugInsideNotRenormalised")),
+    Case("forms.latent", FORMS, "correct", _route("impl=fc_forms:LatentAdapter")),
+    Case("forms.latent.bug-not-renormalised", FORMS, "bug", _route("impl=fc_forms:BugLatentNotRenormalised")),
+    Case("forms.black-box-experts", FORMS, "correct", _route("impl=fc_forms:BlackBox")),
+    Case("forms.black-box-experts.bug-argmin", FORMS, "bug", _route("impl=fc_forms:BugBlackBoxArgmin")),
+    Case("forms.process-group", FORMS, "correct", _route("impl=fc_forms:WithGroup")),
+)
+
+fc.CASES = CASES
+fc.CAUSES = {}
+
+if __name__ == "__main__":
+    raise SystemExit(fc.main())
