@@ -24,8 +24,13 @@ def _route(*a: str) -> tuple[str, ...]:
 
 FORMS = "tfmoe (layer forms)"
 CASES: tuple[Case, ...] = (
-    Case("torchao.moe", "torchao", "correct", _route("impl=fc_torchao:Adapter")),
-    Case("torchao.moe.shared", "torchao", "correct", _route("impl=fc_torchao:Shared")),
+    Case("torchao.moe", "torchao", "correct", _route("impl=fc_torchao:Adapter"),
+         "adapter as first written: the experts' module named with stacked_fill"),
+    Case("torchao.moe.shared", "torchao", "correct", _route("impl=fc_torchao:Shared"),
+         "adapter as first written: the experts' module named with stacked_fill"),
+    Case("torchao.moe.router-read", "torchao", "correct", _route("impl=fc_torchao:RouterRead"),
+         "adapter as the docs now say: probe_targets returns [] (no module returns one expert's output)"),
+    Case("torchao.moe.shared.router-read", "torchao", "correct", _route("impl=fc_torchao:SharedRouterRead")),
     Case("torchao.moe.bug-not-renormalised", "torchao", "bug", _route("impl=fc_torchao:BugNotRenormalised")),
     Case("torchao.moe.bug-gelu-experts", "torchao", "bug", _route("impl=fc_torchao:BugGeluExperts")),
     Case("torchscale.xmoe.top1", "torchscale", "correct", _route("impl=fc_torchscale_moe:Top1", "top_k=1")),
@@ -44,6 +49,12 @@ CASES: tuple[Case, ...] = (
     Case("forms.black-box-experts", FORMS, "correct", _route("impl=fc_forms:BlackBox")),
     Case("forms.black-box-experts.bug-argmin", FORMS, "bug", _route("impl=fc_forms:BugBlackBoxArgmin")),
     Case("forms.process-group", FORMS, "correct", _route("impl=fc_forms:WithGroup")),
+    Case("forms.inside-weight.declared", FORMS, "correct", _route("impl=fc_forms:InsideWeightDeclared")),
+    Case("forms.inside-weight.declared.bug-not-renormalised", FORMS, "bug",
+         _route("impl=fc_forms:BugInsideDeclaredNotRenormalised")),
+    Case("forms.latent.projected", FORMS, "correct", _route("impl=fc_forms:LatentProjected")),
+    Case("forms.latent.projected.bug-not-renormalised", FORMS, "bug",
+         _route("impl=fc_forms:BugLatentProjectedNotRenormalised")),
 )
 
 fc.CASES = CASES

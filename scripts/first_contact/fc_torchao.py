@@ -9,7 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchao.prototype.moe_quant.quantizable_moe_modules import MOEFeedForwardAOQuantizable
+from torchao.prototype.moe_quant.quantizable_moe_modules import (
+    ConditionalFeedForwardAOQuantizable,
+    MOEFeedForwardAOQuantizable,
+)
 
 from tfmoe.adapters.moe_base import MoEAdapter, MoESemantics
 from tfmoe.adapters.moe_layers import stacked_fill
@@ -26,14 +29,15 @@ class SharedMLP(nn.Module):
 
 
 class Adapter(MoEAdapter):
+    """As first written: the experts' module named with stacked_fill, the nearest the docs then offered."""
+
     shared = False
-    act = F.silu
 
     def build(self, sizes, seed):
         torch.manual_seed(seed)
         shared = SharedMLP(sizes.d_model, sizes.d_hidden) if self.shared else None
         return MOEFeedForwardAOQuantizable(sizes.d_model, sizes.d_hidden, sizes.n_experts, sizes.top_k,
-                                           act_fn=type(self).act, shared_expert=shared, empty_init=False)
+                                           shared_expert=shared, empty_init=False)
 
     def forward(self, module, x):
         return module(x)
@@ -63,6 +67,18 @@ class Shared(Adapter):
     shared = True
 
 
+class RouterRead(Adapter):
+    """As the docs now say: no module returns one expert's output, so probe_targets returns [] and the combine
+    weights are read off router_logits through the declared semantics."""
+
+    def probe_targets(self, module):
+        return []
+
+
+class SharedRouterRead(RouterRead):
+    shared = True
+
+
 class NotRenormalised(MOEFeedForwardAOQuantizable):
     """Bug planted in the library's forward: the top-k scores are not renormalised."""
 
@@ -74,13 +90,30 @@ class NotRenormalised(MOEFeedForwardAOQuantizable):
         return out.reshape(b, -1, self.hidden_dim)
 
 
-class BugNotRenormalised(Adapter):
+class BugNotRenormalised(RouterRead):
     def build(self, sizes, seed):
         torch.manual_seed(seed)
         return NotRenormalised(sizes.d_model, sizes.d_hidden, sizes.n_experts, sizes.top_k, empty_init=False)
 
 
-class BugGeluExperts(Adapter):
-    """Bug planted in the experts: gelu where the design (and the reference) says silu."""
+class GeluExperts(ConditionalFeedForwardAOQuantizable):
+    """The library's experts with gelu where the design says silu (its act_fn argument is not read: silu is
+    written into its forward, so the bug is planted in the forward itself)."""
 
-    act = F.gelu
+    def forward(self, x, expert_indices, expert_weights, top_k):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = (expert_indices == e).nonzero(as_tuple=True)
+            if tok.numel():
+                y = F.linear(F.gelu(F.linear(x[tok], self.w1[e])) * F.linear(x[tok], self.w3[e]), self.w2[e])
+                out.index_add_(0, tok, expert_weights[tok, slot, None] * y)
+        return out
+
+
+class BugGeluExperts(RouterRead):
+    """Bug planted in the experts' forward: gelu where the design (and the reference) says silu."""
+
+    def build(self, sizes, seed):
+        m = super().build(sizes, seed)
+        m.experts.__class__ = GeluExperts
+        return m
