@@ -273,3 +273,44 @@ class WithGroup(nn.Module):
         out = mix(flat, w, idx, self.experts, call=lambda ex, rows, we: we * ex(rows))
         dist.all_reduce(out, group=self.group)  # world size 1: the identity
         return out.view(x.shape), probs
+
+
+# ------------------------------------------------------------ a capacity counted over the whole batch
+class BatchCapacityLayer(nn.Module):
+    """Top-1 with each expert keeping its first ``capacity`` tokens of the whole batch (token order); the others
+    get nothing (GShard/X-MoE-style eval capacity over the batch)."""
+
+    def __init__(self, d, h, n_experts, capacity):
+        super().__init__()
+        self.capacity = capacity
+        self.router = nn.Linear(d, n_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d))
+                                     for _ in range(n_experts))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        probs = self.router(flat).softmax(dim=-1)
+        w, idx = probs.max(dim=-1)  # (N,)
+        seen = torch.zeros(len(self.experts), dtype=torch.long)
+        keep = torch.zeros_like(w, dtype=torch.bool)
+        for t, e in enumerate(idx.tolist()):
+            keep[t] = bool(seen[e] < self.capacity)
+            seen[e] += 1
+        w = w * keep
+        return mix(flat, w[:, None], idx[:, None], self.experts, call=lambda ex, rows, we: we * ex(rows)).view(x.shape)
+
+
+class BatchCapacity(TupleExperts):
+    capacity = 3
+
+    def build(self, sizes, seed):
+        torch.manual_seed(seed)
+        return BatchCapacityLayer(sizes.d_model, sizes.d_hidden, sizes.n_experts, self.capacity)
+
+    def semantics(self, sizes, seq):
+        return MoESemantics("softmax", normalize=False, capacity=self.capacity, capacity_group="batch")
+
+    def reference_weights(self, module):
+        experts = [ref.MlpExpert(_w(e[0].weight), _w(e[2].weight), "gelu", _w(e[0].bias), _w(e[2].bias))
+                   for e in module.experts]
+        return ref.LayerWeights(_w(module.router.weight), experts)

@@ -153,3 +153,11 @@ def test_a_layer_holding_a_process_group_runs_its_dtype_checks(gloo_group):
     rec = battery("mixing_moe:WithGroup")
     assert not failed(rec)
     assert rows(rec)["finite.fp16"].applicable and rows(rec)["finite.bf16"].applicable
+
+
+def test_a_capacity_over_the_whole_batch_makes_batch_independence_not_applicable():
+    """Regression (F-253): sequences compete for a batch-wide capacity by design; batch_independence failed it."""
+    rec = battery("mixing_moe:BatchCapacity", "top_k=1")
+    assert not failed(rec)
+    assert rows(rec)["batch_independence"].detail.startswith("not applicable: a capacity counted over the whole")
+    assert int(rec.tensors_saved["layer.expert_load"].sum()) < 24  # the capacity dropped assignments

@@ -714,7 +714,8 @@ def battery_rows(rec: Recorder, label: str) -> Rows:
     rows = Rows(f"layer battery: {label}", ("check", "result", "detail"))
     for name in ALL_CHECKS:
         if name in got and not got[name].applicable:
-            rows.add(name, "n/a", got[name].detail)
+            judged_not = got[name].detail.startswith("not judged")
+            rows.add(name, "not judged" if judged_not else "n/a", got[name].detail.removeprefix("not judged: "))
         elif name in got:
             rows.add(name, "pass" if got[name].passed else "FAIL", got[name].detail)
         elif name in na:
@@ -730,7 +731,7 @@ def battery_summary(rec: Recorder, lut: LayerUnderTest) -> str:
             lines += ["", "Precision: " + note.removeprefix("precision: ") + "."]
     inapplicable = [c for c in rec.checks_rows if c.check.startswith(PREFIX) and not c.applicable]
     if inapplicable:
-        lines += ["", f"Not applicable ({len(inapplicable)}, never failures): "
+        lines += ["", f"Not applicable or not judged ({len(inapplicable)}, never failures): "
                   + "; ".join(f"{c.check.removeprefix(PREFIX)}: {c.detail.removeprefix('not applicable: ')}"
                               for c in inapplicable) + "."]
     for note in rec.notes:
