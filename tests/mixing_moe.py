@@ -314,3 +314,13 @@ class BatchCapacity(TupleExperts):
         experts = [ref.MlpExpert(_w(e[0].weight), _w(e[2].weight), "gelu", _w(e[0].bias), _w(e[2].bias))
                    for e in module.experts]
         return ref.LayerWeights(_w(module.router.weight), experts)
+
+
+class LatentFoldedExpertBug(LatentFolded):
+    """A bug inside the latent experts (their output scaled by 1.5 in the layer's code), projection undeclared."""
+
+    def build(self, sizes, seed):
+        m = super().build(sizes, seed)
+        for e in m.experts:
+            e[2].register_forward_hook(lambda _m, _i, out: out * 1.5)
+        return m

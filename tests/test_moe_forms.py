@@ -161,3 +161,15 @@ def test_a_capacity_over_the_whole_batch_makes_batch_independence_not_applicable
     assert not failed(rec)
     assert rows(rec)["batch_independence"].detail.startswith("not applicable: a capacity counted over the whole")
     assert int(rec.tensors_saved["layer.expert_load"].sum()) < 24  # the capacity dropped assignments
+
+
+def test_an_expert_bug_in_an_undeclared_latent_moe_draws_no_renormalisation_cause():
+    """The probe reads every weight times the projection's gain (one factor): the top-k sum is not judged, so the
+    diagnosis cannot blame a missing renormalisation; the expert bug fails output_vs_reference."""
+    from tfmoe.harness.method.diagnosis import checks_mapping, diagnose
+
+    rec = battery("mixing_moe:LatentFoldedExpertBug")
+    assert "output_vs_reference" in failed(rec)
+    assert not_judged(rec)["topk_weights_sum"].startswith("not judged: the probe reads every weight x")
+    causes = " ".join(i.line() for i in diagnose("route-sim", checks_mapping(rec.checks_rows), rec.metrics_rows, {}))
+    assert "not renormalised" not in causes

@@ -264,15 +264,23 @@ def detect_mixing(o: Observation, same: torch.Tensor, tol: float, output_ok: boo
                 f"weights {float(want.min()):.3g}..{float(want.max()):.3g}): the weight is applied before the "
                 "expert's output is produced, where replacing that output removes it (or not applied at all: "
                 "output_vs_reference judges the combine)")
+    factor = common_factor(probe, want, tol)
     if not output_ok:
         return None
-    factor = float((probe / want).median())
-    if abs(factor - 1.0) > tol and _max_abs(probe - factor * want) <= tol * max(1.0, abs(factor)):
+    if factor is not None:
         return (f"post_mixture_projection: the layer matches the reference while the probe reads every weight x "
                 f"{factor:.4g}: a constant expert output moves the layer's output through a fixed map after the "
                 "mixture (a latent MoE's projection back)")
     return ("the layer matches the reference while the probe reads other weights: the weight is applied where "
             "replacing each expert's output does not measure it")
+
+
+def common_factor(probe: torch.Tensor, want: torch.Tensor, tol: float) -> float | None:
+    """s != 1 when the probe reads every chosen weight as s x the reference's (within ``tol``), else None."""
+    factor = float((probe / want).median())
+    if abs(factor - 1.0) > tol and _max_abs(probe - factor * want) <= tol * max(1.0, abs(factor)):
+        return factor
+    return None
 
 
 def check_routing(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: ref.LayerWeights,
@@ -319,8 +327,18 @@ def check_routing(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: r
         rec.not_applicable(f"{PREFIX}routing_weights", "not judged: no token reached the reference's experts (see "
                            "routing_selection), so no combine weight can be compared")
         return "no token reached the reference's experts"
+    chosen = o.ref.selected & same[:, None]
+    factor = common_factor(o.cap.weights.double()[chosen], o.ref.weights[chosen], tol) \
+        if o.cap.source == "probe" and mixing is None and lut.probe_direction is None and not err <= tol else None
+    if factor is not None:  # one factor for every token: a scale or a projection, never a missing renormalisation
+        detail += (f"; the probe reads every weight x {factor:.4g} (a projection after the mixture reads so: declare "
+                   "mixing=post_mixture_projection, or give LayerWeights(pre=, post=))")
     rec.check_le(f"{PREFIX}routing_weights", err, tol, detail,
                  evidence={"captured_weights": o.cap.weights, "reference_weights": o.ref.weights})
+    if factor is not None:
+        return (f"the probe reads every weight x {factor:.4g}, one factor for every token, so the sum of the k "
+                "weights measures that factor, not the renormalisation (routing_weights and output_vs_reference "
+                "judge the weights)")
     return ""
 
 
