@@ -324,3 +324,36 @@ class LatentFoldedExpertBug(LatentFolded):
         for e in m.experts:
             e[2].register_forward_hook(lambda _m, _i, out: out * 1.5)
         return m
+
+
+class InsideRouterRead(MoEAdapter):
+    """InsideWeight through an adapter that names no expert module (probe_targets returns []): the weights are
+    then read off the router through the declared semantics."""
+
+    mixing = "weight_inside_expert"
+
+    def build(self, sizes, seed):
+        torch.manual_seed(seed)
+        return InsideWeight(sizes.d_model, sizes.d_hidden, sizes.n_experts, sizes.top_k)
+
+    def forward(self, module, x):
+        return module(x)[0]
+
+    def semantics(self, sizes, seq):
+        return MoESemantics("softmax", normalize=True)
+
+    def probe_targets(self, module):
+        return []
+
+    def router_logits(self, module, x):
+        return module.router(x)
+
+    def reference_weights(self, module):
+        return ref.LayerWeights(_w(module.router.weight), [module.tfmoe_expert_ffn(i).to(torch.float64)
+                                                           for i in range(len(module.experts))],
+                                router_bias=_w(module.router.bias))
+
+
+class SharedMiscount(SeveralShared):
+    def semantics(self, sizes, seq):
+        return MoESemantics("softmax", normalize=True, shared_experts=1)

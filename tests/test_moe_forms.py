@@ -63,16 +63,22 @@ def test_a_weight_bug_in_each_mixing_form_is_caught_undeclared(impl):
 
 
 # --------------------------------------------------------------------------- the mixing forms, declared
-def test_weight_inside_expert_declared_reads_the_weights_off_the_router_and_says_so():
+def test_weight_inside_expert_declared_is_measured_inside_the_experts():
     rec = battery("mixing_moe:InsideWeightDeclared")
-    assert not failed(rec)
-    assert rows(rec)["routing_weights"].applicable and "read off the layer's own router" in \
-        rows(rec)["routing_weights"].detail
-    assert not_judged(rec)["topk_weights_sum"].startswith("not judged: the combine weights are read off the router")
+    assert not failed(rec) and not not_judged(rec)
+    assert "measured inside the experts" in rows(rec)["routing_weights"].detail
     assert any(n.startswith("declared: mixing = weight_inside_expert (tfmoe_mixing)") for n in rec.notes)
-    assert "output_vs_reference" in failed(battery("mixing_moe:InsideDeclaredNotRenormalised"))
+    bad = failed(battery("mixing_moe:InsideDeclaredNotRenormalised"))
+    assert {"output_vs_reference", "routing_weights", "topk_weights_sum"} <= bad
     # the same through the config
     assert not failed(battery("mixing_moe:InsideWeight", "layer.mixing=weight_inside_expert"))
+
+
+def test_weight_inside_expert_with_no_expert_module_is_read_off_the_router_and_says_so():
+    rec = battery("mixing_moe:InsideRouterRead")
+    assert not failed(rec)
+    assert "read off the layer's own router" in rows(rec)["routing_weights"].detail
+    assert not_judged(rec)["topk_weights_sum"].startswith("not judged: the combine weights are read off the router")
 
 
 def test_latent_moe_given_its_projections_has_its_weights_measured_along_them():
@@ -97,6 +103,11 @@ def test_experts_returning_out_and_bias_are_judged():
 def test_several_shared_experts_are_summed_and_one_dropped_is_caught():
     assert not failed(battery("mixing_moe:SeveralShared"))
     assert "output_vs_reference" in failed(battery("mixing_moe:SecondSharedDropped"))
+
+
+def test_shared_experts_declared_and_given_must_agree():
+    with pytest.raises(BadInput, match=r"shared_experts=1 but reference_weights gives 2 shared expert"):
+        battery("mixing_moe:SharedMiscount")
 
 
 def test_probe_targets_may_return_a_plain_list_and_a_wrong_type_is_bad_input_naming_the_hook():

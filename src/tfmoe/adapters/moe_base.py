@@ -181,6 +181,10 @@ class AdaptedLayer(LayerUnderTest):
             weights, zero_tol, rows = None, 0.0, None
         return out, Captured(weights, probs, logits, rows, zero_tol)
 
+    def expert_modules(self, module: nn.Module) -> list[nn.Module] | None:
+        targets, fill = probe_plan(self.adapter.probe_targets(module), self.label)
+        return targets if targets and fill is per_expert_fill and len(targets) == self.sizes.n_experts else None
+
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
         w = self.adapter.reference_weights(module)
         if not isinstance(w, ref.LayerWeights):
@@ -189,6 +193,11 @@ class AdaptedLayer(LayerUnderTest):
         w.experts = [reference_expert(ex, f"experts[{i}]", self.label) for i, ex in enumerate(w.experts)]
         if w.shared is not None:
             w.shared = [reference_expert(ex, f"shared[{i}]", self.label) for i, ex in enumerate(w.shared_list)]
+        declared, given = self.declared.shared_experts, len(w.shared_list)
+        if declared != given:
+            raise BadInput(f"impl={self.label}: semantics declare shared_experts={declared} but reference_weights gives "
+                           f"{given} shared expert(s): give LayerWeights(shared=[...]) one per shared expert, or "
+                           f"declare MoESemantics(shared_experts={given})")
         return w
 
     def alternatives(self) -> dict[str, ref.RoutingSemantics]:

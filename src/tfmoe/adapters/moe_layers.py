@@ -195,6 +195,48 @@ def probe_combine_weights(call: Callable[[torch.Tensor], torch.Tensor], x: torch
     return weights, zero_tol, rows
 
 
+def inside_weights(call: Callable[[torch.Tensor], Any], x: torch.Tensor, targets: list[nn.Module],
+                   experts: list[ref.Expert]) -> torch.Tensor | None:
+    """The combine weights of a layer that applies them inside its experts (before the last projection), measured
+    where they are applied: each expert module's output on the rows it received, y = w · (expert(rows) - b) + b, is
+    compared with the reference's unweighted expert on the same rows (float64, b its last bias), w = <y - b, z - b> /
+    |z - b|², and each row is matched to its token by value. Returns (N,E) float64, or None when no row matches a
+    token (the experts do not receive the token rows)."""
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def hook(i: int):
+        def capture(_m: nn.Module, inputs: Any, out: Any) -> None:
+            if inputs and isinstance(inputs[0], torch.Tensor):
+                seen.append((i, inputs[0].detach(), ref.expert_output(out).detach()))
+        return capture
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(targets)]
+    try:
+        call(x)
+    finally:
+        for h in handles:
+            h.remove()
+    d = x.shape[-1]
+    flat = x.reshape(-1, d)
+    token_of = {row.cpu().numpy().tobytes(): t for t, row in enumerate(flat)}
+    weights = torch.zeros(flat.shape[0], len(experts), dtype=torch.float64, device=x.device)
+    matched = 0
+    for i, rows, y in seen:
+        rows, y = rows.reshape(-1, d), y.reshape(-1, d)
+        if not rows.shape[0] or rows.dtype != x.dtype:
+            continue
+        bias = experts[i].last_bias
+        b = 0.0 if bias is None else bias.to(x.device, torch.float64)
+        z = experts[i](rows.double()) - b  # (n,D) unweighted, without the last bias
+        w = ((y.double() - b) * z).sum(dim=-1) / (z * z).sum(dim=-1).clamp_min(1e-300)  # (n,)
+        for r in range(rows.shape[0]):
+            t = token_of.get(rows[r].cpu().numpy().tobytes())
+            if t is not None:
+                weights[t, i] = w[r]
+                matched += 1
+    return weights if matched else None
+
+
 class LayerUnderTest:
     """Base: subclasses set the attributes below and implement build / run / reference_weights."""
 
@@ -231,6 +273,11 @@ class LayerUnderTest:
 
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
         raise NotImplementedError
+
+    def expert_modules(self, module: nn.Module) -> list[nn.Module] | None:
+        """The layer's expert modules, one per expert in order, each called on the token rows routed to it (None
+        where no such modules exist): where a weight applied inside the expert is measured."""
+        return None
 
     def aux_loss(self, module: nn.Module, captured: Captured) -> float | None:
         """The model's own load-balancing loss on the captured routing (None where it defines none)."""
@@ -447,6 +494,9 @@ class ToyInterfaceLayer(LayerUnderTest):
             weights, zero_tol, rows = None, 0.0, None
         return out, Captured(weights, probs.reshape(n, e), logits[-1].reshape(n, e) if logits else None, rows,
                              zero_tol)
+
+    def expert_modules(self, module: nn.Module) -> list[nn.Module] | None:
+        return list(module.experts)
 
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
         """The router's weights and every expert rebuilt from its weights (:func:`course_expert`)."""

@@ -45,6 +45,8 @@ from tfmoe.adapters.moe_layers import (
     LayerUnderTest,
     OwnLayer,
     ToyInterfaceLayer,
+    call_layer,
+    inside_weights,
 )
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
@@ -148,6 +150,12 @@ def observe(lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights, x
             sem: ref.RoutingSemantics | None = None) -> Observation:
     out, cap = lut.run(module, x)
     sem = sem or lut.semantics
+    if cap.weights is None and sem.weight_inside_expert:  # measured inside the experts, where they are applied
+        targets = lut.expert_modules(module)
+        inside = None if not targets else call_layer(inside_weights, lambda t: lut.forward(module, t), x, targets,
+                                                     weights.experts)
+        if inside is not None:
+            cap.weights, cap.zero_tol, cap.source = inside, 64 * _ulps(x.dtype), "inside"
     if cap.weights is None:  # no module returns one expert's weighted output: the router's, through the semantics
         cap.weights, cap.zero_tol, cap.source = router_weights(cap, sem, weights), 0.0, "router"
     ref_out, r = ref.forward(_flat(x).double(), sem, weights)
@@ -307,6 +315,8 @@ def check_routing(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: r
     where = {"router": "read off the layer's own router output through the declared semantics"
              + (f" (mixing = {mixing}: {MIXING[mixing]}; output_vs_reference judges the combine)" if mixing else
                 " (no module returns one expert's output; output_vs_reference judges the combine)"),
+             "inside": "measured inside the experts: each expert's output on the rows it received against the "
+                       "reference's unweighted expert on those rows (mixing = weight_inside_expert)",
              "probe": "measured by replacing each expert's output with a constant"
              + (" and reading the move along the declared projection after the mixture" if
                 lut.probe_direction is not None else "")}[o.cap.source]
