@@ -357,3 +357,24 @@ class InsideRouterRead(MoEAdapter):
 class SharedMiscount(SeveralShared):
     def semantics(self, sizes, seq):
         return MoESemantics("softmax", normalize=True, shared_experts=1)
+
+
+class BiasedScaledFFN(ScaledFFN):
+    def __init__(self, d: int, h: int):
+        super().__init__(d, h)
+        self.fc2 = nn.Linear(h, d)  # a last bias: down(w · h) + b is not w · (down(h) + b)
+
+
+class InsideWeightBiased(InsideWeight):
+    def __init__(self, d_model, hidden, n_experts, top_k_):
+        super().__init__(d_model, hidden, n_experts, top_k_)
+        self.experts = nn.ModuleList(BiasedScaledFFN(d_model, hidden) for _ in range(n_experts))
+
+    def tfmoe_expert_ffn(self, i):
+        e = self.experts[i]
+        return ref.MlpExpert(e.fc1.weight.detach(), e.fc2.weight.detach(), "gelu", e.fc1.bias.detach(),
+                             e.fc2.bias.detach())
+
+
+class InsideWeightBiasedDeclared(InsideWeightBiased):
+    tfmoe_mixing = "weight_inside_expert"

@@ -185,3 +185,14 @@ def test_an_expert_bug_in_an_undeclared_latent_moe_draws_no_renormalisation_caus
     assert not_judged(rec)["topk_weights_sum"].startswith("not judged: the probe reads every weight x")
     causes = " ".join(i.line() for i in diagnose("route-sim", checks_mapping(rec.checks_rows), rec.metrics_rows, {}))
     assert "not renormalised" not in causes
+
+
+def test_a_weight_inside_the_expert_before_a_last_bias_is_named_undeclared_and_passes_declared():
+    """down(w · h) + b is another function than w · (down(h) + b): undeclared, output_vs_reference fails and names
+    the reading that matches and its declaration; declared, every check passes."""
+    rec = battery("mixing_moe:InsideWeightBiased")
+    assert "output_vs_reference" in failed(rec)
+    assert rows(rec)["output_vs_reference"].detail.startswith("CAUSE: the layer matches the reference read with the "
+                                                               "weight inside the expert")
+    rec = battery("mixing_moe:InsideWeightBiasedDeclared")
+    assert not failed(rec) and "measured inside the experts" in rows(rec)["routing_weights"].detail

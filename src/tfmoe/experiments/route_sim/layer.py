@@ -244,6 +244,11 @@ def check_output(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: re
         elif limits:
             detail += ("; no lower expert precision explains it (" + ", ".join(
                 f"plain {LONG[n]} {plains[n]:.2g}, limit {limits[n]:.2g}" for n in limits) + ")")
+        inside = inside_reading(lut, o, weights, x)
+        if found is None and inside is not None and inside <= tol:  # the weight before the last bias, undeclared
+            detail = (f"CAUSE: the layer matches the reference read with the weight inside the expert, before its "
+                      f"last projection's bias (error {inside:.3g}, limit {tol:.3g}): declare it (layer.mixing="
+                      "weight_inside_expert, `mixing` on the adapter or `tfmoe_mixing` on the class); " + detail)
     if note:
         rec.note(f"precision: {note}")
         detail = f"{note}; " + detail
@@ -289,6 +294,15 @@ def common_factor(probe: torch.Tensor, want: torch.Tensor, tol: float) -> float 
     if abs(factor - 1.0) > tol and _max_abs(probe - factor * want) <= tol * max(1.0, abs(factor)):
         return factor
     return None
+
+
+def inside_reading(lut: LayerUnderTest, o: Observation, weights: ref.LayerWeights, x: torch.Tensor) -> float | None:
+    """The layer's error against the reference read with the weight applied inside the experts (before the last
+    projection's bias), where that reading differs from the declared one (some expert has a last bias); else None."""
+    if lut.semantics.weight_inside_expert or all(ex.last_bias is None for ex in weights.experts):
+        return None
+    alt = ref.combine(x.double(), o.ref.weights, lut.semantics.variant(weight_inside_expert=True), weights)
+    return _max_abs((_flat(o.out).double() - alt)[o.clear])
 
 
 def check_routing(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: ref.LayerWeights,
