@@ -9,10 +9,14 @@ of :mod:`tfmoe.components.moe_reference` does that from the declared semantics):
 3. ``router_probs(module, x)``: the layer's full router distribution (N, E) where it exposes one (else None);
    ``router_logits(module, x)`` likewise.
 4. the combine weights (N, E) it applies: by default *measured* (:func:`~tfmoe.adapters.moe_layers.
-   probe_combine_weights`) on the modules ``probe_targets(module)`` names (each expert, or one module computing
-   every expert with experts on dim 0). The **selection** is always derived from them: a token's experts are
-   those with a nonzero weight (beyond the measurement's rounding), never which rows reached an expert, so a
-   dense layer, a straight-through dispatch or padded capacity buffers read the same as a sparse gather.
+   probe_combine_weights`) on the modules ``probe_targets(module)`` names (a list, one per expert; or (modules,
+   filler), e.g. one module computing every expert with experts on dim 0; or [] when no module returns one
+   expert's output: the weights are then read off the router through the semantics). Where the layer applies
+   them elsewhere (``mixing``: ``weight_inside_expert``, ``post_mixture_projection``) they are measured there, or
+   the undeclared form is detected and named by the battery. The **selection** is always derived from them: a
+   token's experts are those with a nonzero weight (beyond the measurement's rounding), never which rows reached an
+   expert, so a dense layer, a straight-through dispatch or padded capacity buffers read the same as a sparse
+   gather.
 5. ``semantics(sizes, seq)``: the declared :class:`MoESemantics` (softmax before or after top-k, renormalised
    or not, capacity or dropless, shared experts, score function), read from the library's docs and source.
 6. ``reference_weights(module)``: the layer's weights in float64 as a :class:`~tfmoe.components.moe_reference.
@@ -24,8 +28,10 @@ Optional declarations (read by :func:`tfmoe.capabilities.declared`, with the con
 cannot run: lacking both, with that reason), ``router_dtype`` (the precision the layer computes its combine weights
 in, None = the run's dtype), ``expert_dtype`` (the precision its experts compute in: the output is judged against
 the plain mixture with experts in that dtype; undeclared, a lower precision is detected and named), and
-``notes(module)``. ``reference_weights`` rebuilds every expert from its weights (``MlpExpert``, ``GluExpert``,
-``ChunkedGluExpert``): the reference never runs the layer's expert modules.
+``mixing``, and ``notes(module)``. ``reference_weights`` rebuilds every expert from its weights (``MlpExpert``,
+``GluExpert``, ``ChunkedGluExpert``): the reference never runs the layer's expert modules, except one given as its
+``nn.Module``, run as a black box (then ``layer.expert_internals`` is not judged). docs/checking-your-own-layers.md,
+"The MoE adapter protocol", has every shape and return type.
 """
 
 from __future__ import annotations
