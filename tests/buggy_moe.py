@@ -197,7 +197,7 @@ class GatedFFN(nn.Module):
 
 
 class OwnExpertLayoutUndeclared(OwnExpertLayout):
-    """Bad input: experts in a layout the battery cannot read, and no ``tfmoe_expert_ffn``."""
+    """Experts in a layout the reference cannot rebuild, and no ``tfmoe_expert_ffn``: run as black boxes."""
 
     tfmoe_expert_ffn = None
 

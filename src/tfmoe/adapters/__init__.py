@@ -88,7 +88,7 @@ def load_layer(impl: str | None, sizes: LayerSizes, seq: int = 12) -> LayerUnder
     a shipped :class:`~tfmoe.adapters.moe_base.MoEAdapter`, pkg.module:Adapter = a user's MoEAdapter (class or
     instance), else pkg.module:Class in the course's ToyMoE interface (BadInput, one line, for anything unusable).
     ``seq`` is the tokens per sequence (a declared capacity counts per sequence)."""
-    from tfmoe.adapters.moe_base import AdaptedLayer, MoEAdapter
+    from tfmoe.adapters.moe_base import AdaptedLayer
     from tfmoe.adapters.moe_layers import OwnLayer, ToyInterfaceLayer
 
     if impl is None:
@@ -120,4 +120,10 @@ def load_layer(impl: str | None, sizes: LayerSizes, seq: int = 12) -> LayerUnder
     return ToyInterfaceLayer(impl, sizes)
 
 
-__all__ = ["AttentionAdapter", "ContractError", "Projections", "Rope", "copy_linear", "seeded", "load_adapter", "load_layer", "BUILTIN"]
+__all__ = ["AttentionAdapter", "ContractError", "Projections", "Rope", "copy_linear", "seeded", "load_adapter", "load_layer", "BUILTIN",
+           "MoEAdapter", "MoESemantics", "LayerSizes", "per_expert_fill", "stacked_fill"]
+
+
+# the MoE adapter protocol's public names (docs/checking-your-own-layers.md, "The MoE adapter protocol")
+from tfmoe.adapters.moe_base import MoEAdapter, MoESemantics  # noqa: E402
+from tfmoe.adapters.moe_layers import LayerSizes, per_expert_fill, stacked_fill  # noqa: E402

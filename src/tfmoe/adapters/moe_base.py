@@ -9,10 +9,14 @@ of :mod:`tfmoe.components.moe_reference` does that from the declared semantics):
 3. ``router_probs(module, x)``: the layer's full router distribution (N, E) where it exposes one (else None);
    ``router_logits(module, x)`` likewise.
 4. the combine weights (N, E) it applies: by default *measured* (:func:`~tfmoe.adapters.moe_layers.
-   probe_combine_weights`) on the modules ``probe_targets(module)`` names (each expert, or one module computing
-   every expert with experts on dim 0). The **selection** is always derived from them: a token's experts are
-   those with a nonzero weight (beyond the measurement's rounding), never which rows reached an expert, so a
-   dense layer, a straight-through dispatch or padded capacity buffers read the same as a sparse gather.
+   probe_combine_weights`) on the modules ``probe_targets(module)`` names (a list, one per expert; or (modules,
+   filler), e.g. one module computing every expert with experts on dim 0; or [] when no module returns one
+   expert's output: the weights are then read off the router through the semantics). Where the layer applies
+   them elsewhere (``mixing``: ``weight_inside_expert``, ``post_mixture_projection``) they are measured there, or
+   the undeclared form is detected and named by the battery. The **selection** is always derived from them: a
+   token's experts are those with a nonzero weight (beyond the measurement's rounding), never which rows reached an
+   expert, so a dense layer, a straight-through dispatch or padded capacity buffers read the same as a sparse
+   gather.
 5. ``semantics(sizes, seq)``: the declared :class:`MoESemantics` (softmax before or after top-k, renormalised
    or not, capacity or dropless, shared experts, score function), read from the library's docs and source.
 6. ``reference_weights(module)``: the layer's weights in float64 as a :class:`~tfmoe.components.moe_reference.
@@ -24,8 +28,10 @@ Optional declarations (read by :func:`tfmoe.capabilities.declared`, with the con
 cannot run: lacking both, with that reason), ``router_dtype`` (the precision the layer computes its combine weights
 in, None = the run's dtype), ``expert_dtype`` (the precision its experts compute in: the output is judged against
 the plain mixture with experts in that dtype; undeclared, a lower precision is detected and named), and
-``notes(module)``. ``reference_weights`` rebuilds every expert from its weights (``MlpExpert``, ``GluExpert``,
-``ChunkedGluExpert``): the reference never runs the layer's expert modules.
+``mixing``, and ``notes(module)``. ``reference_weights`` rebuilds every expert from its weights (``MlpExpert``,
+``GluExpert``, ``ChunkedGluExpert``): the reference never runs the layer's expert modules, except one given as its
+``nn.Module``, run as a black box (then ``layer.expert_internals`` is not judged). docs/checking-your-own-layers.md,
+"The MoE adapter protocol", has every shape and return type.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from tfmoe.adapters.moe_layers import (
     call_layer,
     per_expert_fill,
     probe_combine_weights,
+    probe_plan,
+    reference_expert,
 )
 from tfmoe.components import moe_reference as ref
 from tfmoe.errors import BadInput
@@ -86,6 +94,7 @@ class MoEAdapter(ABC):
     lacks: tuple[str, ...] = ()
     router_dtype: torch.dtype | str | None = None
     expert_dtype: torch.dtype | str | None = None
+    mixing: str | None = None  # None = the weight multiplies each expert's output; or a MIXING form
 
     @abstractmethod
     def build(self, sizes: LayerSizes, seed: int) -> nn.Module: ...
@@ -99,9 +108,11 @@ class MoEAdapter(ABC):
     @abstractmethod
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights: ...
 
-    def probe_targets(self, module: nn.Module) -> tuple[list[nn.Module], Filler]:
-        """The modules whose outputs are the experts' (each expert: ``per_expert_fill``; one module for all,
-        experts on dim 0: ``stacked_fill``). Default: ``module.experts`` as a list of experts."""
+    def probe_targets(self, module: nn.Module) -> list[nn.Module] | tuple[list[nn.Module], Filler]:
+        """The modules whose outputs are the experts' outputs: a list, one per expert in expert order; or
+        ``(modules, filler)`` (one module for all, experts on dim 0: ``stacked_fill``); or ``[]`` when no module
+        returns one expert's output (the weights are then read off ``router_logits`` / ``router_probs`` through the
+        declared semantics). Default: ``module.experts``."""
         experts = getattr(module, "experts", None)
         if not isinstance(experts, (nn.ModuleList, list, tuple)):
             raise BadInput(f"impl={self.spec}: the adapter names no expert modules: override probe_targets(module)")
@@ -146,18 +157,54 @@ class AdaptedLayer(LayerUnderTest):
                            f"{tuple(x.shape)}: it must return the layer's output shaped like x")
         return out
 
+    def _router_output(self, name: str, module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        n, e = x.numel() // x.shape[-1], self.sizes.n_experts
+        t = call_layer(getattr(self.adapter, name), module, x)
+        if t is None:
+            return None
+        if not isinstance(t, torch.Tensor) or t.numel() != n * e:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise BadInput(f"impl={self.label}: the adapter's {name}(module, x) returned {got} for x {tuple(x.shape)}: "
+                           f"return a tensor of (tokens, n_experts) = ({n}, {e}) (any leading shape), or None")
+        return t.reshape(n, e)
+
     def run(self, module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Captured]:
         out = self.forward(module, x)
-        n, e = x.numel() // x.shape[-1], self.sizes.n_experts
-        targets, fill = self.adapter.probe_targets(module)
-        weights, zero_tol, rows = probe_combine_weights(lambda t: self.forward(module, t), x, targets, e, fill)
-        probs = call_layer(self.adapter.router_probs, module, x)
-        logits = call_layer(self.adapter.router_logits, module, x)
-        return out, Captured(weights, None if probs is None else probs.reshape(n, e),
-                             None if logits is None else logits.reshape(n, e), rows, zero_tol)
+        e = self.sizes.n_experts
+        targets, fill = probe_plan(self.adapter.probe_targets(module), self.label)
+        probs = self._router_output("router_probs", module, x)
+        logits = self._router_output("router_logits", module, x)
+        if targets and self.probe_experts:
+            weights, zero_tol, rows = probe_combine_weights(lambda t: self.forward(module, t), x, targets, e, fill,
+                                                            self.probe_direction)
+        else:  # read off the router by the battery, through the declared semantics
+            if probs is None and logits is None:
+                why = ("probe_targets(module) returned no module" if not targets else
+                       "the layer declares its weights applied inside the experts (mixing = weight_inside_expert)")
+                raise BadInput(f"impl={self.label}: {why}, so the combine weights are read off the router, but the "
+                               "adapter gives neither router_logits(module, x) nor router_probs(module, x): "
+                               "implement one (a tensor (tokens, n_experts))")
+            weights, zero_tol, rows = None, 0.0, None
+        return out, Captured(weights, probs, logits, rows, zero_tol)
+
+    def expert_modules(self, module: nn.Module) -> list[nn.Module] | None:
+        targets, fill = probe_plan(self.adapter.probe_targets(module), self.label)
+        return targets if targets and fill is per_expert_fill and len(targets) == self.sizes.n_experts else None
 
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
-        return self.adapter.reference_weights(module)
+        w = self.adapter.reference_weights(module)
+        if not isinstance(w, ref.LayerWeights):
+            raise BadInput(f"impl={self.label}: reference_weights(module) returned {type(w).__name__}: return a "
+                           "tfmoe.components.moe_reference.LayerWeights")
+        w.experts = [reference_expert(ex, f"experts[{i}]", self.label) for i, ex in enumerate(w.experts)]
+        if w.shared is not None:
+            w.shared = [reference_expert(ex, f"shared[{i}]", self.label) for i, ex in enumerate(w.shared_list)]
+        declared, given = self.declared.shared_experts, len(w.shared_list)
+        if declared != given:
+            raise BadInput(f"impl={self.label}: semantics declare shared_experts={declared} but reference_weights gives "
+                           f"{given} shared expert(s): give LayerWeights(shared=[...]) one per shared expert, or "
+                           f"declare MoESemantics(shared_experts={given})")
+        return w
 
     def alternatives(self) -> dict[str, ref.RoutingSemantics]:
         sem = self.semantics

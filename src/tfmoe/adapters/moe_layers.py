@@ -53,6 +53,8 @@ class Captured:
     logits: torch.Tensor | None = None  # (N,E) router logits, where the router exposes them
     expert_rows: int | None = None  # rows the experts ran on in the forward (N*E: dense dispatch), where hooks see it
     zero_tol: torch.Tensor | float = 0.0  # (N,1) or scalar: |weight| <= this counts as not selected
+    source: str = "probe"  # "probe": measured at the experts' outputs; "router": the router's output through the
+    #                        declared semantics (set by the battery where no module returns one expert's output)
 
     @property
     def selected(self) -> torch.Tensor:
@@ -100,10 +102,12 @@ def dense_from_topk(idx: torch.Tensor, weight: torch.Tensor, n_experts: int) -> 
 
 
 Filler = Callable[[int, torch.Tensor, "int | None", float], torch.Tensor]
+"""``fill(target, out, probe, c) -> tensor shaped like out``: what probe target number ``target`` returns instead of
+its output ``out`` while expert ``probe`` (None: the base pass) is probed with the constant ``c``."""
 
 
 def per_expert_fill(target: int, y: torch.Tensor, probe: int | None, c: float) -> torch.Tensor:
-    """Targets are the experts themselves: the probed one returns c everywhere, every other one 0."""
+    """Targets are the experts themselves, in expert order: the probed one returns c everywhere, every other one 0."""
     return torch.full_like(y, c) if target == probe else torch.zeros_like(y)
 
 
@@ -115,21 +119,53 @@ def stacked_fill(target: int, y: torch.Tensor, probe: int | None, c: float) -> t
     return z
 
 
+PROBE_HOOK = ("probe_targets(module) must return a list of modules whose outputs are the experts' outputs, in "
+              "expert order (each is then replaced by a constant or 0), or (modules, filler) with filler "
+              "tfmoe.adapters.stacked_fill (one module computing every expert, experts on dim 0) or "
+              "per_expert_fill, or [] when no module returns one expert's output (the weights are then derived from "
+              "router_logits / router_probs)")
+
+
+def probe_plan(targets: object, label: str) -> tuple[list[nn.Module], Filler]:
+    """An adapter's ``probe_targets`` answer as (modules, filler); a wrong type is bad input naming the hook."""
+    filler: object = per_expert_fill
+    if isinstance(targets, tuple) and len(targets) == 2 and callable(targets[1]) \
+            and isinstance(targets[0], (list, tuple, nn.ModuleList)):
+        targets, filler = targets
+    if isinstance(targets, nn.Module) and not isinstance(targets, nn.ModuleList):
+        targets = [targets]
+    if not isinstance(targets, (list, tuple, nn.ModuleList)) or not all(isinstance(m, nn.Module) for m in targets):
+        raise BadInput(f"impl={label}: probe_targets(module) returned {type(targets).__name__}"
+                       f"{'' if not isinstance(targets, (list, tuple)) else ' of ' + ', '.join(sorted({type(m).__name__ for m in targets}))}"
+                       f": {PROBE_HOOK}")
+    return list(targets), filler  # type: ignore[return-value]
+
+
 def probe_combine_weights(call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, targets: list[nn.Module],
-                          n_experts: int, fill: Filler = per_expert_fill) -> tuple[torch.Tensor, torch.Tensor, int]:
+                          n_experts: int, fill: Filler = per_expert_fill, direction: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The combine weights a layer applies, measured: with every expert's output replaced by 0 (the base pass),
-    then, expert by expert, that expert's by a constant c, out_t moves by w_te * c (a combine is linear in the
-    experts' outputs, however it dispatches: sparse, dense with zero gates, straight-through x*((1+c)-c)).
+    then, expert by expert, that expert's by a constant c, out_t moves by w_te * c * u (a combine is linear in the
+    experts' outputs, however it dispatches: sparse, dense with zero gates, straight-through x*((1+c)-c)); u is
+    ``direction`` (D,), where a constant expert output lands in the layer's output: all ones, or post @ 1 for a
+    latent MoE that projects the mixture back (weights = <move, u> / (c |u|^2)). An expert returning a tuple
+    ``(out, bias)`` has out replaced and every other tensor zeroed.
 
     Returns (weights (N,E) float64, zero_tol (N,1): the rounding of the base a zero weight can show, rows the
     experts ran on in the base pass)."""
     state: dict[str, Any] = {"probe": None, "c": 0.0, "rows": 0}
 
     def hook(target: int):
-        def replace(_m: nn.Module, _i: Any, out: Any) -> torch.Tensor:
+        def replace(_m: nn.Module, _i: Any, out: Any) -> Any:
+            if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+                first = replace(_m, _i, out[0])
+                return (first, *(torch.zeros_like(t) if isinstance(t, torch.Tensor) else t for t in out[1:]))
             if not isinstance(out, torch.Tensor):
-                raise BadInput(f"an expert returned {type(out).__name__}, not a tensor: the combine weights are "
-                               "measured by replacing each expert's output")
+                raise BadInput(f"an expert returned {type(out).__name__}, not a tensor nor a tuple (out, bias): the "
+                               "combine weights are measured by replacing each expert's output")
+            if fill is stacked_fill and (out.dim() < 2 or out.shape[0] != n_experts):
+                raise BadInput(f"probe_targets: the module given with stacked_fill returned shape {tuple(out.shape)}, "
+                               f"not ({n_experts}, ..., D) with the experts on dim 0: {PROBE_HOOK}")
             state["rows"] += out.numel() // out.shape[-1] if out.dim() else 0
             return fill(target, out, state["probe"], state["c"])
         return replace
@@ -143,16 +179,62 @@ def probe_combine_weights(call: Callable[[torch.Tensor], torch.Tensor], x: torch
             cap = torch.finfo(x.dtype).max / (64 * max(n_experts, 1)) if x.dtype.is_floating_point else 1024.0
             state["c"] = c = 2.0 ** math.floor(math.log2(min(1024.0 * scale, cap)))
             weights = torch.zeros(base.shape[0], n_experts, dtype=torch.float64, device=x.device)
+            u = torch.ones(base.shape[-1], dtype=torch.float64, device=x.device) if direction is None \
+                else direction.to(x.device, torch.float64)
             for e in range(n_experts):
                 state["probe"] = e
-                moved = call(x).reshape(base.shape).double() - base.double()  # (N,D) = w_te * c
-                weights[:, e] = moved.mean(dim=-1) / c
+                moved = call(x).reshape(base.shape).double() - base.double()  # (N,D) = w_te * c * u
+                weights[:, e] = (moved @ u) / (c * float(u @ u))
     finally:
         for h in handles:
             h.remove()
     eps = torch.finfo(x.dtype).eps if x.dtype.is_floating_point else 0.0
     zero_tol = 8 * eps * base.double().abs().amax(dim=-1, keepdim=True) / c  # (N,1)
+    if direction is not None:  # a move along u reads |u|_1/|u|^2 times larger per unit of base rounding
+        zero_tol = zero_tol * float(u.abs().sum()) / float(u @ u)
     return weights, zero_tol, rows
+
+
+def inside_weights(call: Callable[[torch.Tensor], Any], x: torch.Tensor, targets: list[nn.Module],
+                   experts: list[ref.Expert]) -> torch.Tensor | None:
+    """The combine weights of a layer that applies them inside its experts (before the last projection), measured
+    where they are applied: each expert module's output on the rows it received, y = w · (expert(rows) - b) + b, is
+    compared with the reference's unweighted expert on the same rows (float64, b its last bias), w = <y - b, z - b> /
+    |z - b|², and each row is matched to its token by value. Returns (N,E) float64, or None when no row matches a
+    token (the experts do not receive the token rows)."""
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def hook(i: int):
+        def capture(_m: nn.Module, inputs: Any, out: Any) -> None:
+            if inputs and isinstance(inputs[0], torch.Tensor):
+                seen.append((i, inputs[0].detach(), ref.expert_output(out).detach()))
+        return capture
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(targets)]
+    try:
+        call(x)
+    finally:
+        for h in handles:
+            h.remove()
+    d = x.shape[-1]
+    flat = x.reshape(-1, d)
+    token_of = {row.cpu().numpy().tobytes(): t for t, row in enumerate(flat)}
+    weights = torch.zeros(flat.shape[0], len(experts), dtype=torch.float64, device=x.device)
+    matched = 0
+    for i, rows, y in seen:
+        rows, y = rows.reshape(-1, d), y.reshape(-1, d)
+        if not rows.shape[0] or rows.dtype != x.dtype:
+            continue
+        bias = experts[i].last_bias
+        b = 0.0 if bias is None else bias.to(x.device, torch.float64)
+        z = experts[i](rows.double()) - b  # (n,D) unweighted, without the last bias
+        w = ((y.double() - b) * z).sum(dim=-1) / (z * z).sum(dim=-1).clamp_min(1e-300)  # (n,)
+        for r in range(rows.shape[0]):
+            t = token_of.get(rows[r].cpu().numpy().tobytes())
+            if t is not None:
+                weights[t, i] = w[r]
+                matched += 1
+    return weights if matched else None
 
 
 class LayerUnderTest:
@@ -168,6 +250,8 @@ class LayerUnderTest:
     # whatever the run's dtype); None = the run's dtype (the course's listing)
     router_precision: torch.dtype | None = torch.float32
     logits_in_fp32: bool = True  # router logits computed in fp32 (the package, DeepSeek-V3) or in the run's dtype
+    probe_direction: torch.Tensor | None = None  # (D,) where a constant expert output lands (latent MoE: post @ 1)
+    probe_experts: bool = True  # False: read the combine weights off the router (weight_inside_expert declared)
 
     @property
     def declaring(self) -> tuple[object, ...]:
@@ -189,6 +273,11 @@ class LayerUnderTest:
 
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
         raise NotImplementedError
+
+    def expert_modules(self, module: nn.Module) -> list[nn.Module] | None:
+        """The layer's expert modules, one per expert in order, each called on the token rows routed to it (None
+        where no such modules exist): where a weight applied inside the expert is measured."""
+        return None
 
     def aux_loss(self, module: nn.Module, captured: Captured) -> float | None:
         """The model's own load-balancing loss on the captured routing (None where it defines none)."""
@@ -294,7 +383,8 @@ def course_expert(module: nn.Module, index: int, label: str) -> ref.Expert:
     The course's layout, :data:`EXPERT_LAYOUT` (nn.Dropout / nn.Identity between are skipped: identities in eval),
     is read from the module's children; any other expert is read through the layer's ``tfmoe_expert_ffn(i)``,
     which returns that expert's FFN as weights (``tfmoe.components.moe_reference.MlpExpert``, ``GluExpert`` or
-    ``ChunkedGluExpert``). Else BadInput naming both ways."""
+    ``ChunkedGluExpert``); without the hook it is run as a black box (:class:`~tfmoe.components.moe_reference.
+    OpaqueExpert`: every other check still judges, ``layer.expert_internals`` is not judged, naming the hook)."""
     hook = getattr(module, EXPERT_HOOK, None)
     if callable(hook):
         expert = hook(index)
@@ -310,10 +400,21 @@ def course_expert(module: nn.Module, index: int, label: str) -> ref.Expert:
             and type(parts[1]) in ACTIVATION_MODULES:
         (w1, b1), (w2, b2) = _linear64(parts[0]), _linear64(parts[2])
         return ref.MlpExpert(w1, w2, ACTIVATION_MODULES[type(parts[1])](parts[1]), b1, b2)
-    raise BadInput(f"impl {label}: experts[{index}] is {type(ex).__name__}, not the course's {EXPERT_LAYOUT}: the "
-                   f"reference rebuilds each expert from its weights; write the expert so, or give the class a "
-                   f"method {EXPERT_HOOK}(self, i) returning expert i's weights as a tfmoe.components.moe_reference."
-                   "MlpExpert / GluExpert / ChunkedGluExpert")
+    return ref.OpaqueExpert(ex, f"experts[{index}] ({type(ex).__name__})")
+
+
+def reference_expert(ex: object, where: str, label: str) -> ref.Expert:
+    """One expert of an adapter's ``reference_weights`` in float64: a rebuilt FFN (MlpExpert, GluExpert,
+    ChunkedGluExpert) as is, an nn.Module as a black box; anything else is bad input naming the hook."""
+    if isinstance(ex, ref.REBUILT):
+        return ex.to(torch.float64)
+    if isinstance(ex, ref.OpaqueExpert):
+        return ex
+    if isinstance(ex, nn.Module):
+        return ref.OpaqueExpert(ex, f"{where} ({type(ex).__name__})")
+    raise BadInput(f"impl={label}: reference_weights(module) gave {where} as {type(ex).__name__}: give each expert "
+                   "as a tfmoe.components.moe_reference.MlpExpert / GluExpert / ChunkedGluExpert (rebuilt from its "
+                   "weights), or its nn.Module (run as a black box: a bug inside it is then not judged)")
 
 
 class ToyInterfaceLayer(LayerUnderTest):
@@ -386,9 +487,16 @@ class ToyInterfaceLayer(LayerUnderTest):
         finally:
             handle.remove()
         n, e = x.numel() // x.shape[-1], self.sizes.n_experts
-        weights, zero_tol, rows = probe_combine_weights(lambda t: self._call(module, t)[0], x, list(module.experts), e)
+        if self.probe_experts:
+            weights, zero_tol, rows = probe_combine_weights(lambda t: self._call(module, t)[0], x,
+                                                            list(module.experts), e, direction=self.probe_direction)
+        else:
+            weights, zero_tol, rows = None, 0.0, None
         return out, Captured(weights, probs.reshape(n, e), logits[-1].reshape(n, e) if logits else None, rows,
                              zero_tol)
+
+    def expert_modules(self, module: nn.Module) -> list[nn.Module] | None:
+        return list(module.experts)
 
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
         """The router's weights and every expert rebuilt from its weights (:func:`course_expert`)."""

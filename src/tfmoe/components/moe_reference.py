@@ -15,11 +15,16 @@ computes, densely, for every token:
   capacity (GShard / Switch, where the design declares one): within each group of ``capacity_group``
            consecutive tokens, every token's 1st choice in token order, then every 2nd choice, ...; an
            assignment past its expert's ``capacity`` is dropped (weight 0, the others not renormalised)
-  out    = sum_e weight_e * expert_e(x)  (+ [sigmoid(x g)] * shared(x))  (+ x for a residual layer)
+  out    = sum_e weight_e * expert_e(x)  (+ [sigmoid(x g)] * sum of the shared experts(x))  (+ x if residual)
+  mixing forms: a weight applied inside the expert before its last projection (``weight_inside_expert``) scales
+           everything but that projection's bias; a latent MoE (``LayerWeights.pre`` / ``post``) runs its experts
+           on x preᵀ and projects the weighted mixture back with postᵀ (+ post_bias)
 
 Selection uses a descending sort, not topk, and every expert runs on every token (no dispatch). Every expert
 (routed and shared) is rebuilt from its weights (:class:`MlpExpert`, :class:`GluExpert`, :class:`ChunkedGluExpert`,
-with the activation its layer documents): the layer's own expert modules never run here.
+with the activation its layer documents): the layer's own expert modules never run here, except an expert no
+layout describes, run as a black box (:class:`OpaqueExpert`: its module with float64 copies of its parameters; a
+bug inside it is then not judged, and the battery says so).
 
 The course case's bookkeeping is recomputed here too, without the package's statistics: loads, CV and MaxVio and
 the Switch aux loss in numpy float64 from saved assignments (:func:`recompute_cv_maxvio`,
@@ -35,7 +40,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from torch.func import functional_call
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class RoutingSemantics:
     norm_eps: float = 0.0  # renormalisation divides by (sum + norm_eps) (tensor2tensor-style gates: 1e-9)
     capacity: int | None = None  # assignments each expert takes per group; None = dropless
     capacity_group: int | None = None  # tokens per capacity group (consecutive; None = all tokens)
+    weight_inside_expert: bool = False  # the weight scales the hidden activation before the expert's last projection
 
     def variant(self, **changes: object) -> RoutingSemantics:
         return replace(self, **changes)
@@ -85,6 +93,10 @@ class GluExpert:
     def to(self, dtype: torch.dtype) -> GluExpert:
         return GluExpert(self.gate.to(dtype), self.up.to(dtype), self.down.to(dtype), self.act)
 
+    @property
+    def last_bias(self) -> torch.Tensor | None:
+        return None
+
 
 @dataclass
 class MlpExpert:
@@ -102,6 +114,10 @@ class MlpExpert:
 
     def to(self, dtype: torch.dtype) -> MlpExpert:
         return MlpExpert(self.w1.to(dtype), self.w2.to(dtype), self.act, _to(self.b1, dtype), _to(self.b2, dtype))
+
+    @property
+    def last_bias(self) -> torch.Tensor | None:
+        return self.b2
 
 
 @dataclass
@@ -127,10 +143,49 @@ class ChunkedGluExpert:
         return ChunkedGluExpert(self.w_in.to(dtype), self.w_down.to(dtype), self.act, _to(self.b_in, dtype),
                                 _to(self.mult, dtype), _to(self.b_down, dtype))
 
+    @property
+    def last_bias(self) -> torch.Tensor | None:
+        return self.b_down
+
+
+def expert_output(out: object) -> torch.Tensor:
+    """An expert's output as one tensor: a tensor as is; a tuple ``(out, bias)`` (Megatron-style experts that return
+    their last bias apart) as ``out + bias`` (a None bias skipped)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        rest = [t for t in out[1:] if t is not None]
+        if all(isinstance(t, torch.Tensor) for t in rest) and len(rest) <= 1:
+            return out[0] + rest[0] if rest else out[0]
+    raise TypeError(f"an expert returned {type(out).__name__}: expected a tensor or a tuple (out, bias)")
+
+
+class OpaqueExpert:
+    """An expert no documented layout describes, run as a black box: its own module, called through
+    ``torch.func.functional_call`` with its parameters and buffers cast to the input's dtype (float64 for the
+    reference), so the module itself is never copied nor changed. A bug inside it is not judged (the battery says
+    so); the routing, weights and combine around it are."""
+
+    opaque = True
+    last_bias = None
+
+    def __init__(self, module: nn.Module, name: str = ""):
+        self.module, self.name = module, name or type(module).__name__
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        state = {k: (v.to(x.dtype) if v.is_floating_point() else v)
+                 for k, v in [*self.module.named_parameters(), *self.module.named_buffers()]}
+        with torch.no_grad():
+            return expert_output(functional_call(self.module, state, (x,))).to(x.dtype)
+
+    def to(self, dtype: torch.dtype) -> OpaqueExpert:
+        return self
+
 
 # Every expert is rebuilt from its weights: the reference never runs the layer's own expert modules, so a bug
 # inside an expert's code (its activation, a scale, a dropped bias) shows in layer.output_vs_reference.
-Expert = GluExpert | MlpExpert | ChunkedGluExpert
+Expert = GluExpert | MlpExpert | ChunkedGluExpert | OpaqueExpert
+REBUILT = (GluExpert, MlpExpert, ChunkedGluExpert)
 
 
 @dataclass
@@ -141,14 +196,29 @@ class LayerWeights:
     experts: list[Expert]
     router_bias: torch.Tensor | None = None  # (E,)
     correction_bias: torch.Tensor | None = None  # (E,) selection-only bias (DeepSeek-V3)
-    shared: Expert | None = None  # shared expert(s), summed into every token's output
-    shared_gate: torch.Tensor | None = None  # (1,D): shared output scaled by sigmoid(x g^T) (Qwen2-MoE)
+    shared: Expert | list[Expert] | None = None  # shared expert(s), each added to every token's output
+    shared_gate: torch.Tensor | None = None  # (1,D): the shared experts' sum scaled by sigmoid(x g^T) (Qwen2-MoE)
+    pre: torch.Tensor | None = None  # (r,D) latent MoE: the experts run on x pre^T (bias-free)
+    post: torch.Tensor | None = None  # (D,r) latent MoE: the weighted mixture projected back, mixture post^T ...
+    post_bias: torch.Tensor | None = None  # (D,) ... + post_bias
+
+    @property
+    def shared_list(self) -> list[Expert]:
+        return [] if self.shared is None else list(self.shared) if isinstance(self.shared, (list, tuple)) \
+            else [self.shared]
+
+    @property
+    def opaque(self) -> list[int]:
+        """Indices of the routed experts run as black boxes (then shared ones, numbered after them)."""
+        return [i for i, ex in enumerate([*self.experts, *self.shared_list]) if isinstance(ex, OpaqueExpert)]
 
     def to(self, dtype: torch.dtype) -> LayerWeights:
         """The same weights in ``dtype`` (the plain same-dtype baseline of the tolerance rule)."""
+        shared = None if self.shared is None else [ex.to(dtype) for ex in self.shared_list]
         return LayerWeights(self.router.to(dtype), [ex.to(dtype) for ex in self.experts],
-                            _to(self.router_bias, dtype), _to(self.correction_bias, dtype),
-                            None if self.shared is None else self.shared.to(dtype), _to(self.shared_gate, dtype))
+                            _to(self.router_bias, dtype), _to(self.correction_bias, dtype), shared,
+                            _to(self.shared_gate, dtype), _to(self.pre, dtype), _to(self.post, dtype),
+                            _to(self.post_bias, dtype))
 
 
 @dataclass
@@ -170,6 +240,12 @@ def route(x: torch.Tensor, sem: RoutingSemantics, w: LayerWeights) -> ReferenceR
     logits = x @ w.router.T  # (N,E)
     if w.router_bias is not None:
         logits = logits + w.router_bias
+    return route_logits(logits, sem, w)
+
+
+def route_logits(logits: torch.Tensor, sem: RoutingSemantics, w: LayerWeights) -> ReferenceRouting:
+    """Router logits (N,E) -> the design's routing decision (the scores, top-k, weights and capacity of
+    :func:`route`); with the layer's own captured logits, the combine weights its documented semantics give."""
     if sem.score_func == "softmax":
         shifted = logits - logits.max(dim=-1, keepdim=True).values
         scores = shifted.exp() / shifted.exp().sum(dim=-1, keepdim=True)
@@ -181,7 +257,7 @@ def route(x: torch.Tensor, sem: RoutingSemantics, w: LayerWeights) -> ReferenceR
     choice = scores
     if w.correction_bias is not None and sem.use_correction_bias:
         choice = scores + w.correction_bias
-    margin = torch.full((n,), float("inf"), dtype=x.dtype, device=x.device)
+    margin = torch.full((n,), float("inf"), dtype=logits.dtype, device=logits.device)
     eligible = torch.ones_like(scores, dtype=torch.bool)
     if sem.n_group > 1:
         per_group, _ = _descending(choice.view(n, sem.n_group, e // sem.n_group))
@@ -234,16 +310,26 @@ def combine(x: torch.Tensor, weights: torch.Tensor, sem: RoutingSemantics, w: La
     ``expert_dtype`` every expert (routed and shared) computes in that dtype, its output cast back to x's (the
     plain yardstick of a layer whose experts compute in a fixed lower precision)."""
 
-    def run(expert: Expert) -> torch.Tensor:
-        if expert_dtype is None or expert_dtype == x.dtype:
-            return expert(x)
-        return expert.to(expert_dtype)(x.to(expert_dtype)).to(x.dtype)
+    def run(expert: Expert, inp: torch.Tensor) -> torch.Tensor:
+        if expert_dtype is None or expert_dtype == inp.dtype:
+            return expert(inp)
+        return expert.to(expert_dtype)(inp.to(expert_dtype)).to(inp.dtype)
 
-    out = torch.zeros_like(x)
+    h = x if w.pre is None else x @ w.pre.to(x.dtype).T  # (N,D) or latent (N,r)
+    mix = torch.zeros(h.shape[0], w.post.shape[1] if w.post is not None else x.shape[1], dtype=x.dtype,
+                      device=x.device)
     for e, expert in enumerate(w.experts):
-        out = out + weights[:, e, None].to(x.dtype) * run(expert)
+        we = weights[:, e, None].to(x.dtype)
+        y = run(expert, h)
+        bias = expert.last_bias if sem.weight_inside_expert else None
+        if bias is None:
+            mix = mix + we * y
+        else:  # down(w * hidden) + b: the weight scales all but the last projection's bias
+            b = bias.to(x.dtype)
+            mix = mix + we * (y - b) + (we != 0).to(x.dtype) * b
+    out = mix if w.post is None else mix @ w.post.to(x.dtype).T + (0 if w.post_bias is None else w.post_bias)
     if w.shared is not None:
-        shared = run(w.shared)
+        shared = sum(run(ex, x) for ex in w.shared_list)
         if w.shared_gate is not None and sem.shared_gated:
             shared = torch.sigmoid(x @ w.shared_gate.T) * shared  # (N,1) * (N,D)
         out = out + shared

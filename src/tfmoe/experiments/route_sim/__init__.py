@@ -208,10 +208,11 @@ def layer_settings(cfg: DictConfig, n_experts: int, top_k: int, score_func: str)
     decl = capabilities.declared(config_lacks=[str(v) for v in lacks],
                                  config_precisions={k: v for k, v in precisions.items()})  # validates, one line
     names = {"router_dtype": "router", "expert_dtype": "experts"}
+    mixing = route_layer.mixing_form(OmegaConf.select(cfg, "layer.mixing", default=None), "layer.mixing")
     return LayerSettings(impl=None if impl is None else impl.strip(), sizes=sizes,
                          batch=require_int(cfg, "layer.batch", 2), seq=require_int(cfg, "layer.seq", 1),
                          lacks=tuple(sorted(decl.lacks)), router_dtype=decl.precisions.get(names["router_dtype"]),
-                         expert_dtype=decl.precisions.get(names["expert_dtype"]))
+                         expert_dtype=decl.precisions.get(names["expert_dtype"]), mixing=mixing)
 
 
 def run(s: Settings, rec: Recorder) -> None:

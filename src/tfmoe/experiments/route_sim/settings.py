@@ -18,6 +18,7 @@ class LayerSettings:
     lacks: tuple[str, ...] = ()  # config `lacks`: features the layer declares it lacks (tfmoe.capabilities)
     router_dtype: str | None = None  # config `layer.router_dtype`: the precision its combine weights carry
     expert_dtype: str | None = None  # config `layer.expert_dtype`: the precision its experts compute in
+    mixing: str | None = None  # config `layer.mixing`: where the combine weight is applied (route_sim.layer.MIXING)
 
 
 @dataclass(frozen=True)
