@@ -103,7 +103,7 @@ def vet() -> list[tuple[Block, str, str]]:
         why = REFUSED.get(f"{b.model_type}.{b.name}") or REFUSED.get(b.model_type)
         if entry is not None and entry.block == b.name:
             verdict, detail = _battery(b.model_type)
-            rows.append((b, verdict, f"layout {entry.layout} ({entry.evidence or 'issue 14'}): {detail}"))
+            rows.append((b, verdict, f"layout {entry.layout} ({entry.evidence or 'one of the first vetted layouts'}): {detail}"))
         elif why:
             rows.append((b, "refused", why))
         else:

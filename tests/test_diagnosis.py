@@ -103,3 +103,28 @@ def test_cli_prints_the_inference_next_to_failed_checks_and_show_repeats_it(work
     summary = (r.run_dir / "summary.md").read_text()
     assert "Likely causes (inferred" in summary and "off by one" in summary
     assert "likely cause (inferred, not proven)" in run_cli(["show", str(r.run_dir)], workdir).stdout
+
+
+def test_show_wraps_the_likely_cause_to_a_reading_width(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The likely-cause line was 343 characters on one line at COLUMNS=200; every line of `show` now fits its width,
+    prose at most 120 columns, and nothing of the cause is lost in the wrapping."""
+    r = run_cli(["attn-check", "impl=buggy_attention:ScaleByDModel", "checks=[sdpa,invariances]", *FAST], workdir)
+    assert r.exit_code == 1, r.stderr
+    cause = next(line for line in r.stderr.splitlines() if line.startswith("likely cause"))
+    assert len(cause) > 120, cause  # long enough to need wrapping
+    for columns, prose in (("200", 120), ("90", 90)):
+        monkeypatch.setenv("COLUMNS", columns)
+        out = run_cli(["show", str(r.run_dir)], workdir).stdout
+        lines = out.splitlines()
+        assert max(len(line) for line in lines if len(line.split()) > 1) <= int(columns), out  # a path alone may not
+        start = next(i for i, line in enumerate(lines) if line.startswith("likely cause"))
+        block, said = [], ""
+        for line in lines[start:start + 20]:
+            block.append(line)
+            said = " ".join(x.strip() for x in block)
+            if len(said) >= len(" ".join(cause.split())):
+                break
+        assert said == " ".join(cause.split()), out
+        assert len(block) > 1 and all(len(line) <= prose for line in block), block
+    full = run_cli(["show", str(r.run_dir), "--full-width"], workdir).stdout
+    assert cause in full.splitlines()

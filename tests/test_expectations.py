@@ -291,3 +291,22 @@ def test_tag_values_cover_every_value_a_real_run_records(experiment: str, overri
     for tag, values in known.items():
         seen = set(recorded[tag].dropna().astype(str)) if tag in recorded else set()
         assert seen and seen <= {str(v) for v in values}, (tag, seen, values)
+
+
+def test_a_name_the_run_did_not_record_points_to_the_one_it_did() -> None:
+    """`cv < 0.3` on route-sim's course case said only "recorded no rows of cv" while the console printed its CV."""
+    recorded = [{"name": "course.cv", "value": 0.18}, {"name": "course.maxvio", "value": 0.4},
+                {"name": "train.final_loss", "value": 1.0}]
+    j = judge(parse_one("m", "cv < 0.3"), recorded)
+    assert j.observed is None and j.detail == "the run recorded no rows of cv; did you mean course.cv?"
+    assert "did you mean course.maxvio?" in judge(parse_one("m", "mean(maxvio[strategy=x]) < 1"), recorded).detail
+    assert "did you mean course.cv?" in judge(parse_one("m", "course.cvv < 1"), recorded).detail  # a close spelling
+    assert "did you mean" not in judge(parse_one("m", "entropy < 1"), recorded).detail  # nothing like it: no guess
+    j = judge(parse_one("m", "cv[strategy=bogus] < 0.3"), rows(0.1, strategy="a"))  # the name was recorded
+    assert "did you mean" not in j.detail and "strategy=bogus is not a value it recorded" in j.detail
+
+
+def test_route_sim_course_case_expectation_on_cv_names_course_cv(workdir: Path) -> None:
+    r = run_cli(["route-sim", "steps=0", "--expect", "cv < 0.3"], workdir)
+    assert r.exit_code == 4, r.stderr
+    assert "cv < 0.3 could not be judged: the run recorded no rows of cv; did you mean course.cv or layer.cv?" in r.stderr

@@ -353,7 +353,9 @@ def test_zoo_enumerates_every_self_attention_type_each_vetted_or_refused_by_name
     assert not unnamed, unnamed
 
 
-def test_zoo_script_collects_the_sections_that_exist_in_order(tmp_path, monkeypatch):
+def test_zoo_script_writes_each_section_to_its_file_and_indexes_them_in_order(tmp_path, monkeypatch):
+    """Each section's table goes to experiments/zoo/<name>.md; the report's generated block lists them in order with
+    their counts; the hand-written report around the block is kept; --only rebuilds one section alone."""
     sys.path.insert(0, str(SCRIPTS))
     try:
         import zoo
@@ -362,11 +364,26 @@ def test_zoo_script_collects_the_sections_that_exist_in_order(tmp_path, monkeypa
     for name, title in (("zoo_moe", "MoE"), ("zoo_hf_attention", "HF")):
         (tmp_path / f"{name}.py").write_text(f"TITLE = {title!r}\n\ndef section():\n"
                                              f"    return '{title} table', {{'passes': 2}}\n")
+    report = tmp_path / "zoo.md"
+    report.write_text(f"# Report\n\nby hand\n\n{zoo.BEGIN}\nold\n{zoo.END}\n\n## Limits\n", encoding="utf-8")
     monkeypatch.setattr(zoo, "SCRIPTS", tmp_path)
+    monkeypatch.setattr(zoo, "TABLES", tmp_path / "zoo")
+    monkeypatch.setattr(zoo, "REPORT", report)
     for name in ("zoo_moe", "zoo_hf_attention"):
         sys.modules.pop(name, None)
-    text = zoo.build()
-    assert text.index("## HF") < text.index("## MoE") and "HF table" in text
-    assert "| HF | passes 2 |" in text and "not present in this checkout: zoo_libraries" in text
-    for name in ("zoo_moe", "zoo_hf_attention"):
-        sys.modules.pop(name, None)
+    try:
+        assert zoo.main([]) == 0
+        text = report.read_text(encoding="utf-8")
+        assert text.startswith("# Report\n\nby hand\n") and text.endswith("## Limits\n") and "old" not in text
+        assert text.index("| HF | passes 2 |") < text.index("| MoE | passes 2 |")
+        assert "| zoo_libraries | not generated yet |" in text and "[zoo/hf-attention.md](zoo/hf-attention.md)" in text
+        assert "HF table" in (tmp_path / "zoo" / "hf-attention.md").read_text(encoding="utf-8")
+        (tmp_path / "zoo_moe.py").write_text("TITLE = 'MoE'\n\ndef section():\n    return 'new', {'passes': 3}\n")
+        sys.modules.pop("zoo_moe", None)
+        before = (tmp_path / "zoo" / "hf-attention.md").read_text(encoding="utf-8")
+        assert zoo.main(["--only", "zoo_moe"]) == 0
+        assert (tmp_path / "zoo" / "hf-attention.md").read_text(encoding="utf-8") == before
+        assert "| MoE | passes 3 |" in report.read_text(encoding="utf-8")
+    finally:
+        for name in ("zoo_moe", "zoo_hf_attention"):
+            sys.modules.pop(name, None)

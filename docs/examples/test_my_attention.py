@@ -29,5 +29,5 @@ def test_padding_by_marker() -> None:
 
 
 def test_with_the_fixture(tfmoe_check) -> None:
-    # the session's --tfmoe-profile and --tfmoe-record (failed checks keep a run directory) apply
+    # the test run's --tfmoe-profile and --tfmoe-record (failed checks keep a run directory) apply
     tfmoe_check.assert_attention_conforms(MyAttention, checks=["sdpa", "gradients"])

@@ -6,7 +6,7 @@ A thin layer over :mod:`tfmoe.checks`:
   ``tfmoe_moe(MyMoE, **settings)``: the marked test first judges the layer and fails, with the verdict's table,
   when a check fails (then its own body runs);
 - the fixture ``tfmoe_check``: ``tfmoe.assert_attention_conforms(...)`` and the other five functions of the API, with
-  the session's profile and record directory applied;
+  the test run's profile and record directory applied;
 - ``--tfmoe-profile quick|full`` (default quick: the reduced case matrix, :data:`tfmoe.checks.QUICK`; full: the
   CLI's defaults); a ``profile=`` given in a call or a marker wins;
 - ``--tfmoe-record DIR``: every check that fails leaves a normal run directory under ``DIR/<experiment>/``
@@ -40,7 +40,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 class Checker:
-    """The ``tfmoe_check`` fixture: tfmoe.checks' functions with the session's ``--tfmoe-profile`` and
+    """The ``tfmoe_check`` fixture: tfmoe.checks' functions with the test run's ``--tfmoe-profile`` and
     ``--tfmoe-record`` (failed checks only) applied."""
 
     def __init__(self, profile: str, record: str | None) -> None:
@@ -89,7 +89,7 @@ def _checker(config: pytest.Config) -> Checker:
 
 @pytest.fixture
 def tfmoe_check(request: pytest.FixtureRequest) -> Checker:
-    """tfmoe's check functions with this session's --tfmoe-profile and --tfmoe-record."""
+    """tfmoe's check functions with this test run's --tfmoe-profile and --tfmoe-record."""
     return _checker(request.config)
 
 

@@ -1,6 +1,6 @@
 """How a run is set up on its machine: device, dtype, seed and torch threads, from the config's common keys.
 
-Shared by the runner (every run), the test helpers and experiments that need the same rule (e.g. complexity reads
+Shared by the runner (every run), the test utilities and experiments that need the same rule (e.g. complexity reads
 ``threads`` for its timings); each refusal is one BadInput line naming the key and the fix.
 """
 

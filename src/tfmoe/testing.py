@@ -1,4 +1,4 @@
-"""Test helpers: run the CLI in-process, compose configs, make recorders like the runner does."""
+"""Test utilities: run the CLI in-process, compose configs, make recorders like the runner does."""
 
 from __future__ import annotations
 

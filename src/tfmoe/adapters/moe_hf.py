@@ -55,7 +55,7 @@ MODEL_TYPES: dict[str, ModelType] = {
     "qwen3_moe": ModelType("mixtral", "Qwen3MoeSparseMoeBlock"),
     "olmoe": ModelType("mixtral", "OlmoeSparseMoeBlock"),
     "glm4_moe": ModelType("deepseek_v3", "Glm4MoeMoE"),
-    # issue 22's zoo (scripts/zoo_moe.py --explore): each derives, in its modular_<type>.py, from a block above
+    # the MoE zoo (scripts/zoo_moe.py --explore): each derives, in its modular_<type>.py, from a block above
     # (or, "own code", was tried under the layout) and passes the whole battery at its tiny config's defaults.
     **{t: ModelType("deepseek_v3", b, evidence=e) for t, b, e in (
         ("bailing_hybrid", "BailingHybridMoE", "modular: DeepseekV3MoE"), ("dots1", "Dots1MoE", "modular: DeepseekV3MoE"),

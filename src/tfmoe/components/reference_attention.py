@@ -1,7 +1,7 @@
 """Attention from first principles, for judging attention kernels (``tfmoe attn-check kernel=...``).
 
 Two implementations that share nothing with the kernels they judge (no SDPA, no ``repeat_interleave``, no
-tfmoe mask helper):
+tfmoe mask function):
 
 - :func:`reference_attention` — the reference: everything in fp64, the visibility mask built by index
   arithmetic, each query head mapped to its key/value head by ``h // (Hq / Hkv)``, a softmax written out

@@ -1,7 +1,7 @@
 """Reference attention written from first principles, for judging other attention code.
 
 Nothing here imports the code it judges (tfmoe's masks, attention or chunked kernels, a library's rotary or
-kv-repeat helpers): masks are explicit boolean matrices built here, heads are split and merged here, RoPE and
+kv-repeat functions): masks are explicit boolean matrices built here, heads are split and merged here, RoPE and
 the kv-head mapping are written here from their papers' definitions, and the attention itself is PyTorch's
 ``scaled_dot_product_attention`` (an independent library op) or a plain softmax written out below.
 

@@ -6,7 +6,7 @@ or on any layer an adapter can drive (``impl=torch:mha``, ``impl=hf:<model_type>
 ``AttentionAdapter``; see ``tfmoe.adapters``). Every check compares the layer with an independent reference
 built from the layer's *own* weights (``tfmoe.components.references``: its own masks, head split, RoPE and kv-head
 mapping, then PyTorch's SDPA) at a higher precision (fp64 for fp32/fp64 runs, fp32 for fp16/bf16); never with
-the helpers the layer under test calls. Tolerances follow FlashAttention's rule: error(layer vs reference) <=
+the functions the layer under test calls. Tolerances follow FlashAttention's rule: error(layer vs reference) <=
 2 x error(a plain PyTorch implementation in the same dtype vs reference) + 2 x the dtype's rounding at the
 output's scale.
 
@@ -81,7 +81,7 @@ def layer_bytes(z: dict[str, int], itemsize: int) -> int:
 
 def refuse_oversized_layer(cfg: DictConfig, B: int, T: int, d_model: int, n_heads: int) -> None:
     """Exit 2 before anything is built (or a per-row list is made) when a full run cannot fit, naming the knob that
-    dominates the estimate and a value of it that fits (issue 29)."""
+    dominates the estimate and a value of it that fits."""
     from tfmoe import memory
 
     if cfg.get("mode") != "full":
@@ -103,7 +103,7 @@ def refuse_oversized_layer(cfg: DictConfig, B: int, T: int, d_model: int, n_head
 
 
 def kernel_limits(cfg: DictConfig) -> None:
-    """The kernel mode's numeric limits (issue 29: negative limits are refused, whichever mode reads them)."""
+    """The kernel mode's numeric limits (negative limits are refused, whichever mode reads them)."""
     require_int(cfg, "cases.batch", 1)
     require_int(cfg, "cases.q_heads", 1)
     require_number(cfg, "cases.scale", positive=True)

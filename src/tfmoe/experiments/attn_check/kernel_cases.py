@@ -70,7 +70,7 @@ def build_cases(shapes: list[list[int]], Hq: int, kv_heads: list[int], masks: li
     thousands of keys per row (Hkv = Hq, no mask, v offset by LONG_ROW_OFFSET): an accumulation in the inputs'
     half precision, block after block, shows only there."""
     cases: list[Case] = []
-    first = [m for m in masks if m in MASKS[:6] and m != "none"]  # the matrix's masks before issue 22
+    first = [m for m in masks if m in MASKS[:6] and m != "none"]  # the matrix's first six masks
     for n, (Tq, Tk, D) in enumerate(shapes):
         if "none" in masks:
             cases += [Case("scale", Tq, Tk, D, Hq, "none"), Case("scale", Tq, Tk, D, Hq, "none", scale)]

@@ -63,7 +63,7 @@ MOE_FEATURES = ("fp16", "bf16")  # the capabilities.FEATURES a layer-battery che
 LOGIT_TARGET = 16.0  # half-precision probe: scale tokens until the largest router logit is about this
 
 
-# ------------------------------------------------------------------------------ helpers
+# ---------------------------------------------------------------------------- utilities
 def _ulps(*dtypes: torch.dtype) -> float:
     """Machine epsilon of the coarsest of ``dtypes``."""
     return max(torch.finfo(d).eps for d in dtypes)

@@ -286,13 +286,29 @@ def _unknown_tag_values(e: Expectation, rows: list[dict[str, Any]]) -> str:
     return "; ".join(out)
 
 
+def recorded_names_like(metric: str, rows: list[dict[str, Any]]) -> list[str]:
+    """The metric names a run did record that ``metric`` likely means, when it recorded none of ``metric``, sorted:
+    those whose last dotted part is ``metric`` (``cv`` -> ``course.cv``, ``layer.cv``), else the closest spelling;
+    [] when the run recorded ``metric`` itself or nothing like it."""
+    import difflib
+
+    names = sorted({str(r.get("name")) for r in rows if r.get("name") is not None})
+    if metric in names:
+        return []
+    tail = [n for n in names if n.rsplit(".", 1)[-1] == metric or metric.rsplit(".", 1)[-1] == n]
+    return tail or difflib.get_close_matches(metric, names, n=1, cutoff=0.8)
+
+
 def judge(e: Expectation, rows: list[dict[str, Any]]) -> Judgement:
     picked = select_rows(e, rows)
     if not picked:
-        unknown = _unknown_tag_values(e, rows)
+        like = recorded_names_like(e.metric, rows)  # [] when the run recorded the name (a tag picks nothing)
+        unknown = "" if like else _unknown_tag_values(e, rows)
+        meant = " or ".join([", ".join(like[:-1]), like[-1]] if len(like) > 1 else like)
         return Judgement(None, False, 0, None, f"the run recorded no rows of {e.selector}"
                          + (f": {unknown} (this tag's values are known only once the run has recorded them: check the spelling)"
-                            if unknown else ""))
+                            if unknown else "")
+                         + (f"; did you mean {meant}?" if like else ""))
     steps = [_step(r) for r in picked]
     ordered = [r for _, r in sorted(enumerate(picked), key=lambda ir: (steps[ir[0]] is None, steps[ir[0]] or 0, ir[0]))]
     values = [float(r["value"]) for r in ordered]

@@ -17,7 +17,7 @@ HEADER = ("# Failures log\n\nReal failures met while running experiments: phenom
           "regression test that now guards it. Append-only (`tfmoe failures add RUN`).\n")
 # An entry's heading: at the start of the file or after a blank line (format_entry writes one; a field's text never
 # holds a newline: user text is folded onto one line), so a heading forged inside a field of an older entry is not one.
-ENTRY_RE = re.compile(r"(?:\A|(?<=\n\n))## F-(\d+): (.*)$", re.M)
+ENTRY_RE = re.compile(r"(?:\A|(?<=\n\n))## F-(\d+)(?: \([^)\n]*\))?: (.*)$", re.M)
 # Text folded onto one line: newlines and other line breaks would let a field start a heading of its own.
 LINE_BREAKS = re.compile(r"[\n\r\t\v\f\x1c-\x1e\x85\u2028\u2029]+")
 

@@ -175,6 +175,24 @@ def show_width(full_width: bool) -> int | None:
         return SHOW_WIDTH
 
 
+def say(text: str) -> None:
+    """Prose `show` prints (the likely cause, version drift, conclusions): each line wrapped to the width its tables
+    fit, at most SHOW_WIDTH (a reading width), continuation lines indented; as it is with ``--full-width``."""
+    import textwrap
+
+    width = _FIT[0]
+    if width is None:
+        print(text)
+        return
+    width = min(width, SHOW_WIDTH)
+    out = []
+    for line in text.splitlines() or [""]:
+        lead = line[:len(line) - len(line.lstrip())]
+        out.extend(textwrap.wrap(line, width, initial_indent="", subsequent_indent=lead + "  ",
+                                 break_on_hyphens=False) or [line])
+    print("\n".join(out))
+
+
 def print_records(rows: list[dict[str, Any]], fmt: str, title: str, drop: tuple[str, ...] = ()) -> None:
     """A table's rows (notebook.RunData.rows: pandas' values, pandas not imported) as a md or terminal table, like
     :func:`print_frame` prints the same table as a DataFrame; ``drop``: columns left out (those it has)."""
@@ -219,12 +237,12 @@ def _show(ref: str, runs_root: Path, fmt: str) -> None:
              "pid", "process_started_at", "heartbeat_at"]]
     print_records(head, fmt, f"run {run['run_id']} ({data.path})")
     for package, recorded, locked in _drift(data.run):
-        print(f"version drift: {package} {recorded} in this run, {locked} in requirements.lock "
-              "(`make setup` installs the locked versions)")
+        say(f"version drift: {package} {recorded} in this run, {locked} in requirements.lock "
+            "(`make setup` installs the locked versions)")
     if data.config_missing:
         said = (f"config missing: {data.path}/.hydra/config.yaml is not in the run directory (the overrides above "
                 "are what the run recorded)")
-        print(f"\n### config\n\n{said}" if fmt == "md" else said)
+        say(f"\n### config\n\n{said}" if fmt == "md" else said)
     elif fmt == "md":
         print("\n### config\n\n```yaml\n" + data.config + "```")
     else:
@@ -234,7 +252,7 @@ def _show(ref: str, runs_root: Path, fmt: str) -> None:
         shown = [{**c, "passed": c["passed"] if check_applicable(c) else "n/a"} for c in checks]
         print_records(shown, fmt, f"checks {checks_cell(checks)}", drop=("applicable",))
         for inference in _inferences(data):
-            print(inference.line())
+            say(inference.line())
     expectations = data.rows("expectations")
     if expectations:
         print_records(expectations, fmt, "expectations (your predictions, written before the run)",
@@ -269,7 +287,7 @@ def _show_conclusions(run_dir: Path) -> None:
 
     rows = read(run_dir)
     if rows:
-        print("\nconclusions\n\n" + "\n".join(markdown(rows)).rstrip())
+        say("\nconclusions\n\n" + "\n".join(markdown(rows)).rstrip())
 
 
 def _inferences(data: RunData) -> list[Any]:

@@ -2,7 +2,7 @@
 
 The text is what the command printed when it went through pandas (DuckDB's ``.df()``, then ``to_json(orient=
 "records", date_format="iso", default_handler=str)``, ``to_csv(index=False)``, or a table of the frame's cells), so
-scripts that read it see no change; pandas cost 0.3-1 s of the command's start-up (issue 23). The rules below are
+scripts that read it see no change; pandas cost 0.3-1 s of the command's start-up. The rules below are
 pandas' own, named where they come from; tests/test_sql_output.py holds every DuckDB type against pandas itself.
 
 Where pandas printed something that is not the data, this prints the data (F-151): a NULL inside a list is ``null``

@@ -266,7 +266,7 @@ def _jsonable(v: Any) -> Any:
 
 # What marks a directory as a run's even without its run.parquet (deleted, or never written): one of the files a run
 # writes after run.parquet (its tables, summary.md). Such a directory is listed as an ``unreadable`` run, not dropped
-# (issue 29). Hydra's .hydra/ alone is not a mark: a run that is starting has it before its run.parquet.
+# Hydra's .hydra/ alone is not a mark: a run that is starting has it before its run.parquet.
 RUN_MARKS = ("summary.md", *TABLE_FILES.values())
 
 

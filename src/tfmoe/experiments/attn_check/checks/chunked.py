@@ -90,7 +90,7 @@ def check_chunked(layer: LayerUnderTest) -> None:
         rd = reference_dtype(layer.dtype)
         ref = F.scaled_dot_product_attention(q.to(rd), k.to(rd), v.to(rd), attn_mask=layer.mask)
         # the yardstick shares nothing with the kernel under test: not its file's naive path, not tfmoe's masks
-        # helpers (the reference's own visibility mask, the kernel battery's first-principles plain attention)
+        # functions (the reference's own visibility mask, the kernel battery's first-principles plain attention)
         visible = None if layer.mask is None else layer.mask.to(torch.bool)
         plain = independent_plain_attention(q, k, v, visible, scale=1.0 / math.sqrt(q.shape[-1]))
     if out.shape != ref.shape:
