@@ -20,6 +20,7 @@ from tfmoe.harness.store.notebook import load_run
 from tfmoe.testing import run_cli
 
 QUICK = {"profile": "quick"}
+pytest_plugins = ["pytester"]
 
 # planted bug -> the checks that must fail under the defaults (in the experiment where its claim lives)
 EXPECTED = {
@@ -64,10 +65,12 @@ def test_a_model_without_mask_cache_or_loss_is_judged_where_it_can_be() -> None:
     assert verdict.passed, verdict.table()
     na = {c.name for c in verdict.checks if c.outcome == "n/a"}
     assert {"arch:lm.causal_cached", "arch:lm.left_pad_positions", "shift-labels:lm.batch_invariance.left",
-            "shift-labels:lm.loss_matches_shifted_ce", "decode:lm.kv_cache_teacher_forcing",
-            "decode:lm.generation_batch_vs_alone"} <= na
+            "shift-labels:lm.loss_matches_shifted_ce", "decode:lm.kv_cache_teacher_forcing"} <= na
     assert "no attention_mask parameter" in verdict["arch:lm.left_pad_positions"].detail
     assert verdict["arch:lm.causal"].outcome == "passed"
+    # what can be judged without a mask is: greedy generation of equal-length prompts, batched vs alone
+    assert verdict["decode:lm.generation_batch_vs_alone"].outcome == "passed"
+    assert "equal lengths" in verdict["decode:lm.generation_batch_vs_alone"].detail
 
 
 def test_a_declared_lack_is_read_and_an_unknown_one_refused() -> None:
@@ -150,10 +153,37 @@ def test_the_learners_view_on_the_users_model(tmp_path: Path) -> None:
     run = load_run(result.run_dir)
     summary = (result.run_dir / "summary.md").read_text()
     assert "## Your model, position by position" in summary and "| NO" in summary
-    assert (result.run_dir / "plots" / "lm_batch_vs_alone.png").exists()
+    assert (result.run_dir / "lm_batch_vs_alone.png").exists()
     gap = tfmoe.load_tensor(result.run_dir, "lm.per_position_gap")
     assert gap.shape == (3, 5) and float(gap.max()) > 0
     assert run.run["status"] == "failed"
+
+
+def test_the_tfmoe_model_marker_and_fixture(pytester: pytest.Pytester) -> None:
+    import importlib.metadata
+    import shutil
+
+    shutil.copy(planted_models.__file__, pytester.path / "planted_models.py")
+    pytester.makepyfile(test_my_lm="""
+        import pytest
+        import planted_models
+
+        @pytest.mark.tfmoe_model(planted_models.PaddingOnQueriesNotKeys, experiments=["shift-labels"])
+        def test_planted():
+            pass
+
+        @pytest.mark.tfmoe_model(planted_models.AbsoluteTupleCache, experiments=["arch"])
+        def test_correct():
+            pass
+
+        def test_fixture(tfmoe_check):
+            assert tfmoe_check.check_model(planted_models.RotaryObjectCache, experiments=["arch"]).passed
+    """)
+    installed = any(ep.value == "tfmoe.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+    result = pytester.runpytest(*([] if installed else ["-p", "tfmoe.pytest_plugin"]), "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, failed=1)
+    out = result.stdout.str()
+    assert "lm.padding_content" in out and "planted_models.PaddingOnQueriesNotKeys" in out
 
 
 # --------------------------------------------------------------------------------------------- slow

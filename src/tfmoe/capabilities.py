@@ -51,7 +51,7 @@ FEATURES: dict[str, str] = {
     "additive_mask": "an additive float attention mask",
     "per_head_mask": "a per-head attention mask (B, Hq, Tq, Tk)",
     "dropout": "attention dropout",
-    "kv_cache": "a KV cache (a layer: tfmoe's KVCache; a model: its own past)",
+    "kv_cache": "a KV cache",
     "position_ids": "position ids supplied by the caller",
     "loss": "a loss computed from labels",
     "batch_invariant_routing": "outputs that do not depend on the rest of the batch (no expert capacity)",

@@ -2,7 +2,8 @@
 
 **Native** (no adapter): Hugging Face's causal-LM convention,
 ``forward(input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False, labels=None)``
-returning an object (or mapping) with ``.logits`` (B, T, V), ``.past_key_values`` (whatever cache the model keeps;
+returning an object (or mapping) with ``.logits`` (B, T, V) — or the logits themselves, or nanoGPT's
+``(logits, loss)`` — ``.past_key_values`` (whatever cache the model keeps;
 ``.cache`` is read too) and ``.loss``. The mask covers past and new positions (1 = real token). The past may also be
 called ``cache`` (transformers 5.25's name) or ``past``. ``labels`` are the input ids with ``ignore_index`` (-100)
 where there is no target; the model shifts them itself, as HF's models do.
@@ -76,6 +77,8 @@ def _output(result: Any, who: str) -> LMOutput:
     """A native forward's result -> LMOutput (ContractError, the model's fault, for anything without logits)."""
     if isinstance(result, torch.Tensor):
         return LMOutput(result)
+    if isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor) and result[0].dim() == 3:
+        return LMOutput(result[0])  # nanoGPT's (logits, loss): a loss is read only where the forward takes labels
     get = result.get if isinstance(result, Mapping) else (lambda k, d=None: getattr(result, k, d))
     logits = get("logits", None)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:

@@ -453,7 +453,8 @@ def run_decode(s: LMSettings, rec: Recorder) -> None:
                 diverged.append(f"prompt {i} at step {k}: batch {int(toks[i, k])} vs alone {int(alone_toks[0, k])} "
                                 f"(top-2 gap {gap:.3g})")
         how = "with the cache" if s.use_cache and not lm.lacks("kv_cache") else "by full recompute"
-        detail = (f"greedy {s.steps} tokens {how}, left-padded batch of prompts {lengths} vs. each alone: "
+        batch = "left-padded batch" if not lm.lacks("padding_mask") else "batch (no attention mask: equal lengths)"
+        detail = (f"greedy {s.steps} tokens {how}, {batch} of prompts {lengths} vs. each alone: "
                   + ("; ".join(diverged) if diverged else "token for token"))
         if ties:
             detail += "; ties (not failures): " + "; ".join(ties)
@@ -486,7 +487,7 @@ def run_decode(s: LMSettings, rec: Recorder) -> None:
         return body
 
     b.run("kv_cache_teacher_forcing", ("kv_cache",), teacher_forcing)
-    b.run("generation_batch_vs_alone", ("padding_mask",), generation)
+    b.run("generation_batch_vs_alone", (), generation)
     for p in s.low_precision:
         b.run(f"low_precision.{p}", (p,), low_precision(p))
     finish(rec, lm, "decode", [])
@@ -511,7 +512,7 @@ def finish(rec: Recorder, lm: ModelUnderTest, experiment: str, matrices: list[tu
     rec.summary(f"## Your model: {lm.spec} ({experiment})\n\n" + rows.markdown())
     if matrices and rec.wants_plots:
         rec.plot("lm_visibility", draw_matrix(matrices[0][1], "output position i", "changed token j (and after)",
-                                              "max |Δ logits| (log10) when token j changes"))
+                                              "visibility: above the diagonal must stay below the limit"))
 
 
 def battery_rows(rec: Recorder) -> Rows:
@@ -523,13 +524,28 @@ def battery_rows(rec: Recorder) -> Rows:
     return rows
 
 
-def draw_matrix(m: torch.Tensor, ylabel: str, xlabel: str, title: str) -> Any:
+def draw_matrix(m: torch.Tensor, ylabel: str, xlabel: str, title: str, limit: float | None = None,
+                blank: torch.Tensor | None = None) -> Any:
+    """log10 of a (rows, positions) matrix of |Δ|; ``blank`` entries (padding) grey; the limit on the colour bar."""
+    import numpy as np
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(5, 4.2))
+    values = torch.log10(m.double().clamp(min=1e-12)).numpy()
+    if blank is not None:
+        values = np.where(blank.numpy(), np.nan, values)
+    cmap = colormaps["viridis"].with_extremes(bad="lightgrey")
+    fig = Figure(figsize=(max(4.0, 0.5 * m.shape[1] + 2), max(3.0, 0.45 * m.shape[0] + 1.8)))
     ax = fig.subplots()
-    im = ax.imshow(torch.log10(m.double().clamp(min=1e-12)).numpy(), cmap="viridis", aspect="auto")
-    fig.colorbar(im, ax=ax)
+    im = ax.imshow(values, cmap=cmap, aspect="auto", vmin=-12, vmax=max(0.0, float(np.nanmax(values))))
+    bar = fig.colorbar(im, ax=ax)
+    bar.set_label("log10 max |Δ logits|")
+    if limit is not None:
+        bar.ax.axhline(math.log10(limit), color="red")
+        bar.ax.text(1.6, math.log10(limit), " limit", color="red", va="center", fontsize=7,
+                    transform=bar.ax.get_yaxis_transform())
+    ax.set_xticks(range(m.shape[1]))
+    ax.set_yticks(range(m.shape[0]))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
@@ -560,5 +576,7 @@ def learner_view(rec: Recorder, b: Battery, batch: Any, vocab: Sequence[str], pa
                 "\n\n" + table.markdown())
     rec.tensor("lm.per_position_gap", gap)
     if rec.wants_plots:
-        rec.plot("lm_batch_vs_alone", draw_matrix(gap, "sequence", "position",
-                                                  f"max |Δ logits| alone vs {pad_side}-padded batch (log10)"))
+        L = batch.sequences.shape[1]
+        rec.plot("lm_batch_vs_alone", draw_matrix(gap[:, :L], "sequence", "position",
+                                                  f"alone vs. inside the {pad_side}-padded batch (grey: padding)",
+                                                  limit, batch.mask.cpu() == 0))
