@@ -32,20 +32,21 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from tfmoe import capabilities as caps
-from tfmoe.adapters.causal_lm import ModelUnderTest, load_model
+from tfmoe.adapters.causal_lm import CausalLMAdapter, LMOutput, ModelUnderTest, load_model
 from tfmoe.errors import BadInput
 from tfmoe.faults import raised_detail, tfmoe_fault
 from tfmoe.recorder import Recorder, within
 from tfmoe.tables import Rows
 
 PREFIX = "lm."
+OWN_SPEC = "tfmoe:TinyCausalLM"  # decode's own trained LM, run through the same battery (batched generation)
 IGNORE = -100  # the labels' ignore_index in Hugging Face's convention (the model shifts the labels itself)
 PAD_ID = 0  # the id in padded positions (padding_content changes it)
 LOW_PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -64,12 +65,17 @@ class LMSettings:
     low_precision: tuple[str, ...]
 
 
-def lm_settings(cfg: DictConfig) -> LMSettings | None:
-    """None without ``impl``; BadInput (one line) for a bad key."""
+def lm_settings(cfg: DictConfig, own: bool = False) -> LMSettings | None:
+    """None without ``impl`` (``own``: the settings for tfmoe's own tiny LM then, decode's batched generation);
+    BadInput (one line) for a bad key."""
     impl = cfg.get("impl")
-    if impl is None:
+    if impl is None and not own:
         return None
-    if not isinstance(impl, str) or ":" not in impl:
+    if own:
+        if impl is not None:
+            return None
+        impl = OWN_SPEC
+    if not own and (not isinstance(impl, str) or ":" not in impl):
         raise BadInput(f"impl={impl!r} is not 'pkg.module:Class' nor 'hf:<model type>': write e.g. impl=my_lm:MyLM "
                        "or impl=hf:llama (impl=null: tfmoe's own tiny LM)")
     lacks = cfg.get("lacks") or []
@@ -389,8 +395,44 @@ def top_gap(logits: torch.Tensor) -> float:
     return float(top[0] - top[1])
 
 
-def run_decode(s: LMSettings, rec: Recorder) -> None:
-    lm = open_model(s, rec)
+class OwnLM(CausalLMAdapter):
+    """decode's trained TinyCausalLM in Hugging Face's convention: the mask over past and new keys as its padding
+    mask, the position ids, a list of its KVCaches as the past (tfmoe's own code: its errors crash the run)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.spec = model, OWN_SPEC
+
+    def build(self, seed: int) -> torch.nn.Module:
+        return self.model
+
+    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None, past: Any, use_cache: bool, labels: torch.Tensor | None) -> LMOutput:
+        caches = past if past is not None else (model.new_caches() if use_cache else None)
+        logits = model(input_ids, padding_mask=None if attention_mask is None else attention_mask.bool(),
+                       position_ids=position_ids, caches=caches)
+        return LMOutput(logits, caches if use_cache else None)
+
+    def design(self, model: torch.nn.Module) -> str | None:
+        return None
+
+
+def run_own_decode(model: torch.nn.Module, s: LMSettings, rec: Recorder) -> None:
+    """decode without impl=: its trained tiny LM generates a left-padded batch (and decodes it with the cache)
+    against each prompt alone, through the same checks as a user's model."""
+    max_len = int(getattr(model, "max_len", 0)) or None
+    steps = s.steps if max_len is None else min(s.steps, max_len - max(s.lengths))
+    if steps < 2:
+        rec.note(f"{PREFIX}: batched generation skipped: max_len={max_len} leaves no room after prompts of "
+                 f"{max(s.lengths)} tokens (lm.lengths)")
+        return
+    lm = ModelUnderTest(OwnLM(model), model, caps.Declared(), OWN_SPEC, int(model.vocab_size), None)
+    run_decode(replace(s, steps=steps, low_precision=()), rec, lm)
+
+
+def run_decode(s: LMSettings, rec: Recorder, lm: ModelUnderTest | None = None) -> None:
+    own = lm is not None
+    if lm is None:
+        lm = open_model(s, rec)
     refuse_lacks(lm, s)
     b = Battery(rec, lm, s)
     lengths = list(s.lengths) if not lm.lacks("padding_mask") else [max(s.lengths)] * len(s.lengths)
@@ -490,7 +532,8 @@ def run_decode(s: LMSettings, rec: Recorder) -> None:
     b.run("generation_batch_vs_alone", (), generation)
     for p in s.low_precision:
         b.run(f"low_precision.{p}", (p,), low_precision(p))
-    finish(rec, lm, "decode", [])
+    if not own:
+        finish(rec, lm, "decode", [])
 
 
 # ------------------------------------------------------------------------------------------- shared

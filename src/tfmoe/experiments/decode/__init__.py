@@ -99,7 +99,7 @@ def settings(cfg: DictConfig) -> Settings:
         top_p_grid=tuple(float(p) for p in grid), chi2_draws=require_int(cfg, "chi2_draws", 100),
         chi2_alpha=require_number(cfg, "chi2_alpha"), logit_tol_eps=require_number(cfg, "logit_tol_eps"),
         timing_lengths=tuple(int(n) for n in lengths), timing_repeats=require_int(cfg, "timing_repeats", 1),
-        expect_divergence=finite.expect_divergence(cfg), lm=lm_settings(cfg),
+        expect_divergence=finite.expect_divergence(cfg), lm=lm_settings(cfg), own_lm=lm_settings(cfg, own=True),
     )
     if s.d_model % s.n_heads:
         raise BadInput(f"d_model={s.d_model} is not divisible by n_heads={s.n_heads}: pick n_heads dividing d_model")
@@ -255,6 +255,9 @@ def run(s: Settings, rec: Recorder) -> None:
             rec.note(f"{rec.dtype}: logit tolerance {tol:.3g} = 2 x the {rec.dtype} forward's error vs fp32")
         cache_checks.check_parallel_vs_serial(rec, model, seq, s, rec.dtype, tol)
         cache_checks.check_kv_cache(rec, model, prompt, n, s, rec.dtype, tol)
+    if s.own_lm is not None:  # prompts of different lengths: a left-padded batch vs each prompt alone
+        with rec.stage("batched"):
+            lm_battery.run_own_decode(model, s.own_lm, rec)
 
     # KV-cache timing as the sequence grows.
     times: dict[str, list[float]] = {"on": [], "off": []}

@@ -39,3 +39,4 @@ class Settings:
     timing_repeats: int
     expect_divergence: bool = False  # a stress test: training must go non-finite (tfmoe.finite)
     lm: Any = None  # impl=...: the model battery's settings (tfmoe.experiments.lm_battery.LMSettings), else None
+    own_lm: Any = None  # without impl: the battery's settings for the trained tiny LM's batched generation
