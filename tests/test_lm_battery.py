@@ -138,6 +138,18 @@ def test_an_adapter_drives_another_layout() -> None:
     assert "each sequence alone" in verdict["shift-labels:lm.loss_matches_shifted_ce"].detail
 
 
+class TupleLM(planted_models.NoMaskLM):
+    """nanoGPT's forward(idx, targets=None) -> (logits, loss)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):  # type: ignore[override]
+        return super().forward(idx), None
+
+
+def test_nanogpts_logits_loss_tuple_is_read_as_logits() -> None:
+    verdict = checks.check_model(TupleLM, experiments=("arch",), **QUICK)
+    assert verdict["arch:lm.causal"].outcome == "passed", verdict.table()
+
+
 def test_labels_and_positions_follow_the_mask() -> None:
     ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9]])
     mask = (ids != 0).long()
