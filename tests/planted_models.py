@@ -5,7 +5,7 @@ ways, and planted bugs, each a class built with no arguments, in Hugging Face's 
 Correct: ``AbsoluteTupleCache`` (learned absolute positions, a tuple-of-tuples cache), ``RotaryObjectCache`` (RoPE, a
 cache object, the parameter named ``cache``), ``NoMaskLM`` (nanoGPT's ``forward(idx) -> logits``: no mask, no
 cache, no loss), ``CapacityMoELM`` (a top-1 MoE feed-forward whose expert capacity drops tokens by what else is in
-the batch: batch-dependent by design).
+the batch: batch-dependent by design), ``Fp32Island`` (runs under autocast, raises when cast to half precision).
 
 Planted (the experiment whose claim each breaks): ``PositionsIgnoreIds`` (arch), ``PaddingOnQueriesNotKeys``
 (shift-labels), ``LossNotShifted`` (shift-labels), ``LossCountsPadding`` (shift-labels), ``NoCausalMaskWithCache``
@@ -150,7 +150,7 @@ class TinyLM(nn.Module):
             if self.bug == "cache_keeps_last_n":
                 kv = (kv[0][:, :, -self.keep_last:], kv[1][:, :, -self.keep_last:])
             kept.append(kv)
-        logits = self.head(self.ln_f(x))  # (B, T, V)
+        logits = self.project(self.ln_f(x))  # (B, T, V)
         new_past: Any = None
         if use_cache:
             if self.object_cache:
@@ -160,6 +160,9 @@ class TinyLM(nn.Module):
                 new_past = tuple(kept)
         loss = None if labels is None else self.loss(logits, labels)
         return Output(logits, new_past, loss)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.bug == "loss_not_shifted":
@@ -238,6 +241,14 @@ class CapacityMoELM(TinyLM):
         return MoEBlock(self.positions, self.bug)
 
 
+class Fp32Island(TinyLM):
+    """Correct, written for autocast: the head's input is upcast to fp32 (as some libraries keep norms in fp32), so
+    the model cast to fp16/bf16 raises (a Half weight meets a Float input); under torch.autocast it runs."""
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h.float())
+
+
 # ------------------------------------------------------------------------------------------- planted bugs
 class PositionsIgnoreIds(TinyLM):
     """Absolute positions from arange(past, past + T), ignoring the supplied position ids and the mask: every
@@ -290,7 +301,7 @@ class CacheKeepsLastN(TinyLM):
     bug = "cache_keeps_last_n"
 
 
-CORRECT = ("AbsoluteTupleCache", "RotaryObjectCache", "NoMaskLM", "CapacityMoELM")
+CORRECT = ("AbsoluteTupleCache", "RotaryObjectCache", "NoMaskLM", "CapacityMoELM", "Fp32Island")
 # planted bug -> the experiment where its claim lives (it must fail there under the defaults)
 PLANTED = {"PositionsIgnoreIds": "arch", "NoCausalMaskWithCache": "arch", "PaddingOnQueriesNotKeys": "shift-labels",
            "LossNotShifted": "shift-labels", "LossCountsPadding": "shift-labels",

@@ -138,6 +138,13 @@ def test_an_adapter_drives_another_layout() -> None:
     assert "each sequence alone" in verdict["shift-labels:lm.loss_matches_shifted_ce"].detail
 
 
+def test_a_model_written_for_autocast_is_judged_under_autocast() -> None:
+    verdict = checks.check_model(planted_models.Fp32Island, experiments=("decode",), **QUICK)
+    assert verdict.passed, verdict.table()
+    for p in ("fp16", "bf16"):
+        assert f"torch.autocast({p})" in verdict[f"decode:lm.low_precision.{p}"].detail
+
+
 class TupleLM(planted_models.NoMaskLM):
     """nanoGPT's forward(idx, targets=None) -> (logits, loss)."""
 
@@ -213,6 +220,17 @@ def test_a_batch_dependent_design_is_stated_not_failed_nor_passed() -> None:
 def test_every_planted_bug_through_all_three(name: str) -> None:
     verdict = checks.check_model(getattr(planted_models, name), **QUICK)
     assert EXPECTED[name][1] <= {c.name for c in verdict.failed}, verdict.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["lm_libraries:nano_gpt_tiny", "lm_libraries:palm_tiny",
+                                  "lm_libraries:XTransformersRotary", "lm_libraries:XTransformersAbsolute"])
+def test_public_libraries_pass_on_first_contact(spec: str) -> None:
+    lib = {"nano": "nano_gpt", "palm": "palm_pytorch", "XTra": "x_transformers"}[spec.split(":")[1][:4]]
+    pytest.importorskip(lib)
+    settings = {"lm": {"use_cache": False}} if "tiny" in spec else {}  # no cache in nano-gpt or PaLM
+    verdict = checks.check_model(spec, **settings)
+    assert verdict.passed, verdict.table()
 
 
 @pytest.mark.slow

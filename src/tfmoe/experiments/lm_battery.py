@@ -517,15 +517,24 @@ def run_decode(s: LMSettings, rec: Recorder, lm: ModelUnderTest | None = None) -
             lp = LOW_PRECISIONS[p]
             ids, mask = pad_batch(prompts, "left", b.dev)
             ref = b.fwd(ids, mask, positions(mask)).logits
-            out = lm.forward(ids, None if lm.lacks("padding_mask") else mask, positions(mask),
-                             model=lm.copy_as(lp)).logits
+            given = None if lm.lacks("padding_mask") else mask
+            how = f"{p} copy of the model (.to({p}))"
+            try:
+                out = lm.forward(ids, given, positions(mask), model=lm.copy_as(lp)).logits
+            except (NotImplementedError, BadInput):
+                raise
+            except Exception as exc:  # a model written for autocast (fp32 islands inside) cannot run cast: run it so
+                with torch.autocast(device_type=b.dev.type, dtype=lp):
+                    out = lm.forward(ids, given, positions(mask)).logits
+                how = (f"the model under torch.autocast({p}) (cast to {p} it raised {type(exc).__name__}: "
+                       f"{' '.join(str(exc).split())[:120]})")
             real = mask.bool()
             got, want = out[real].double(), ref[real].double()
             finite = bool(torch.isfinite(got).all())
             gap = max_abs(got, want) if finite else float("nan")
-            b.judge(name, gap, b.limit(want, lp), f"{p} copy of the model vs. the {b.dtype} one on the left-padded "
-                    f"prompts: {'finite' if finite else 'NON-FINITE logits'}, max |Δ logits| at real positions",
-                    across_batches=False)
+            b.judge(name, gap, b.limit(want, lp), f"{how} vs. the {str(b.dtype).removeprefix('torch.')} one on the "
+                    f"left-padded prompts: {'finite' if finite else 'NON-FINITE logits'}, max |Δ logits| at real "
+                    "positions", across_batches=False)
         return body
 
     b.run("kv_cache_teacher_forcing", ("kv_cache",), teacher_forcing)
