@@ -317,8 +317,10 @@ CATALOGUE: tuple[Signature, ...] = (
               "no causal mask when a cache is requested or given (code written for one-token steps): a prefill or a "
               "multi-token chunk sees its future", ("planted_models.NoCausalMaskWithCache",)),
     Signature("arch", ("lm.left_pad_positions", "lm.causal"), _simple("lm.left_pad_positions", ok=("lm.causal",)),
-              "positions ignore the supplied position ids / the mask: a left-padded sequence is numbered from the "
-              "first pad, not from its first real token", ("planted_models.PositionsIgnoreIds",)),
+              "left padding changes the real tokens' logits: positions that ignore the supplied ids and the mask "
+              "(numbered from the first pad), or real tokens that see the padding (`tfmoe shift-labels impl=...`'s "
+              "lm.padding_content tells which)",
+              ("planted_models.PositionsIgnoreIds", "planted_models.PaddingOnQueriesNotKeys")),
     Signature("shift-labels", ("lm.padding_content", "lm.batch_invariance.left"),
               _simple("lm.padding_content", "lm.batch_invariance.left"),
               "real tokens see the padding: the padding mask is applied to the queries instead of the keys (or not "
@@ -344,6 +346,12 @@ CATALOGUE: tuple[Signature, ...] = (
     Signature("decode", ("lm.kv_cache_teacher_forcing",), _kv_window,
               "the cache silently keeps only the most recent keys (a sliding window): right while the sequence fits, "
               "wrong after", ("planted_models.CacheKeepsLastN",)),
+    Signature("decode", ("lm.generation_batch_vs_alone", "lm.kv_cache_teacher_forcing"),
+              _simple("lm.generation_batch_vs_alone", ok=("lm.kv_cache_teacher_forcing",)),
+              "the cache agrees with the full forward, yet a left-padded prompt decodes differently from the same "
+              "prompt alone: left padding itself changes the logits (positions from the first pad, or padding "
+              "visible to real tokens: arch's lm.left_pad_positions and shift-labels' lm.padding_content tell which)",
+              ("planted_models.PositionsIgnoreIds", "planted_models.PaddingOnQueriesNotKeys")),
     Signature("decode", ("parallel_equals_incremental",), _simple("parallel_equals_incremental"),
               "position t sees later tokens in the parallel forward (not causal), or the incremental path loses "
               "positions (a cache without offsets)", ()),
