@@ -205,6 +205,17 @@ def test_the_tfmoe_model_marker_and_fixture(pytester: pytest.Pytester) -> None:
     assert "lm.padding_content" in out and "planted_models.PaddingOnQueriesNotKeys" in out
 
 
+def test_hf_outputs_are_read_by_their_current_field_names(capfd: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    import logging
+
+    logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined]  # transformers warns once per process
+    verdict = checks.check_model("hf:gpt2", experiments=("arch",), **QUICK)
+    assert verdict.passed, verdict.table()
+    assert verdict["arch:lm.causal_cached"].outcome == "passed"  # the cache was found and used
+    assert "deprecated" not in capfd.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------- slow
 @pytest.mark.slow
 def test_a_batch_dependent_design_is_stated_not_failed_nor_passed() -> None:

@@ -85,9 +85,9 @@ def _output(result: Any, who: str) -> LMOutput:
         raise ContractError(f"{who} must return an object with .logits (B, T, V) (Hugging Face's causal-LM output), "
                             f"got {type(result).__name__}: wrap the model in a tfmoe.adapters.causal_lm."
                             "CausalLMAdapter for another layout")
-    past = get("cache", None)  # transformers 5.25's name first (reading the old one warns there)
-    if past is None:
-        past = get("past_key_values", None)
+    fields = getattr(type(result), "__dataclass_fields__", None)  # a dataclass output names its cache field
+    names = [n for n in ("cache", "past_key_values") if fields is None or n in fields]  # transformers 5.24's first
+    past = next((v for n in names if (v := get(n, None)) is not None), None)  # (its old name only warns)
     return LMOutput(logits, past, get("loss", None))
 
 
