@@ -199,7 +199,9 @@ def test_the_tfmoe_model_marker_and_fixture(pytester: pytest.Pytester) -> None:
             assert tfmoe_check.check_model(planted_models.RotaryObjectCache, experiments=["arch"]).passed
     """)
     installed = any(ep.value == "tfmoe.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
-    result = pytester.runpytest(*([] if installed else ["-p", "tfmoe.pytest_plugin"]), "-p", "no:cacheprovider")
+    # in a subprocess: an inline run leaves modules behind that break later tests of the session (pandas indexes)
+    result = pytester.runpytest_subprocess(*([] if installed else ["-p", "tfmoe.pytest_plugin"]),
+                                           "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, failed=1)
     out = result.stdout.str()
     assert "lm.padding_content" in out and "planted_models.PaddingOnQueriesNotKeys" in out
