@@ -84,6 +84,7 @@ def test_a_declared_lack_is_read_and_an_unknown_one_refused() -> None:
 
 @pytest.mark.parametrize(("settings", "match"), [
     ({"lm": {"steps": 0}}, "lm.steps"),
+    ({"lm": {"steps": 5000}}, r"lm.steps <= 4083"),
     ({"lm": {"tol_eps": -1.0}}, "lm.tol_eps"),
     ({"nonsense": 1}, "unknown setting"),
     ({"experiments": ("train",)}, "experiments="),

@@ -144,9 +144,9 @@ class NativeLM(CausalLMAdapter):
 # model_type -> the tiny config's keys (random weights; nothing downloaded). Absolute (gpt2) and rotary positions,
 # dense and sparse-MoE feed-forwards.
 _DENSE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256)
+              max_position_embeddings=4096)
 HF_MODELS: dict[str, dict[str, Any]] = {
-    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=256),
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=4096),  # the battery's longest sequence (MAX_TOKENS)
     "llama": _DENSE,
     "mistral": _DENSE,
     "qwen2": _DENSE,

@@ -49,6 +49,7 @@ PREFIX = "lm."
 OWN_SPEC = "tfmoe:TinyCausalLM"  # decode's own trained LM, run through the same battery (batched generation)
 IGNORE = -100  # the labels' ignore_index in Hugging Face's convention (the model shifts the labels itself)
 PAD_ID = 0  # the id in padded positions (padding_content changes it)
+MAX_TOKENS = 4096  # the longest sequence the battery builds (prompt + lm.steps); the hf: configs hold as many positions
 LOW_PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -93,6 +94,10 @@ def lm_settings(cfg: DictConfig, own: bool = False) -> LMSettings | None:
     tol = lm.get("tol_eps")
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
         raise BadInput(f"lm.tol_eps={tol!r} must be a positive number: e.g. lm.tol_eps=64")
+    if max(lengths) + steps > MAX_TOKENS:
+        raise BadInput(f"lm.steps={steps} after prompts of up to {max(lengths)} tokens (lm.lengths) makes sequences of "
+                       f"{max(lengths) + steps} tokens, above the battery's {MAX_TOKENS}: pass lm.steps <= "
+                       f"{MAX_TOKENS - max(lengths)}")
     low = lm.get("low_precision", []) or []
     if not all(p in LOW_PRECISIONS for p in low):
         raise BadInput(f"lm.low_precision={list(low)!r} names a dtype other than fp16/bf16: e.g. "
