@@ -177,6 +177,8 @@ class HFCausalLM(NativeLM):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = transformers.AutoModelForCausalLM.from_config(cfg)
+        if getattr(model, "loss_type", "") is None:  # gpt2's: the loss falls back to ForCausalLM with a warning
+            model.loss_type = "ForCausalLM"  # that fallback, said
         self.params = inspect.signature(model.forward).parameters
         return model
 
