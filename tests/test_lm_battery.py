@@ -73,6 +73,14 @@ def test_a_model_without_mask_cache_or_loss_is_judged_where_it_can_be() -> None:
     assert "equal lengths" in verdict["decode:lm.generation_batch_vs_alone"].detail
 
 
+def test_a_model_instance_is_judged_as_built() -> None:
+    model = planted_models.RotaryObjectCache()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    verdict = checks.check_model(model, experiments=("arch",), **QUICK)
+    assert verdict.passed and verdict["arch:lm.causal_cached"].outcome == "passed", verdict.table()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # its weights untouched
+
+
 def test_a_declared_lack_is_read_and_an_unknown_one_refused() -> None:
     verdict = checks.check_model(planted_models.AbsoluteTupleCache, experiments=("shift-labels",), lacks=["loss"],
                                  **QUICK)
