@@ -119,3 +119,42 @@ FULL = [case for case in generated() if case not in SUBSET]
 def test_every_generated_case_gives_one_verdict(kind: str, spec: str, settings: dict[str, Any],
                                                 tmp_path: Path) -> None:
     assert_one_verdict(kind, spec, settings, tmp_path)
+
+
+# ------------------------------------------------------------------------------------- whole causal LMs
+# check_model runs the model battery of arch, shift-labels and decode; the CLI runs each as its own command. The
+# verdict's rows are the three runs' rows, in order, named "<experiment>:<check>" (tests/planted_models.py).
+# the default suite: a planted cache bug (rows passing and failing in all three); the rest is slow-marked
+MODEL_CASES = [
+    ("planted_models:CacheKeepsLastN", {"lm": {"steps": 8}}),
+    pytest.param("planted_models:RotaryObjectCache", {"lm": {"steps": 8}}, marks=pytest.mark.slow),
+    pytest.param("planted_models:NoMaskLM", {}, marks=pytest.mark.slow),  # decode refuses it (lacks kv_cache)
+]
+
+
+@pytest.mark.parametrize(("spec", "settings"), MODEL_CASES)
+def test_the_cli_and_check_model_give_one_verdict(spec: str, settings: dict[str, Any], tmp_path: Path) -> None:
+    import planted_models
+
+    (tmp_path / "planted_models.py").write_text(Path(planted_models.__file__).read_text())
+    texts = [checks._override_text(k, v) for k, v in checks._flatten(settings).items()]
+    rows, refused = [], None
+    for experiment in checks.MODEL_EXPERIMENTS:
+        keyed = [t for t in texts if checks._has_key(experiment, t.partition("=")[0])]
+        cli = run_cli([experiment, f"impl={spec}", *keyed], tmp_path)
+        if cli.exit_code == 2:
+            refused = " ".join(cli.stderr.split())
+            break
+        assert cli.exit_code in (0, 1), cli.stdout + cli.stderr
+        rows += [{**r, "check": f"{experiment}:{r['check']}"} for r in load_run(cli.run_dir).checks.to_dict("records")]
+    if refused is not None:
+        exc = caught(checks.check_model, spec, **settings)
+        assert isinstance(exc, checks.BadSettings), exc
+        assert f"error: {exc}" in refused, (refused, str(exc))
+        return
+    verdict = checks.check_model(spec, **settings)
+    assert [r["check"] for r in rows] == [c.name for c in verdict.checks]
+    for row, c in zip(rows, verdict.checks, strict=True):
+        assert bool(row["passed"]) == c.passed, (c.name, row, c)
+        assert same(row["observed"], c.observed) and same(row["threshold"], c.limit), (c.name, row, c)
+        assert row["detail"] == c.detail, c.name

@@ -20,6 +20,7 @@ DOCUMENTED_FORMS = {
         "device=cpu,auto,cuda,cuda:1,mps", "dtype=fp32,fp16,bf16,fp64", "threads=null,2", "seed=3",
         "run_root=/tmp/tfmoe-runs", "tensor_max_numel=10",
         "sequences=[[1,3,2],[1,2]],[[BOS,EOS],[BOS,PAD,EOS]]", "pad_side=left,right", "ignore_index=-1",
+        "impl=null,hf:gpt2,mypackage.module:MyLM", "lacks=[],[loss]", "lm.tol_eps=64",
     ],
     "attn-check": [
         "checks=all,[masks,sdpa],masks,[masks,sdpa,fully_masked,gradients,kv_cache,chunked,invariances,dropout]",
@@ -30,7 +31,9 @@ DOCUMENTED_FORMS = {
         "kernel_checks.dropout_p=0,0.2", "kernel_checks.dropout_shape=[48,32,32]",
         "cases.masks=[none,causal,bool_random,per_head_additive]",
     ],
-    "arch": ["rope=false", "visibility_tol_eps=8,16.5", "equivariance_tol_eps=32.5", "min_position_effect=1"],
+    "arch": ["rope=false", "visibility_tol_eps=8,16.5", "equivariance_tol_eps=32.5", "min_position_effect=1",
+             "impl=null,hf:llama,mypackage.module:MyLM", "lacks=[],[kv_cache,loss]", "lm.lengths=[4,9]",
+             "lm.tol_eps=32,64.5"],
     "block-stats": [
         "variants=[pre,post],[pre,pre_rms],[pre,pre_swiglu],[pre_rms_swiglu]", "init=torch,xavier",
         "lowp_dtypes=[],[fp16]", "eps=1e-5,0.5", "lowp_stress_scale=512,100.5", "n_layers=2,24",
@@ -39,6 +42,8 @@ DOCUMENTED_FORMS = {
     "decode": [
         "corpus_path=/tmp/corpus.txt,null", "prompt_ids=[19,7,4],null", "top_k=null,1", "top_p=null,1,0.5",
         "temperature=0,1", "train_steps=0", "threads=null,2", "logit_tol_eps=64,32.5",
+        "impl=null,hf:qwen2_moe,mypackage.module:MyLM", "lacks=[],[kv_cache]", "lm.use_cache=false",
+        "lm.low_precision=[],[bf16]", "lm.steps=24",
     ],
     "route-sim": [
         "capacity_factor=null,2,1.25", "score_func=sigmoid,softmax", "dispatch=loop,sorted",

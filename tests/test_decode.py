@@ -509,7 +509,7 @@ def test_cli_end_to_end(workdir):
     res = run_cli(["decode", *SMALL], workdir)
     assert res.exit_code == 0, res.stdout + res.stderr
     run = load_run(res.run_dir)
-    assert run.checks["passed"].all() and len(run.checks) == 17  # 16 + train.finite
+    assert run.checks["passed"].all() and len(run.checks) == 19  # 16 + train.finite + the two lm.* batched checks
     steps = run.timings[run.timings["stage"] == "next_token"]
     assert set(steps["cache"]) == {"on", "off"} and set(steps["length"]) == {8, 24}
     assert (res.run_dir / "kv_cache_timing.png").exists() and (res.run_dir / "training_loss.png").exists()

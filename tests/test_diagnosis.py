@@ -74,8 +74,8 @@ def test_catalogue_reads_check_names_the_batteries_record() -> None:
     for sig in diagnosis.CATALOGUE:
         assert sig.experiment in EXPERIMENTS
         for name in sig.checks:
-            bare = name.removeprefix("layer.")  # route-sim's layer battery records PREFIX + name
-            assert re.search(rf"[\"'](layer\.)?{re.escape(bare)}[\"'\]]", source), f"no experiment records {name}"
+            bare = name.removeprefix("layer.").removeprefix("lm.")  # the layer and model batteries record PREFIX + name
+            assert re.search(rf"[\"'](layer\.|lm\.)?{re.escape(bare)}[\"'\]]", source), f"no experiment records {name}"
 
 
 @pytest.mark.parametrize("bug", ["SoftmaxOverTokens", *(pytest.param(b, marks=pytest.mark.slow) for b in (

@@ -52,7 +52,9 @@ NOT_SIZES: dict[str, dict[str, str]] = {
     "tokenize": {"show_per_category": "how many samples summary.md shows: never more than the input has"},
     "shift-labels": {"ignore_index": "a label value, refused unless negative"},
     "decode": {"top_k": "a sampling filter, clamped to the vocabulary (sampling.top_k_filter)",
-               "timing_repeats": "repeats of a timing: time, not memory"},
+               "timing_repeats": "repeats of a timing: time, not memory",
+               "lm.steps": "tokens the model battery decodes: refused when prompt + steps exceed 4096 "
+                           "(lm_battery.MAX_TOKENS); tfmoe's own tiny LM stops at its max_len"},
     "route-sim": {"ep_size": "processes (ep_size=W): refused in one line above what the machine can start",
                   "ep_steps": "forward/backward steps of the EP run, on the same tokens: time, not memory",
                   "ep_timeout_s": "the collectives' timeout: time, not memory",

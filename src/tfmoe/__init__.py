@@ -4,6 +4,7 @@ Public Python API (nothing heavy is imported until a name is used: ``import tfmo
 
     from tfmoe import load_run, load_tensor, load_tensors             # read a run directory
     from tfmoe import check_attention, check_kernel, check_moe         # judge your own layer -> Verdict
+    from tfmoe import check_model, assert_model_conforms               # judge your whole causal LM
     from tfmoe import assert_attention_conforms, assert_kernel_conforms, assert_moe_conforms
     from tfmoe import Verdict, CheckResult, BadInput, BadSettings
 
@@ -15,8 +16,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _NOTEBOOK = ("load_run", "load_tensor", "load_tensors")
-_CHECKS = ("check_attention", "check_kernel", "check_moe", "assert_attention_conforms", "assert_kernel_conforms",
-           "assert_moe_conforms", "Verdict", "CheckResult", "BadSettings")
+_CHECKS = ("check_attention", "check_kernel", "check_moe", "check_model", "assert_attention_conforms",
+           "assert_kernel_conforms", "assert_moe_conforms", "assert_model_conforms", "Verdict", "CheckResult",
+           "BadSettings")
 
 __all__ = ["__version__", *_NOTEBOOK, *_CHECKS, "BadInput"]
 

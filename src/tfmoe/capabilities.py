@@ -52,7 +52,10 @@ FEATURES: dict[str, str] = {
     "additive_mask": "an additive float attention mask",
     "per_head_mask": "a per-head attention mask (B, Hq, Tq, Tk)",
     "dropout": "attention dropout",
-    "kv_cache": "a tfmoe KVCache",
+    "kv_cache": "a KV cache",
+    "position_ids": "position ids supplied by the caller",
+    "loss": "a loss computed from labels",
+    "batch_invariant_routing": "outputs that do not depend on the rest of the batch (no expert capacity)",
     "attention_weights": "the attention weights returned beside the output",
     "fp32": "float32 inputs",
     "fp16": "float16 inputs",
@@ -119,6 +122,8 @@ class Declared:
         if source.startswith("raised "):  # detected: the layer raised NotImplementedError for it (rule 3)
             return (f"not applicable: the layer raised NotImplementedError for {feature} ({FEATURES[feature]}): "
                     f"{source.removeprefix('raised ')}")
+        if source.startswith("detected "):  # read from the model's forward signature
+            return f"not applicable: {FEATURES[feature]} — {source.removeprefix('detected ')}"
         how = "the config's lacks=" if source == "config" else (
             f"its {source.removeprefix('flag ')} = False" if source.startswith("flag ") else "its lacks")
         return f"not applicable: the layer declares it lacks {feature} ({FEATURES[feature]}; {how})"

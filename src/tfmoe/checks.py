@@ -39,7 +39,8 @@ from typing import Any
 from tfmoe.errors import BadInput
 
 __all__ = ["BadSettings", "CheckResult", "Verdict", "QUICK", "check_attention", "check_kernel", "check_moe",
-           "assert_attention_conforms", "assert_kernel_conforms", "assert_moe_conforms"]
+           "check_model", "assert_attention_conforms", "assert_kernel_conforms", "assert_moe_conforms",
+           "assert_model_conforms"]
 
 
 class BadSettings(BadInput, ValueError):
@@ -57,9 +58,12 @@ QUICK: dict[str, dict[str, Any]] = {
     "kernel": {"cases.shapes": [[1, 1, 64], [17, 17, 59], [113, 203, 64], [1, 239, 128], [64, 128, 13]],
                "cases.kv_heads": [6, 2, 1]},
     "moe": {},
+    "model": {"lm.steps": 24},  # still past the 16 keys a silently windowed cache keeps in the planted models
 }
 
 KINDS = {"attention": "attn-check", "kernel": "attn-check", "moe": "route-sim"}
+# a whole causal LM: each experiment judges the claims that live there (tfmoe.experiments.lm_battery)
+MODEL_EXPERIMENTS = ("arch", "shift-labels", "decode")
 OBJECTS_MODULE = "tfmoe._checked_objects"  # where objects not importable by name are reachable during a check
 
 
@@ -162,6 +166,24 @@ def check_moe(moe: Any, /, *, profile: str = "full", record: str | Path | None =
     return _check("moe", moe, profile, record, settings)
 
 
+def check_model(model: Any, /, *, profile: str = "full", record: str | Path | None = None,
+                experiments: tuple[str, ...] | list[str] = MODEL_EXPERIMENTS, **settings: Any) -> Verdict:
+    """Judge a whole causal LM with the model battery of arch (causality, positions), shift-labels (padding, labels,
+    loss) and decode (KV cache, batched generation, half precision): one Verdict over the three, each check named
+    ``<experiment>:lm.<check>``. ``model``: a class built with no arguments or a zero-argument factory in Hugging
+    Face's causal-LM calling convention, an ``nn.Module`` instance, a
+    :class:`~tfmoe.adapters.causal_lm.CausalLMAdapter` (class or instance), or a spec as ``impl=`` takes
+    (``"hf:llama"``, ``"pkg.mod:Name"``). ``settings`` are the experiments' keys (``lacks``, ``lm={"steps": 40}``,
+    ``dtype``, ``seed``, ...); each goes to the experiments whose config has it. ``experiments`` picks some of
+    ``("arch", "shift-labels", "decode")``."""
+    return _check("model", model, profile, record, {**settings, "experiments": experiments})
+
+
+def assert_model_conforms(model: Any, /, **settings: Any) -> Verdict:
+    """:func:`check_model`, raising ``AssertionError`` with the verdict's table when a check failed."""
+    return _conforms(check_model(model, **settings))
+
+
 def assert_attention_conforms(layer: Any, /, **settings: Any) -> Verdict:
     """:func:`check_attention`, raising ``AssertionError`` with the verdict's table when a check failed."""
     return _conforms(check_attention(layer, **settings))
@@ -188,6 +210,11 @@ def _check(kind: str, target: Any, profile: str, record: str | Path | None, sett
            record_only_failed: bool = False) -> Verdict:
     try:
         with _named(target, kind) as spec:
+            if kind == "model":
+                settings = dict(settings)
+                chosen = _model_experiments(settings.pop("experiments", MODEL_EXPERIMENTS))
+                overrides = _overrides(kind, spec, profile, settings)
+                return _run_model(overrides, record, record_only_failed, chosen)
             overrides = _overrides(kind, spec, profile, settings)
             return _run(kind, overrides, record, record_only_failed)
     except BadSettings:
@@ -201,11 +228,11 @@ def _overrides(kind: str, spec: str | None, profile: str, settings: Mapping[str,
     if profile not in ("quick", "full"):
         raise BadSettings(f"profile={profile!r} is unknown: use profile='quick' (a reduced case matrix) or "
                           "profile='full' (the CLI's defaults)")
-    own = {"kernel": "kernel", "attention": "impl", "moe": "impl"}[kind]
+    own = {"kernel": "kernel", "attention": "impl", "moe": "impl", "model": "impl"}[kind]
     flat = _flatten(settings)
     if own in flat or (kind == "attention" and "kernel" in flat):
         which = {"kernel": "check_kernel(fn, ...)", "attention": "check_attention(layer, ...)",
-                 "moe": "check_moe(layer, ...)"}[kind]
+                 "moe": "check_moe(layer, ...)", "model": "check_model(model, ...)"}[kind]
         raise BadSettings(f"{own}= is the first argument of {which}: pass the layer there, not as a setting")
     out = dict(QUICK[kind]) if profile == "quick" else {}
     if profile == "quick" and kind == "attention" and "dropout_samples" not in flat:
@@ -307,6 +334,50 @@ def _defaults(conf: str, name: str) -> Any:
     return cfg
 
 
+def _model_experiments(value: Any) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else tuple(value)
+    bad = [n for n in names if n not in MODEL_EXPERIMENTS]
+    if bad or not names:
+        raise BadSettings(f"experiments={value!r}: pick one or more of {', '.join(MODEL_EXPERIMENTS)}, e.g. "
+                          "experiments=('decode',)")
+    return tuple(e for e in MODEL_EXPERIMENTS if e in names)
+
+
+def _run_model(overrides: dict[str, Any], record: str | Path | None, record_only_failed: bool,
+               experiments: tuple[str, ...] = MODEL_EXPERIMENTS) -> Verdict:
+    """The experiments' model batteries, each given the keys its config has; one Verdict."""
+    parts: list[Verdict] = []
+    keyed = {e: {k: v for k, v in overrides.items() if _has_key(e, k)} for e in MODEL_EXPERIMENTS}
+    for key in overrides:
+        if not any(key in keys for keys in keyed.values()):
+            raise BadSettings(f"unknown setting {key!r} for check_model: the keys are those of `tfmoe arch --cfg job`, "
+                              "`tfmoe shift-labels --cfg job` and `tfmoe decode --cfg job`")
+    for experiment in experiments:
+        parts.append(_run(experiment, keyed[experiment], record, record_only_failed))
+    checks = tuple(CheckResult(f"{v.experiment}:{c.name}", c.outcome, c.observed, c.limit, c.detail)
+                   for v in parts for c in v.checks)
+    notes: list[str] = []
+    for v in parts:
+        notes += [n for n in v.notes if n not in notes]
+        if v.run_dir is not None:
+            notes.append(f"{v.experiment} run directory: {v.run_dir}")
+    causes = tuple(f"{v.experiment}: {c}" for v in parts for c in v.likely_causes)
+    dirs = [v.run_dir for v in parts if v.run_dir is not None]
+    return Verdict(experiment="+".join(experiments), impl=str(overrides.get("impl")), checks=checks,
+                   likely_causes=causes, notes=tuple(notes), settings=dict(overrides),
+                   run_dir=dirs[0] if dirs else None)
+
+
+def _has_key(experiment: str, key: str) -> bool:
+    from omegaconf import OmegaConf
+
+    from tfmoe.harness.launching.launch import config_dir
+    from tfmoe.registry import EXPERIMENTS
+
+    cfg = _defaults(str(config_dir()), EXPERIMENTS[experiment].config)
+    return OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT
+
+
 def _run(kind: str, overrides: dict[str, Any], record: str | Path | None, record_only_failed: bool) -> Verdict:
     from rich.console import Console
 
@@ -322,7 +393,7 @@ def _run(kind: str, overrides: dict[str, Any], record: str | Path | None, record
         torch_threads,
     )
 
-    experiment = KINDS[kind]
+    experiment = KINDS.get(kind, kind)  # a kind, or an experiment's own name (the model battery's three)
     exp = EXPERIMENTS[experiment]
     cfg = compose(experiment, overrides)
     module = exp.load()
@@ -415,12 +486,15 @@ def _named(target: Any, kind: str) -> Iterator[str | None]:
     'module:qualname' by that name (so a recorded run can be replayed); anything else (a local class, a lambda, an
     adapter instance) is reachable as 'tfmoe._checked_objects:<name>' while the check runs."""
     if target is None or isinstance(target, str):
+        if target is None and kind == "model":
+            raise BadSettings("check_model(None): pass the model (a class, a factory, an instance, a CausalLMAdapter, "
+                              "or a spec such as 'hf:llama')")
         if target is None and kind != "moe":
             raise BadSettings(f"check_{kind}(None): pass the layer (a class, a factory, an adapter or a "
                               "'pkg.mod:Name' spec)")
         yield target
         return
-    if kind != "kernel":
+    if kind not in ("kernel", "model"):  # a model is judged as built: an instance is fine
         _refuse_module_instance(target, kind)
     spec = _importable(target)
     if spec is not None:

@@ -2,8 +2,8 @@
 
 A thin layer over :mod:`tfmoe.checks`:
 
-- markers ``@pytest.mark.tfmoe_attention(MyAttention, **settings)``, ``tfmoe_kernel(fn, **settings)`` and
-  ``tfmoe_moe(MyMoE, **settings)``: the marked test first judges the layer and fails, with the verdict's table,
+- markers ``@pytest.mark.tfmoe_attention(MyAttention, **settings)``, ``tfmoe_kernel(fn, **settings)``,
+  ``tfmoe_moe(MyMoE, **settings)`` and ``tfmoe_model(MyLM, **settings)`` (a whole causal LM): the marked test first judges the layer and fails, with the verdict's table,
   when a check fails (then its own body runs);
 - the fixture ``tfmoe_check``: ``tfmoe.assert_attention_conforms(...)`` and the other five functions of the API, with
   the test run's profile and record directory applied;
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-MARKERS = {"tfmoe_attention": "attention", "tfmoe_kernel": "kernel", "tfmoe_moe": "moe"}
+MARKERS = {"tfmoe_attention": "attention", "tfmoe_kernel": "kernel", "tfmoe_moe": "moe", "tfmoe_model": "model"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -63,6 +63,12 @@ class Checker:
 
     def check_moe(self, moe: Any, /, **settings: Any) -> Any:
         return self._run("moe", moe, settings)
+
+    def check_model(self, model: Any, /, **settings: Any) -> Any:
+        return self._run("model", model, settings)
+
+    def assert_model_conforms(self, model: Any, /, **settings: Any) -> Any:
+        return _conforms(self.check_model(model, **settings))
 
     def assert_attention_conforms(self, layer: Any, /, **settings: Any) -> Any:
         return _conforms(self.check_attention(layer, **settings))

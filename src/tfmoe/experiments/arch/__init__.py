@@ -32,6 +32,7 @@ from tfmoe.components.attention import MultiHeadSelfAttention
 from tfmoe.components.encdec import DecoderOnly, EncoderDecoder, EncoderOnly
 from tfmoe.components.positions import RoPESelfAttention, sinusoidal_positions
 from tfmoe.errors import BadInput
+from tfmoe.experiments import lm_battery
 from tfmoe.experiments.arch.checks import (
     check_cross_weights,
     check_embedding,
@@ -53,6 +54,7 @@ from tfmoe.experiments.arch.trace import (
     trace_markdown,
     trace_shapes,
 )
+from tfmoe.experiments.lm_battery import lm_settings
 from tfmoe.memory import (
     DTYPE_BYTES,
     Knob,
@@ -74,6 +76,7 @@ def settings(cfg: DictConfig) -> Settings:
         rope=bool(cfg.get("rope", True)), visibility_tol_eps=require_number(cfg, "visibility_tol_eps", positive=True),
         equivariance_tol_eps=require_number(cfg, "equivariance_tol_eps", positive=True),
         min_position_effect=require_number(cfg, "min_position_effect", positive=True),
+        lm=lm_settings(cfg),
     )
     if s.d_model % s.n_heads:
         raise BadInput(f"d_model={s.d_model} is not divisible by n_heads={s.n_heads}: pick n_heads dividing d_model")
@@ -131,6 +134,9 @@ def build_models(s: Settings, device: torch.device, dtype: torch.dtype) -> tuple
 
 
 def run(s: Settings, rec: Recorder) -> None:
+    if s.lm is not None:  # impl=...: the user's whole causal LM, judged for causality and positions
+        lm_battery.run_arch(s.lm, rec)
+        return
     dev, dt = rec.device, rec.dtype
     if dev.type != "cpu":  # a CUDA run's memory is not the host's
         refuse_oversized(s, {torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dt, "fp32"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -21,3 +22,4 @@ class Settings:
     visibility_tol_eps: float  # an output "changes" when it moves by > this x dtype eps x output scale
     equivariance_tol_eps: float  # permuted outputs agree within this x dtype eps x output scale
     min_position_effect: float  # positions must move the permuted outputs by >= this (relative)
+    lm: Any = None  # impl=...: the model battery's settings (tfmoe.experiments.lm_battery.LMSettings), else None

@@ -34,6 +34,7 @@ from tfmoe import finite, memory
 from tfmoe.components import sampling
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
+from tfmoe.experiments import lm_battery
 from tfmoe.experiments.decode import cache_checks, sampling_checks
 from tfmoe.experiments.decode.lm import (
     CharVocab,
@@ -45,6 +46,7 @@ from tfmoe.experiments.decode.lm import (
 )
 from tfmoe.experiments.decode.report import continuations_rows, loss_figure, summarize, timing_figure
 from tfmoe.experiments.decode.settings import Settings
+from tfmoe.experiments.lm_battery import lm_settings
 from tfmoe.memory import (
     DTYPE_BYTES,
     Knob,
@@ -97,7 +99,7 @@ def settings(cfg: DictConfig) -> Settings:
         top_p_grid=tuple(float(p) for p in grid), chi2_draws=require_int(cfg, "chi2_draws", 100),
         chi2_alpha=require_number(cfg, "chi2_alpha"), logit_tol_eps=require_number(cfg, "logit_tol_eps"),
         timing_lengths=tuple(int(n) for n in lengths), timing_repeats=require_int(cfg, "timing_repeats", 1),
-        expect_divergence=finite.expect_divergence(cfg),
+        expect_divergence=finite.expect_divergence(cfg), lm=lm_settings(cfg), own_lm=lm_settings(cfg, own=True),
     )
     if s.d_model % s.n_heads:
         raise BadInput(f"d_model={s.d_model} is not divisible by n_heads={s.n_heads}: pick n_heads dividing d_model")
@@ -184,6 +186,9 @@ def prompt_tensor(s: Settings, vocab: CharVocab, device: torch.device) -> torch.
 def run(s: Settings, rec: Recorder) -> None:
     """Train the tiny LM, decode the prompt with every strategy, run the checks, time the cache.
     (`threads`, conf: 1, is applied by the runner.)"""
+    if s.lm is not None:  # impl=...: the user's whole causal LM, judged for its cache and batched generation
+        lm_battery.run_decode(s.lm, rec)
+        return
     if rec.device.type != "cpu":  # a CUDA run's memory is not the host's
         refuse_oversized(s, {torch.float64: "fp64", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(
             rec.dtype, "fp32"), available_memory_bytes(rec.device), f"{rec.device}'s")
@@ -250,6 +255,9 @@ def run(s: Settings, rec: Recorder) -> None:
             rec.note(f"{rec.dtype}: logit tolerance {tol:.3g} = 2 x the {rec.dtype} forward's error vs fp32")
         cache_checks.check_parallel_vs_serial(rec, model, seq, s, rec.dtype, tol)
         cache_checks.check_kv_cache(rec, model, prompt, n, s, rec.dtype, tol)
+    if s.own_lm is not None:  # prompts of different lengths: a left-padded batch vs each prompt alone
+        with rec.stage("batched"):
+            lm_battery.run_own_decode(model, s.own_lm, rec)
 
     # KV-cache timing as the sequence grows.
     times: dict[str, list[float]] = {"on": [], "off": []}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -37,3 +38,5 @@ class Settings:
     timing_lengths: tuple[int, ...]
     timing_repeats: int
     expect_divergence: bool = False  # a stress test: training must go non-finite (tfmoe.finite)
+    lm: Any = None  # impl=...: the model battery's settings (tfmoe.experiments.lm_battery.LMSettings), else None
+    own_lm: Any = None  # without impl: the battery's settings for the trained tiny LM's batched generation

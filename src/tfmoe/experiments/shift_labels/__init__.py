@@ -16,6 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from tfmoe import finite, memory
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.errors import BadInput
+from tfmoe.experiments import lm_battery
+from tfmoe.experiments.lm_battery import lm_settings
 from tfmoe.experiments.shift_labels import batch as batching
 from tfmoe.experiments.shift_labels.batch import PAD_SIDES, ShiftedBatch, encode_sequences, encode_texts
 from tfmoe.experiments.shift_labels.checks import (
@@ -71,7 +73,7 @@ def settings(cfg: DictConfig) -> Settings:
         d_model=int(m.d_model), n_heads=int(m.n_heads), n_layers=int(m.n_layers),
         texts=None if texts is None else tuple(texts), tokenizer=None if enc is None else str(cfg.tokenizer),
         tokenizer_source=None if enc is None else enc.source,
-        tokenizer_ids=() if enc is None else tuple(tuple(i) for i in enc.tokenizer_ids))
+        tokenizer_ids=() if enc is None else tuple(tuple(i) for i in enc.tokenizer_ids), lm=lm_settings(cfg))
     if str(cfg.get("device")) == "cpu":  # the host's RAM is the device's: refused before anything is allocated
         refuse_oversized(s, str(cfg.get("dtype")), memory.host_available_bytes(), "the host's")
     return s
@@ -109,8 +111,6 @@ def run(s: Settings, rec: Recorder) -> None:
             rec.dtype, "fp32"), available_memory_bytes(rec.device), f"{rec.device}'s")
     ignore = s.ignore_index
     batch = batching.shift_and_pad(seqs, pad_id, s.pad_side, ignore)
-    model = TinyCausalLM(len(vocab), s.d_model, s.n_heads, s.n_layers,
-                         max_len=max(len(q) for q in seqs)).to(rec.device, rec.dtype).eval()
 
     # the per-position table
     table = Rows(f"shift-labels ({s.pad_side} padding, ignore_index={ignore})",
@@ -136,6 +136,15 @@ def run(s: Settings, rec: Recorder) -> None:
     rec.check("label_count", n_labels == expected, n_labels, expected,
               "kept labels == Σ(len(s) − 1)" + ("" if n_labels >= expected else
                                                  f": {expected - n_labels} (token, next token) pairs lost a label"))
+
+    if s.lm is not None:  # impl=...: the user's whole causal LM on these sequences
+        battery = lm_battery.run_shift_labels(s.lm, rec, seqs, vocab, pad_id)
+        lm_battery.learner_view(rec, battery, batch, vocab, s.pad_side, ignore)
+        for name in ("sequences", "inputs", "labels", "attention_mask", "label_mask"):
+            rec.tensor(name, getattr(batch, name))
+        return
+    model = TinyCausalLM(len(vocab), s.d_model, s.n_heads, s.n_layers,
+                         max_len=max(len(q) for q in seqs)).to(rec.device, rec.dtype).eval()
 
     # loss: torch's ignore_index vs a manual mean over valid positions
     with torch.no_grad():

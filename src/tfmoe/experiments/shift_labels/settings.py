@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -22,3 +23,4 @@ class Settings:
     tokenizer: str | None
     tokenizer_source: str | None  # where the tokenizer's vocabulary comes from
     tokenizer_ids: tuple[tuple[int, ...], ...]  # the tokenizer's own ids per text (empty without texts)
+    lm: Any = None  # impl=...: the model battery's settings (tfmoe.experiments.lm_battery.LMSettings), else None

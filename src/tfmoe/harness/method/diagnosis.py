@@ -176,6 +176,59 @@ def _shift_left_only(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any])
     return None
 
 
+def _metric_tagged(metrics: list[dict[str, Any]], name: str, **tags: Any) -> list[float]:
+    return [float(r["value"]) for r in metrics if r.get("name") == name
+            and all(r.get(k) == v for k, v in tags.items())]
+
+
+def _loss_counts_padding(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    """The model's loss is the reference times the fraction of positions that have a label."""
+    if not _failed(c, "lm.loss_matches_shifted_ce"):
+        return None
+    for side in ("left", "right", "alone"):
+        loss, ref = _metric_tagged(m, "lm.loss", pad_side=side), _metric_tagged(m, "lm.loss_reference", pad_side=side)
+        frac = _metric_tagged(m, "lm.label_fraction", pad_side=side)
+        if loss and ref and frac and frac[0] < 1 and abs(loss[0] - ref[0] * frac[0]) <= 1e-4 * max(1.0, ref[0]):
+            return (f"{_obs(c, 'lm.loss_matches_shifted_ce')}; with {side} padding the model's loss {loss[0]:.4g} = "
+                    f"the reference {ref[0]:.4g} x {frac[0]:.3g}, the fraction of positions that have a label")
+    return None
+
+
+def _loss_other(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    if _failed(c, "lm.loss_matches_shifted_ce") and _loss_counts_padding(c, m, cfg) is None:
+        return f"{_obs(c, 'lm.loss_matches_shifted_ce')} while the logits themselves pass the padding checks" \
+            if _passed_or_absent(c, "lm.batch_invariance.left", "lm.batch_invariance.right") else None
+    return None
+
+
+def _kv_padded_only(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    padded, plain = _metric(m, "lm.kv_cache_padded_rows_max_abs"), _metric(m, "lm.kv_cache_unpadded_rows_max_abs")
+    limit = c.get("lm.kv_cache_teacher_forcing", {}).get("threshold")
+    if _failed(c, "lm.kv_cache_teacher_forcing") and padded is not None and plain is not None and limit is not None \
+            and padded > limit >= plain:
+        return (f"{_obs(c, 'lm.kv_cache_teacher_forcing')}; wrong only in the left-padded rows (max |Δ| {padded:.3g}), "
+                f"exact in the unpadded one ({plain:.3g})")
+    return None
+
+
+def _kv_from_first_step(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    step, plain = _metric(m, "lm.kv_cache_first_bad_step"), _metric(m, "lm.kv_cache_unpadded_rows_max_abs")
+    limit = c.get("lm.kv_cache_teacher_forcing", {}).get("threshold")
+    if _failed(c, "lm.kv_cache_teacher_forcing") and step is not None and step <= 1 and plain is not None \
+            and limit is not None and plain > limit:
+        return (f"{_obs(c, 'lm.kv_cache_teacher_forcing')}; the prefill agrees, the first single-token step already "
+                "differs, in the unpadded row too")
+    return None
+
+
+def _kv_window(c: Checks, m: list[dict[str, Any]], cfg: Mapping[str, Any]) -> str | None:
+    step, length = _metric(m, "lm.kv_cache_first_bad_step"), _metric(m, "lm.kv_cache_first_bad_length")
+    if _failed(c, "lm.kv_cache_teacher_forcing") and step is not None and length is not None and step > 1:
+        return (f"{_obs(c, 'lm.kv_cache_teacher_forcing')}; the first {step:g} cached steps agree, then from sequence "
+                f"length {length:g} on the cached logits differ")
+    return None
+
+
 CATALOGUE: tuple[Signature, ...] = (
     Signature("attn-check", ("sdpa_match", "head_counts", "row_sums", "causal_zero", "padding_zero", "shapes"),
               _scale_or_merge,
@@ -258,6 +311,47 @@ CATALOGUE: tuple[Signature, ...] = (
     Signature("shift-labels", ("padding_invariance_loss", "padding_invariance_logits", "left_right_same_token_loss"),
               _shift_left_only,
               "the model does not get (or does not use) the padding mask / mask-derived positions", ()),
+    Signature("arch", ("lm.causal",), _simple("lm.causal"),
+              "the model is not causal: a position's logits change when a later token changes", ()),
+    Signature("arch", ("lm.causal_cached", "lm.causal"), _simple("lm.causal_cached", ok=("lm.causal",)),
+              "no causal mask when a cache is requested or given (code written for one-token steps): a prefill or a "
+              "multi-token chunk sees its future", ("planted_models.NoCausalMaskWithCache",)),
+    Signature("arch", ("lm.left_pad_positions", "lm.causal"), _simple("lm.left_pad_positions", ok=("lm.causal",)),
+              "left padding changes the real tokens' logits: positions that ignore the supplied ids and the mask "
+              "(numbered from the first pad), or real tokens that see the padding (`tfmoe shift-labels impl=...`'s "
+              "lm.padding_content tells which)",
+              ("planted_models.PositionsIgnoreIds", "planted_models.PaddingOnQueriesNotKeys")),
+    Signature("shift-labels", ("lm.padding_content", "lm.batch_invariance.left"),
+              _simple("lm.padding_content", "lm.batch_invariance.left"),
+              "real tokens see the padding: the padding mask is applied to the queries instead of the keys (or not "
+              "at all); right padding hides it behind the causal mask, left padding does not",
+              ("planted_models.PaddingOnQueriesNotKeys",)),
+    Signature("shift-labels", ("lm.batch_invariance.left", "lm.padding_content"),
+              _simple("lm.batch_invariance.left", ok=("lm.padding_content",)),
+              "left padding shifts the positions (pad ids themselves are invisible): the model numbers positions "
+              "from the first pad instead of taking them from the mask or the supplied ids",
+              ("planted_models.PositionsIgnoreIds",)),
+    Signature("shift-labels", ("lm.loss_matches_shifted_ce",), _loss_counts_padding,
+              "the loss averages over every position, the ignored ones counted as 0 (reduction='none' then .mean())",
+              ("planted_models.LossCountsPadding",)),
+    Signature("shift-labels", ("lm.loss_matches_shifted_ce", "lm.batch_invariance.left", "lm.batch_invariance.right"),
+              _loss_other, "the loss is not the cross-entropy of logits[t] against labels[t+1]: not shifted (or shifted "
+              "twice)", ("planted_models.LossNotShifted",)),
+    Signature("decode", ("lm.kv_cache_teacher_forcing",), _kv_padded_only,
+              "a cached step ignores the past keys' padding mask (it masks only the new keys), so left padding "
+              "becomes visible once decoding starts", ("planted_models.CacheForgetsPastMask",)),
+    Signature("decode", ("lm.kv_cache_teacher_forcing",), _kv_from_first_step,
+              "the single-token step uses the wrong position: RoPE (or a position embedding) off by one against the "
+              "cache's length", ("planted_models.RopeOffByOneInStep",)),
+    Signature("decode", ("lm.kv_cache_teacher_forcing",), _kv_window,
+              "the cache silently keeps only the most recent keys (a sliding window): right while the sequence fits, "
+              "wrong after", ("planted_models.CacheKeepsLastN",)),
+    Signature("decode", ("lm.generation_batch_vs_alone", "lm.kv_cache_teacher_forcing"),
+              _simple("lm.generation_batch_vs_alone", ok=("lm.kv_cache_teacher_forcing",)),
+              "the cache agrees with the full forward, yet a left-padded prompt decodes differently from the same "
+              "prompt alone: left padding itself changes the logits (positions from the first pad, or padding "
+              "visible to real tokens: arch's lm.left_pad_positions and shift-labels' lm.padding_content tell which)",
+              ("planted_models.PositionsIgnoreIds", "planted_models.PaddingOnQueriesNotKeys")),
     Signature("decode", ("parallel_equals_incremental",), _simple("parallel_equals_incremental"),
               "position t sees later tokens in the parallel forward (not causal), or the incremental path loses "
               "positions (a cache without offsets)", ()),
