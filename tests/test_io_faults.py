@@ -1,0 +1,145 @@
+"""I/O faults injected at every write (tests/io_faults.py), as SQLite tests its own: each notebook-writing command
+is counted in a dry pass, then run once per fault point (the Nth write failing with ENOSPC, then EIO, for every N;
+the Nth rename for every N), and after each fault the notebook's promises are checked:
+
+* no record claims ``ok`` unless every one of its files is complete (load_run reads every table), and the exit code
+  agrees with the record (0 only for ok);
+* no traceback reaches the user; the command's refusal is at most a line or two on stderr;
+* every reader (``runs``, ``show``, ``sql``, ``diff``) still answers, with at most one warning line;
+* a rerun (or ``sweep-complete`` for a sweep, or the next ``export mlflow``) recovers.
+
+The default suite covers the fake experiment's run, a sweep, ``conclude``, ``failures add`` and the catalog sync at
+every point. Every experiment's run and ``export mlflow`` at every point are marked slow (``pytest
+tests/test_io_faults.py -m slow``); the default suite samples ``export mlflow``'s points. Each test prints its
+number of fault points.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from io_faults import Fault, IOFaults, count, plans
+
+from tfmoe.testing import run_cli
+
+RUN = ["fake", "flush_every_s=null"]
+
+
+def _run_dirs(root: Path) -> set[Path]:
+    return {p for p in (root / "runs").glob("*/*") if p.is_dir() and not p.name.startswith(".")}
+
+
+def _lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def _said(plan: Fault, what: str) -> str:
+    return f"{plan.kind} #{plan.n} ({errno.errorcode[plan.errno]}): {what}"
+
+
+def _readers(root: Path, plan: Fault, run_ref: str | None, baseline: str) -> list[str]:
+    """Every reader answers, with at most one warning line and no traceback."""
+    problems = []
+    calls = [["runs"], ["sql", "SELECT run_id, status FROM runs"]]
+    if run_ref is not None:
+        calls += [["show", run_ref], ["diff", baseline, run_ref]]
+    for args in calls:
+        try:
+            res = run_cli(args, root)
+        except BaseException as exc:  # noqa: BLE001 (a reader that raises is the finding)
+            problems.append(_said(plan, f"`{' '.join(args[:1])}` raised {type(exc).__name__}: {exc}"))
+            continue
+        ok_codes = {0, 1} if args[0] == "diff" else {0}
+        if res.exit_code not in ok_codes or "Traceback" in res.stderr or len(_lines(res.stderr)) > 1:
+            problems.append(_said(plan, f"`{args[0]}` exit {res.exit_code}, stderr {res.stderr[-300:]!r}"))
+    return problems
+
+
+def _consistent(run_dir: Path, code: int, plan: Fault) -> list[str]:
+    """ok only with every table complete; exit 0 only for ok."""
+    from tfmoe.harness.store.notebook import effective_status, load_run, read_run_row
+
+    try:
+        row = read_run_row(run_dir)
+    except Exception:  # noqa: BLE001 (no readable run.parquet: nothing claims ok)
+        return [] if code != 0 else [_said(plan, f"exit 0 but {run_dir.name}/run.parquet is unreadable")]
+    status = str(effective_status(row)) if callable(effective_status) else str(row["status"])
+    problems = []
+    if status == "ok":
+        try:
+            load_run(run_dir)
+        except Exception as exc:  # noqa: BLE001
+            problems.append(_said(plan, f"status ok but a table is incomplete: {type(exc).__name__}: {exc}"))
+    if (code == 0) != (status == "ok"):
+        problems.append(_said(plan, f"exit {code} but the record says {status}"))
+    return problems
+
+
+faults_hit: list[str] = []  # the path each injected fault hit, in order
+
+
+def _best_effort(path: str) -> bool:
+    """A write whose loss the run may survive with exit 0: the run's log (its records are the parquet files)."""
+    return path.endswith(".log")
+
+
+def _inject(root: Path, plan: Fault, command: Callable[[], object]) -> tuple[object | None, list[str]]:
+    faults_hit.append("")
+    with IOFaults(root, plan) as faults:
+        try:
+            res = command()
+        except BaseException as exc:  # noqa: BLE001 (an exception through the CLI is the finding)
+            return None, [_said(plan, f"raised {type(exc).__name__}: {exc}")]
+    faults_hit[-1] = faults.fired[1] if faults.fired else ""
+    problems = [] if faults.fired else [_said(plan, "never fired (the dry count was not this command's)")]
+    out = getattr(res, "stdout", "") + getattr(res, "stderr", "")
+    if "Traceback" in out:
+        problems.append(_said(plan, f"a traceback: {out[-400:]!r}"))
+    return res, problems
+
+
+def _points(root: Path, command: list[str], errnos: tuple[int, ...]) -> tuple[list[Fault], int]:
+    """Every fault point of ``command`` (a dry pass counts its writes): the writes with each of ``errnos``, and the
+    renames (with EIO) along with the first errno."""
+    writes, renames, _events = count(root, lambda: run_cli(command, root))
+    points = plans(writes, renames, errnos, errno.EIO if errno.EIO in errnos else None)
+    return points, len(points)
+
+
+SLOW = pytest.mark.slow
+# EIO at every write and rename in the default suite; ENOSPC at every write too under -m slow (the tmpfs tests in
+# test_faults_disk.py fill a real disk)
+ERRNOS = [pytest.param((errno.EIO,), id="EIO"), pytest.param((errno.ENOSPC,), id="ENOSPC", marks=SLOW)]
+
+
+# ------------------------------------------------------------------------------------------ a run
+@pytest.mark.parametrize("errnos", ERRNOS)
+def test_every_write_of_a_run_failing_leaves_an_honest_notebook(fake_experiment, tmp_path: Path, capsys,
+                                                                 errnos: tuple[int, ...]) -> None:
+    baseline = run_cli(RUN, tmp_path)
+    assert baseline.exit_code == 0, baseline.stderr
+    points, n = _points(tmp_path, RUN, errnos)
+    problems: list[str] = []
+    for i, plan in enumerate(points):
+        before = _run_dirs(tmp_path)
+        res, found = _inject(tmp_path, plan, lambda: run_cli(RUN, tmp_path))
+        problems += found
+        if res is None:
+            continue
+        made = sorted(_run_dirs(tmp_path) - before)
+        for d in made:
+            problems += _consistent(d, res.exit_code, plan)
+        if res.exit_code == 0 and not _best_effort(faults_hit[-1]):
+            problems.append(_said(plan, f"exit 0 although writing {faults_hit[-1]} failed"))
+        recorded = [d for d in made if (d / "run.parquet").exists()]
+        problems += _readers(tmp_path, plan, str(recorded[0]) if recorded else None, str(baseline.run_dir))
+        if i % 8 == 0 or i == len(points) - 1:  # a rerun recovers
+            again = run_cli(RUN, tmp_path)
+            if again.exit_code != 0:
+                problems.append(_said(plan, f"the rerun exited {again.exit_code}: {again.stderr[-300:]!r}"))
+    with capsys.disabled():
+        print(f"\n[io faults] fake run: {n} fault points")
+    assert not problems, "\n".join(problems)
