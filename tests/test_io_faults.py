@@ -143,3 +143,181 @@ def test_every_write_of_a_run_failing_leaves_an_honest_notebook(fake_experiment,
     with capsys.disabled():
         print(f"\n[io faults] fake run: {n} fault points")
     assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------ a sweep
+SWEEP = ["fake", "-m", "seed=0,1", "flush_every_s=null"]
+
+
+def _sweeps(root: Path) -> set[Path]:
+    return set((root / "runs").glob("*/multirun-*"))
+
+
+@pytest.mark.parametrize("stride", [4, pytest.param(1, marks=SLOW)])
+def test_every_write_of_a_sweep_failing_leaves_an_honest_notebook(fake_experiment, tmp_path: Path, capsys,
+                                                                   stride: int) -> None:
+    """Every fault point under -m slow; every 4th in the default suite."""
+    from tfmoe.harness.store.notebook import effective_status, load_run, read_run_row
+    from tfmoe.harness.store.sweeps import sweep_jobs
+
+    baseline = run_cli(RUN, tmp_path)
+    points, _n = _points(tmp_path, SWEEP, (errno.EIO,))
+    points = points[::stride]
+    n = len(points)
+    problems: list[str] = []
+    for plan in points:
+        before = _sweeps(tmp_path)
+        res, found = _inject(tmp_path, plan, lambda: run_cli(SWEEP, tmp_path))
+        problems += found
+        if res is None:
+            continue
+        made = sorted(_sweeps(tmp_path) - before)
+        jobs = [d for s in made for d in sorted(s.iterdir()) if (d / "run.parquet").exists()]
+        statuses = []
+        for d in jobs:
+            try:
+                statuses.append(str(effective_status(read_run_row(d))))
+            except Exception:  # noqa: BLE001
+                statuses.append("unreadable")
+            if statuses[-1] == "ok":
+                try:
+                    load_run(d)
+                except Exception as exc:  # noqa: BLE001
+                    problems.append(_said(plan, f"job {d.name} ok but incomplete: {exc}"))
+        if res.exit_code == 0 and (len(statuses) != 2 or set(statuses) != {"ok"} or not _best_effort(faults_hit[-1])):
+            problems.append(_said(plan, f"exit 0 with jobs {statuses} after writing {faults_hit[-1]} failed"))
+        problems += _readers(tmp_path, plan, str(jobs[0]) if jobs else None, str(baseline.run_dir))
+        for s in made:  # sweep-complete recovers the table
+            if sweep_jobs(s) is None:  # multirun.yaml refused: its jobs unknown, so the recovery is a rerun
+                again = run_cli(SWEEP, tmp_path)
+                if again.exit_code != 0:
+                    problems.append(_said(plan, f"the sweep's rerun exited {again.exit_code}"))
+                continue
+            done = run_cli(["sweep-complete", str(s)], tmp_path)
+            if "Traceback" in done.stderr or not (s / "sweep.parquet").exists():
+                problems.append(_said(plan, f"sweep-complete exit {done.exit_code}: {done.stderr[-300:]!r}"))
+            else:
+                import pandas as pd
+
+                listed = pd.read_parquet(s / "sweep.parquet")["job"].astype(str).nunique()
+                if listed != 2:
+                    problems.append(_said(plan, f"sweep-complete lists {listed} of 2 jobs"))
+    with capsys.disabled():
+        print(f"\n[io faults] fake sweep (2 jobs): {n} fault points")
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------ conclude, failures add
+def test_every_write_of_conclude_failing_keeps_the_conclusions_readable(fake_experiment, tmp_path: Path,
+                                                                        capsys) -> None:
+    from tfmoe.harness.method import conclusions
+
+    run = run_cli(RUN, tmp_path).run_dir
+    texts = iter(f"conclusion {i}" for i in range(10_000))
+
+    def conclude(text: str) -> object:
+        return run_cli(["conclude", str(run), "--proven", text], tmp_path)
+
+    points, n = [], 0
+    writes, renames, _ = count(tmp_path, lambda: conclude(next(texts)))
+    points = plans(writes, renames)
+    n = len(points)
+    problems: list[str] = []
+    for plan in points:
+        text = next(texts)
+        res, found = _inject(tmp_path, plan, lambda text=text: conclude(text))
+        problems += found
+        if res is None:
+            continue
+        try:
+            rows = [r["text"] for r in conclusions.read(run)]
+        except Exception as exc:  # noqa: BLE001
+            problems.append(_said(plan, f"conclusions.parquet unreadable: {exc}"))
+            continue
+        if res.exit_code == 0 and text not in rows:
+            problems.append(_said(plan, "exit 0 but the conclusion is not recorded"))
+        if res.exit_code != 0 and len(_lines(res.stderr)) != 1:
+            problems.append(_said(plan, f"exit {res.exit_code} with stderr {res.stderr!r}"))
+        problems += _readers(tmp_path, plan, str(run), str(run))
+        again = conclude(text + " again")
+        if again.exit_code != 0 or text + " again" not in (run / "summary.md").read_text():
+            problems.append(_said(plan, f"conclude again exited {again.exit_code}: {again.stderr!r}"))
+    with capsys.disabled():
+        print(f"\n[io faults] conclude: {n} fault points")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_write_of_failures_add_failing_leaves_whole_entries(fake_experiment, tmp_path: Path, capsys) -> None:
+    from tfmoe.harness.method.failures import ENTRY_RE
+
+    run = run_cli([*RUN, "mode=fail_check"], tmp_path).run_dir  # a failure to log
+    log = tmp_path / "failures.md"
+    add = ["failures", "add", str(run), "--file", str(log), "--again", "--hypothesis", "a cause", "--fix", "a fix"]
+    assert run_cli(add, tmp_path).exit_code == 0  # the file exists: each later add appends
+    writes, renames, _ = count(tmp_path, lambda: run_cli(add, tmp_path))
+    points = plans(writes, renames)
+    problems: list[str] = []
+    for plan in points:
+        before = log.read_text()
+        res, found = _inject(tmp_path, plan, lambda: run_cli(add, tmp_path))
+        problems += found
+        if res is None:
+            continue
+        after = log.read_text()
+        grown = len(ENTRY_RE.findall(after)) - len(ENTRY_RE.findall(before))
+        if res.exit_code == 0 and grown != 1:
+            problems.append(_said(plan, f"exit 0 but {grown} entries were added"))
+        if res.exit_code != 0 and after != before:
+            problems.append(_said(plan, f"exit {res.exit_code} but failures.md changed: {after[len(before):]!r}"))
+        if res.exit_code != 0 and len(_lines(res.stderr)) != 1:
+            problems.append(_said(plan, f"exit {res.exit_code} with stderr {res.stderr!r}"))
+        listed = run_cli(["failures", "list", "--file", str(log)], tmp_path)
+        if listed.exit_code != 0:
+            problems.append(_said(plan, f"failures list exit {listed.exit_code}: {listed.stderr!r}"))
+        again = run_cli(add, tmp_path)
+        if again.exit_code != 0:
+            problems.append(_said(plan, f"the rerun exited {again.exit_code}: {again.stderr!r}"))
+    with capsys.disabled():
+        print(f"\n[io faults] failures add: {len(points)} fault points")
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------ the catalog sync
+def test_every_write_of_the_catalog_sync_failing_still_lists_every_run(fake_experiment, tmp_path: Path,
+                                                                       capsys) -> None:
+    """`runs` after new runs syncs the catalog (SQLite): a refused write still lists every run, warning at most once,
+    and the next `runs` catches up."""
+    run_cli(RUN, tmp_path)
+    assert run_cli(["runs"], tmp_path).exit_code == 0
+    run_cli(RUN, tmp_path)  # a run the catalog has not seen
+    writes, renames, _ = count(tmp_path, lambda: run_cli(["runs"], tmp_path))
+    points = plans(writes, renames)
+    problems: list[str] = []
+    for plan in points:
+        new = run_cli(RUN, tmp_path).run_dir
+        res, found = _inject(tmp_path, plan, lambda: run_cli(["runs"], tmp_path))
+        problems += found
+        if res is None:
+            continue
+        if res.exit_code != 0 or len(_lines(res.stderr)) > 1 or new.name[:20] not in res.stdout:
+            problems.append(_said(plan, f"`runs` exit {res.exit_code}, stderr {res.stderr!r}, new run listed: "
+                                        f"{new.name[:20] in res.stdout}"))
+        total = len(_run_dirs(tmp_path))
+        problems += _readers(tmp_path, plan, str(new), str(new))
+        sql = run_cli(["sql", "SELECT count(*) AS n FROM runs", "--format", "csv"], tmp_path)
+        if sql.exit_code != 0 or str(total) not in sql.stdout:
+            problems.append(_said(plan, f"after the fault, sql counts {sql.stdout!r} of {total} runs"))
+    with capsys.disabled():
+        print(f"\n[io faults] catalog sync: {len(points)} fault points")
+    assert not problems, "\n".join(problems)
+
+
+def test_a_multirun_yaml_cut_short_lists_no_guessed_jobs(tmp_path: Path) -> None:
+    """Found by the sweep's fault points: the disk refused multirun.yaml's one write, leaving it empty, and
+    sweep-complete listed one job with no overrides for a sweep of two."""
+    from tfmoe.harness.store.sweeps import sweep_jobs
+
+    (tmp_path / "multirun.yaml").write_text("")
+    assert sweep_jobs(tmp_path) is None
+    (tmp_path / "multirun.yaml").write_text("hydra:\n  run:\n")
+    assert sweep_jobs(tmp_path) is None
