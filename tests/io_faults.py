@@ -5,7 +5,7 @@ What counts, for files under ``root`` only (pytest's own files, caches and /tmp 
   write   opening a file for writing (builtins/io.open in a writing mode: it may fail to create), each write() call
           on it, each pyarrow.parquet.write_table / ParquetWriter.write_table, each writing SQL statement (INSERT,
           UPDATE, DELETE, REPLACE, CREATE, DROP, ALTER, COMMIT, ...) on an sqlite3 connection to a file under root
-          (SQLAlchemy, as MLflow uses it, goes through sqlite3.connect too)
+          (SQLAlchemy, as MLflow uses it, through sqlite3.dbapi2.connect)
   rename  os.replace / os.rename (and so Path.replace / Path.rename)
 A failed file operation raises OSError(errno) naming the path, as the kernel's refusal reaches Python; a failed SQL
 statement raises sqlite3.OperationalError with SQLite's own words ("database or disk is full", "disk I/O error").
@@ -44,6 +44,8 @@ class IOFaults:
     fault: Fault | None = None
     events: list[tuple[str, str]] = field(default_factory=list)
     fired: tuple[str, str] | None = None
+    active: bool = False
+    only: Any = None  # a predicate on the path: the events counted (default: all under root)
 
     def count(self, kind: str) -> int:
         return sum(1 for k, _ in self.events if k == kind)
@@ -56,7 +58,10 @@ class IOFaults:
         return p == self.root or self.root in p.parents
 
     def event(self, kind: str, path: Any, sql: bool = False) -> None:
-        """Count an event; raise the planned fault if this is it."""
+        """Count an event; raise the planned fault if this is it. Nothing once the block has ended (a connection
+        opened inside it, kept in a pool, outlives it)."""
+        if not self.active or (self.only is not None and not self.only(os.fsdecode(path))):
+            return
         self.events.append((kind, os.fsdecode(path) if not isinstance(path, int) else str(path)))
         if os.environ.get("TFMOE_IO_FAULTS_TRACE") == self.events[-1][1]:  # where a write comes from
             import traceback
@@ -74,6 +79,7 @@ class IOFaults:
         import pyarrow.parquet as pq
 
         self.root = Path(self.root).absolute()
+        self.active = True
         faults = self
         real_open, real_replace, real_rename = builtins.open, os.replace, os.rename
         real_write_table, real_writer, real_connect = pq.write_table, pq.ParquetWriter, sqlite3.connect
@@ -219,21 +225,23 @@ class IOFaults:
 
         self._undo = [(builtins, "open", real_open), (io, "open", io.open), (os, "replace", real_replace),
                       (os, "rename", real_rename), (pq, "write_table", real_write_table),
-                      (pq, "ParquetWriter", real_writer), (sqlite3, "connect", real_connect)]
+                      (pq, "ParquetWriter", real_writer), (sqlite3, "connect", real_connect),
+                      (sqlite3.dbapi2, "connect", real_connect)]
         builtins.open = io.open = counted_open  # type: ignore[assignment]
         os.replace, os.rename = counted_replace, counted_rename  # type: ignore[assignment]
         pq.write_table, pq.ParquetWriter = counted_write_table, CountedWriter  # type: ignore[assignment, misc]
-        sqlite3.connect = counted_connect  # type: ignore[assignment]
+        sqlite3.connect = sqlite3.dbapi2.connect = counted_connect  # type: ignore[assignment]  # SQLAlchemy: dbapi2
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self.active = False
         for module, name, value in reversed(self._undo):
             setattr(module, name, value)
 
 
-def count(root: Path, run: Any) -> tuple[int, int, list[tuple[str, str]]]:
-    """A dry pass: (writes, renames, the events) of ``run()`` under ``root``."""
-    with IOFaults(root) as faults:
+def count(root: Path, run: Any, only: Any = None) -> tuple[int, int, list[tuple[str, str]]]:
+    """A dry pass: (writes, renames, the events) of ``run()`` under ``root`` (those whose path passes ``only``)."""
+    with IOFaults(root, only=only) as faults:
         run()
     return faults.count("write"), faults.count("rename"), faults.events
 

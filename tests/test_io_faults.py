@@ -86,9 +86,10 @@ def _best_effort(path: str) -> bool:
     return path.endswith(".log")
 
 
-def _inject(root: Path, plan: Fault, command: Callable[[], object]) -> tuple[object | None, list[str]]:
+def _inject(root: Path, plan: Fault, command: Callable[[], object],
+            only: Callable[[str], bool] | None = None) -> tuple[object | None, list[str]]:
     faults_hit.append("")
-    with IOFaults(root, plan) as faults:
+    with IOFaults(root, plan, only=only) as faults:
         try:
             res = command()
         except BaseException as exc:  # noqa: BLE001 (an exception through the CLI is the finding)
@@ -321,3 +322,91 @@ def test_a_multirun_yaml_cut_short_lists_no_guessed_jobs(tmp_path: Path) -> None
     assert sweep_jobs(tmp_path) is None
     (tmp_path / "multirun.yaml").write_text("hydra:\n  run:\n")
     assert sweep_jobs(tmp_path) is None
+
+
+# ------------------------------------------------------------------------------------------ export mlflow
+def _mlflow_runs(uri: str) -> dict[str, list[dict[str, str]]]:
+    """tfmoe run id -> the tags of every MLflow run exported for it."""
+    import mlflow
+    from mlflow.entities import ViewType
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    found: dict[str, list[dict[str, str]]] = {}
+    for exp in client.search_experiments():
+        for run in client.search_runs([exp.experiment_id], run_view_type=ViewType.ALL):
+            if "tfmoe.run_id" in run.data.tags:
+                found.setdefault(run.data.tags["tfmoe.run_id"], []).append(run.data.tags)
+    return found
+
+
+def _store(path: str) -> bool:
+    """The export's own writes: the MLflow store and its artifacts (the catalog's are test_..._catalog_sync's)."""
+    return not path.endswith(".sqlite3")
+
+
+def _mlflow_points(events: list[tuple[str, str]], exhaustive: bool) -> list[int]:
+    """The write numbers to fail: all, or the first, a middle and the last statement of the store's creation, the
+    first artifact and the last write."""
+    writes = [path for kind, path in events if kind == "write"]
+    if exhaustive:
+        return list(range(1, len(writes) + 1))
+    db = [i for i, p in enumerate(writes, 1) if p.endswith(".db")]  # the store, not the catalog (.sqlite3)
+    artifacts = [i for i, p in enumerate(writes, 1) if "mlruns" in p or "mlartifacts" in p]
+    return sorted({db[0], db[len(db) // 2], db[-1], *(artifacts[:1])})
+
+
+@pytest.mark.parametrize("exhaustive", [False, pytest.param(True, marks=SLOW)])
+def test_a_failed_first_mlflow_export_is_completed_by_the_next(fake_experiment, tmp_path: Path, capsys,
+                                                               exhaustive: bool) -> None:
+    """A first export into a new store, its Nth write failing (creating the store's schema, an artifact, the final
+    tags): no traceback, and the next export completes it — exactly one MLflow run per tfmoe run, each complete."""
+    pytest.importorskip("mlflow")
+    from tfmoe.harness.reading.export_mlflow import COMPLETE_TAG
+
+    ids = {run_cli(RUN, tmp_path).run_dir.name, run_cli([*RUN, "mode=fail_check"], tmp_path).run_dir.name}
+    run_cli(["runs"], tmp_path)  # the catalog is in sync: the points below are the export's own
+
+    def export(uri: str) -> object:
+        return run_cli(["export", "mlflow", "--tracking-uri", uri], tmp_path)
+
+    _w, renames, events = count(tmp_path, lambda: export(f"sqlite:///{tmp_path}/dry.db"), only=_store)
+    points = [Fault("write", n, errno.EIO) for n in _mlflow_points(events, exhaustive)]
+    points += [Fault("rename", n, errno.EIO) for n in range(1, renames + 1)]
+    problems: list[str] = []
+    for i, plan in enumerate(points):
+        uri = f"sqlite:///{tmp_path}/store-{i}.db"
+        res, found = _inject(tmp_path, plan, lambda uri=uri: export(uri), only=_store)
+        problems += found
+        if res is not None and res.exit_code != 0 and len(_lines(res.stderr)) > 2:
+            problems.append(_said(plan, f"exit {res.exit_code} with stderr {res.stderr[-500:]!r}"))
+        again = export(uri)
+        if again.exit_code != 0:
+            problems.append(_said(plan, f"the next export exited {again.exit_code}: {again.stderr[-400:]!r}"))
+            continue
+        exported = _mlflow_runs(uri)
+        for run_id in ids:
+            tags = exported.get(run_id, [])
+            if len(tags) != 1 or tags[0].get(COMPLETE_TAG) != "true":
+                problems.append(_said(plan, f"{run_id}: {len(tags)} MLflow run(s) after the next export, complete: "
+                                            f"{[t.get(COMPLETE_TAG) for t in tags]}"))
+    with capsys.disabled():
+        print(f"\n[io faults] export mlflow: {len(points)} fault points (of {_w} writes, {renames} renames)")
+    assert not problems, "\n".join(problems)
+
+
+def test_a_store_left_half_created_by_an_earlier_export_is_made_again(fake_experiment, tmp_path: Path) -> None:
+    """Before: a first export stopped inside MLflow's migrations left `_alembic_tmp_*` tables, and every later
+    export refused the store with a 21-line SQL dump."""
+    import sqlite3
+
+    pytest.importorskip("mlflow")
+    run = run_cli(RUN, tmp_path).run_dir
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        conn.execute("CREATE TABLE _alembic_tmp_endpoints (x INTEGER)")
+    res = run_cli(["export", "mlflow", "--tracking-uri", f"sqlite:///{db}"], tmp_path)
+    assert res.exit_code == 0, res.stderr
+    assert _lines(res.stderr) == [ln for ln in _lines(res.stderr) if "half-created" in ln] and len(_lines(res.stderr)) == 1
+    assert list(tmp_path.glob("mlflow.db.half-created-*"))
+    assert len(_mlflow_runs(f"sqlite:///{db}")[run.name]) == 1
