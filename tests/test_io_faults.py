@@ -117,32 +117,63 @@ ERRNOS = [pytest.param((errno.EIO,), id="EIO"), pytest.param((errno.ENOSPC,), id
 
 
 # ------------------------------------------------------------------------------------------ a run
-@pytest.mark.parametrize("errnos", ERRNOS)
-def test_every_write_of_a_run_failing_leaves_an_honest_notebook(fake_experiment, tmp_path: Path, capsys,
-                                                                 errnos: tuple[int, ...]) -> None:
-    baseline = run_cli(RUN, tmp_path)
-    assert baseline.exit_code == 0, baseline.stderr
-    points, n = _points(tmp_path, RUN, errnos)
+def _run_at_every_point(root: Path, command: list[str], errnos: tuple[int, ...], stride: int = 1) -> tuple[int, list[str]]:
+    """``command`` (a run) once per fault point (every ``stride``-th), the promises checked after each."""
+    baseline = run_cli(command, root)
+    assert baseline.exit_code in (0, 1), baseline.stderr  # (a run may fail a check: the promises are the same)
+    points, _n = _points(root, command, errnos)
+    points = points[::stride]
     problems: list[str] = []
     for i, plan in enumerate(points):
-        before = _run_dirs(tmp_path)
-        res, found = _inject(tmp_path, plan, lambda: run_cli(RUN, tmp_path))
+        before = _run_dirs(root)
+        res, found = _inject(root, plan, lambda: run_cli(command, root))
         problems += found
         if res is None:
             continue
-        made = sorted(_run_dirs(tmp_path) - before)
+        made = sorted(_run_dirs(root) - before)
         for d in made:
             problems += _consistent(d, res.exit_code, plan)
         if res.exit_code == 0 and not _best_effort(faults_hit[-1]):
             problems.append(_said(plan, f"exit 0 although writing {faults_hit[-1]} failed"))
         recorded = [d for d in made if (d / "run.parquet").exists()]
-        problems += _readers(tmp_path, plan, str(recorded[0]) if recorded else None, str(baseline.run_dir))
+        problems += _readers(root, plan, str(recorded[0]) if recorded else None, str(baseline.run_dir))
         if i % 8 == 0 or i == len(points) - 1:  # a rerun recovers
-            again = run_cli(RUN, tmp_path)
-            if again.exit_code != 0:
+            again = run_cli(command, root)
+            if again.exit_code != baseline.exit_code:
                 problems.append(_said(plan, f"the rerun exited {again.exit_code}: {again.stderr[-300:]!r}"))
+    return len(points), problems
+
+
+@pytest.mark.parametrize("errnos", ERRNOS)
+def test_every_write_of_a_run_failing_leaves_an_honest_notebook(fake_experiment, tmp_path: Path, capsys,
+                                                                 errnos: tuple[int, ...]) -> None:
+    n, problems = _run_at_every_point(tmp_path, RUN, errnos)
     with capsys.disabled():
         print(f"\n[io faults] fake run: {n} fault points")
+    assert not problems, "\n".join(problems)
+
+
+# each experiment with a small config (its writes: the tables, the summary, its plots, .hydra/)
+EXPERIMENT_RUNS = {
+    "tokenize": ["tokenize"],
+    "attn-check": ["attn-check", "d_model=16", "n_heads=4", "T=6", "checks=[masks,sdpa]"],
+    "arch": ["arch"],
+    "block-stats": ["block-stats"],
+    "shift-labels": ["shift-labels"],
+    "decode": ["decode"],
+    "route-sim": ["route-sim", "steps=6", "train_tokens=64"],
+    "complexity": ["complexity"],
+}
+
+
+@SLOW
+@pytest.mark.parametrize("experiment", sorted(EXPERIMENT_RUNS))
+def test_every_write_of_each_experiment_failing_leaves_an_honest_notebook(tmp_path: Path, capsys,
+                                                                          experiment: str) -> None:
+    """Every experiment at every fault point (EIO): `pytest tests/test_io_faults.py -m slow -k each_experiment`."""
+    n, problems = _run_at_every_point(tmp_path, [*EXPERIMENT_RUNS[experiment], "flush_every_s=null"], (errno.EIO,))
+    with capsys.disabled():
+        print(f"\n[io faults] {experiment} run: {n} fault points")
     assert not problems, "\n".join(problems)
 
 

@@ -58,8 +58,8 @@ def launch(spec: dict[str, Any], world: int, worker_cmd: list[str] | None = None
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
                                 start_new_session=True, preexec_fn=lifetime.tied_preexec())
+        local = range(world) if worker_cmd is None else range(1)  # under SLURM: rank 0's worker alone
         try:
-            local = range(world) if worker_cmd is None else range(1)  # under SLURM: rank 0's worker alone
             out, err = watch(proc, name, world, float(spec["timeout_s"]), bound, beats, local)
         except BaseException:  # Ctrl-C, SIGTERM (Terminated), a watchdog: every rank stops first
             stop(proc, beats)
@@ -68,7 +68,7 @@ def launch(spec: dict[str, Any], world: int, worker_cmd: list[str] | None = None
             stop_workers(beats)  # a worker the launcher left behind (it died before it could stop them)
         if proc.returncode != 0:
             logging.getLogger("tfmoe").error("%s exited %d; its stderr ends:\n%s", name, proc.returncode, err[-4000:])
-            silent = silent_rank(beats, float(spec["timeout_s"]), world, launched)
+            silent = silent_rank(beats, float(spec["timeout_s"]), world, launched, local)
             raise RankFailed(silent or (explain or failure_line)(err, proc.returncode, world))
     finally:
         shutil.rmtree(beats, ignore_errors=True)
@@ -121,17 +121,19 @@ def watch(proc: subprocess.Popen, name: str, world: int, timeout_s: float, bound
                              "answering: stopped or frozen); every rank was stopped")
 
 
-def silent_rank(beats: str, timeout_s: float, world: int, started: float) -> str | None:
+def silent_rank(beats: str, timeout_s: float, world: int, started: float, local: range | None = None) -> str | None:
     """After the launcher failed: a rank whose beats stopped well before the others' (stopped or frozen while its
     peers waited for it in a collective), or that never beat at all (wall clock ``started``: the launch), named as
-    the cause instead of the peer that timed out."""
+    the cause instead of the peer that timed out. Only the ranks started here (``local``) are judged."""
     from tfmoe import lifetime
 
     seen = {rank: age for rank, (age, _pid, _started) in lifetime.beats_of(beats).items()}
     if not seen:
         return None
     never = time.time() - started
-    ages = {r: seen.get(r, never) for r in range(world)}
+    ages = {r: seen.get(r, never) for r in (range(world) if local is None else local)}
+    if len(ages) < 2:
+        return None
     freshest = min(ages.values())
     quiet = {r: age for r, age in ages.items() if age - freshest >= max(timeout_s / 2, 2.0)}
     if not quiet:
