@@ -644,7 +644,9 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     if not quiet:
         print_outcome(dirs, sweeps)
     if failed is not None:
-        print(f"error: the sweep's launcher failed ({failed}); {unfinished_jobs(dirs, sweeps)}", file=sys.stderr)
+        what = f"the sweep's launcher failed ({failed}); {unfinished_jobs(dirs, sweeps)}" if multirun else \
+            f"Hydra could not run it ({failed})"
+        print(f"error: {what}", file=sys.stderr)
     codes = [exit_code_of(dirs)] if dirs else []
     if any(has_unstarted_jobs(s) for s in sweeps):  # jobs that never ran: a stop (Ctrl-C's code) or the launcher's
         codes.append(failed.exit_code if failed is not None else Status.NOT_STARTED.exit_code)
@@ -664,8 +666,13 @@ def said_launcher_error(exc: Exception) -> LauncherFailed | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(exc, (HydraException, OmegaConfBaseException)):
-        print(f"error: {' '.join(str(exc).split())[:400]}", file=sys.stderr)
+    from tfmoe.errors import disk_problem
+
+    said = disk_problem(exc)  # the file system refused Hydra's directories or files: bad input, exit 2
+    if said is None and isinstance(exc, (HydraException, OmegaConfBaseException)):
+        said = " ".join(str(exc).split())[:400]
+    if said is not None:
+        print(f"error: {said}", file=sys.stderr)
         return None
     if _USER_FULL_ERROR:
         traceback.print_exception(exc)
