@@ -48,10 +48,13 @@ def test_a_launchers_error_is_one_line_and_says_whether_a_worker_was_lost() -> N
 
 
 def _loky_workers(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The launcher's loky workers, once they run loky's worker program (not a child still being forked, nor the
+    resource tracker)."""
     kids = []
     for child in psutil.Process(proc.pid).children():
         try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
+            line = " ".join(child.cmdline())
+            if "loky" in line and "resource_tracker" not in line:
                 kids.append(child)
         except psutil.Error:
             continue
