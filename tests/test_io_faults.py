@@ -96,7 +96,10 @@ def _inject(root: Path, plan: Fault, command: Callable[[], object],
         except BaseException as exc:  # noqa: BLE001 (an exception through the CLI is the finding)
             return None, [_said(plan, f"raised {type(exc).__name__}: {exc}")]
     faults_hit[-1] = faults.fired[1] if faults.fired else ""
-    problems = [] if faults.fired else [_said(plan, "never fired (the dry count was not this command's)")]
+    # a command may write a little less than in the dry pass (a cache or catalog row already made): a point past
+    # its last write is no fault point this time
+    missed = faults.fired is None and plan.n <= faults.count(plan.kind)
+    problems = [_said(plan, "never fired (the dry count was not this command's)")] if missed else []
     out = getattr(res, "stdout", "") + getattr(res, "stderr", "")
     if "Traceback" in out:
         problems.append(_said(plan, f"a traceback: {out[-400:]!r}"))
@@ -111,10 +114,12 @@ def _points(root: Path, command: list[str], errnos: tuple[int, ...]) -> tuple[li
     return points, len(points)
 
 
+pytestmark = pytest.mark.timeout(1200)  # minutes of wall time on a loaded machine
 SLOW = pytest.mark.slow
+HOURS = pytest.mark.timeout(6 * 3600)  # the exhaustive versions (-m slow)
 # EIO at every write and rename in the default suite; ENOSPC at every write too under -m slow (the tmpfs tests in
 # test_faults_disk.py fill a real disk)
-ERRNOS = [pytest.param((errno.EIO,), id="EIO"), pytest.param((errno.ENOSPC,), id="ENOSPC", marks=SLOW)]
+ERRNOS = [pytest.param((errno.EIO,), id="EIO"), pytest.param((errno.ENOSPC,), id="ENOSPC", marks=[SLOW, HOURS])]
 
 
 # ------------------------------------------------------------------------------------------ a run
@@ -134,7 +139,7 @@ def _run_at_every_point(root: Path, command: list[str], errnos: tuple[int, ...],
         made = sorted(_run_dirs(root) - before)
         for d in made:
             problems += _consistent(d, res.exit_code, plan)
-        if res.exit_code == 0 and not _best_effort(faults_hit[-1]):
+        if res.exit_code == 0 and faults_hit[-1] and not _best_effort(faults_hit[-1]):
             problems.append(_said(plan, f"exit 0 although writing {faults_hit[-1]} failed"))
         recorded = [d for d in made if (d / "run.parquet").exists()]
         problems += _readers(root, plan, str(recorded[0]) if recorded else None, str(baseline.run_dir))
@@ -168,6 +173,7 @@ EXPERIMENT_RUNS = {
 
 
 @SLOW
+@HOURS
 @pytest.mark.parametrize("experiment", sorted(EXPERIMENT_RUNS))
 def test_every_write_of_each_experiment_failing_leaves_an_honest_notebook(tmp_path: Path, capsys,
                                                                           experiment: str) -> None:
@@ -186,7 +192,7 @@ def _sweeps(root: Path) -> set[Path]:
     return set((root / "runs").glob("*/multirun-*"))
 
 
-@pytest.mark.parametrize("stride", [6, pytest.param(1, marks=SLOW)])
+@pytest.mark.parametrize("stride", [6, pytest.param(1, marks=[SLOW, HOURS])])
 def test_every_write_of_a_sweep_failing_leaves_an_honest_notebook(fake_experiment, tmp_path: Path, capsys,
                                                                    stride: int) -> None:
     """Every fault point under -m slow; every 6th in the default suite."""
@@ -217,7 +223,8 @@ def test_every_write_of_a_sweep_failing_leaves_an_honest_notebook(fake_experimen
                     load_run(d)
                 except Exception as exc:  # noqa: BLE001
                     problems.append(_said(plan, f"job {d.name} ok but incomplete: {exc}"))
-        if res.exit_code == 0 and (len(statuses) != 2 or set(statuses) != {"ok"} or not _best_effort(faults_hit[-1])):
+        if res.exit_code == 0 and faults_hit[-1] and (len(statuses) != 2 or set(statuses) != {"ok"}
+                                                       or not _best_effort(faults_hit[-1])):
             problems.append(_said(plan, f"exit 0 with jobs {statuses} after writing {faults_hit[-1]} failed"))
         problems += _readers(tmp_path, plan, str(jobs[0]) if jobs else None, str(baseline.run_dir))
         for s in made:  # sweep-complete recovers the table
@@ -387,7 +394,7 @@ def _mlflow_points(events: list[tuple[str, str]], exhaustive: bool) -> list[int]
     return sorted({db[0], db[-1], *(artifacts[:1])})
 
 
-@pytest.mark.parametrize("exhaustive", [False, pytest.param(True, marks=SLOW)])
+@pytest.mark.parametrize("exhaustive", [False, pytest.param(True, marks=[SLOW, HOURS])])
 def test_a_failed_first_mlflow_export_is_completed_by_the_next(fake_experiment, tmp_path: Path, capsys,
                                                                exhaustive: bool) -> None:
     """A first export into a new store, its Nth write failing (creating the store's schema, an artifact, the final
