@@ -47,13 +47,13 @@ def raise_terminated(signum: int, frame: object = None) -> None:
     raise Terminated(signum)
 
 
-# What the file system, not tfmoe, refuses: a full disk or quota, a read-only mount
-DISK_ERRNOS = {28, 122, 30}  # ENOSPC, EDQUOT, EROFS
+# What the file system, not tfmoe, refuses: a full disk or quota, a read-only mount, a failing device
+DISK_ERRNOS = {28, 122, 30, 5}  # ENOSPC, EDQUOT, EROFS, EIO
 
 
 def disk_problem(exc: BaseException, path: object = None) -> str | None:
-    """One line naming the cause, the path and the fix when ``exc`` (or what caused it) is a full disk, a quota or a
-    read-only file system; None for any other error."""
+    """One line naming the cause, the path and the fix when ``exc`` (or what caused it) is a full disk, a quota, a
+    read-only file system or a failing device (EIO); None for any other error."""
     import errno
     import os
 
@@ -66,10 +66,13 @@ def disk_problem(exc: BaseException, path: object = None) -> str | None:
             code = errno.ENOSPC
         if code is None and "database or disk is full" in str(seen):
             code = errno.ENOSPC
+        if code is None and ("disk I/O error" in str(seen) or "Input/output error" in str(seen)):  # SQLite, Arrow
+            code = errno.EIO
         if code in DISK_ERRNOS:
             where = getattr(seen, "filename", None) or path
-            fix = ("free space there, or pass run_root=DIR on another disk" if code != errno.EROFS
-                   else "pass run_root=DIR that you can write")
+            fix = {errno.EROFS: "pass run_root=DIR that you can write",
+                   errno.EIO: "check the device (dmesg), or pass run_root=DIR on another disk"}.get(
+                code, "free space there, or pass run_root=DIR on another disk")
             return f"cannot write {where}: {os.strerror(code)} (errno {errno.errorcode[code]}): {fix}"
         seen = seen.__cause__ or seen.__context__
     return None

@@ -184,8 +184,10 @@ def serve_peer(cfg: Any, settings_of: Callable[[Any], Any]) -> int | None:
     from tfmoe.experiments.route_sim.ep_launch import STARTUP_S, how_ended, stop
 
     bound = STARTUP_S + s.ep.timeout_s * (s.ep.steps + 4)  # as task 0 bounds its worker (one layer)
-    proc = subprocess.Popen(WORKER_CMD, env=worker_env(step, s.ep.timeout_s),
-                            start_new_session=True)
+    from tfmoe import lifetime
+
+    env = {**worker_env(step, s.ep.timeout_s), lifetime.OWNER_ENV: lifetime.owner_token()}
+    proc = subprocess.Popen(WORKER_CMD, env=env, start_new_session=True, preexec_fn=lifetime.tied_preexec())
     try:
         code = watch(proc, step, bound)
     except (KeyboardInterrupt, Terminated) as exc:
@@ -267,6 +269,10 @@ def first_failure(store: Any, world: int, mine: str, grace_s: float = REPORT_GRA
 
 def main() -> int:
     """One rank: env:// rendezvous, the spec from rank 0, ep_worker.run_rank; rank 0 prints the records."""
+    from tfmoe import lifetime
+
+    lifetime.die_with_parent()  # the task's tfmoe starts it: it ends with that process
+    lifetime.watch_owner()
     import torch
     import torch.distributed as dist
 

@@ -15,6 +15,12 @@ Every collective has the spec's timeout: a dead peer ends this rank with an erro
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a worker: tied to tfmoe's lifetime before anything else (tfmoe.lifetime)
+    from tfmoe import lifetime as _lifetime
+
+    _lifetime.die_with_parent()
+    _lifetime.watch_owner()
+
 import base64
 import copy
 import datetime

@@ -261,6 +261,80 @@ def check_writable(run_root: str) -> None:
                        f"{MIN_FREE_BYTES // 1024} KiB to start): free space there, or pass run_root=DIR on another disk")
 
 
+def check_launcher_settings(composed: Any) -> None:
+    """A launcher setting that cannot start a single job, refused before the sweep starts (the launcher would raise
+    inside Hydra, and every job would be left unstarted): joblib's ``n_jobs`` must be a non-zero integer."""
+    from omegaconf import OmegaConf
+
+    target = str(OmegaConf.select(composed, "hydra.launcher._target_", default="") or "")
+    if target.endswith("JoblibLauncher"):
+        n = OmegaConf.select(composed, "hydra.launcher.n_jobs", default=None)
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n == 0):
+            raise BadInput(f"hydra.launcher.n_jobs={n}: joblib needs a non-zero number of worker processes "
+                           "(-1: one per CPU): pass hydra.launcher.n_jobs=2")
+
+
+class LauncherFailed(Exception):
+    """The sweep's launcher itself raised (not a job, not a signal): said in one line, never a traceback."""
+
+    def __init__(self, exc: BaseException) -> None:
+        first = " ".join((str(exc).strip().splitlines() or [""])[0].split()).split(". ")[0]
+        super().__init__(f"{type(exc).__name__}: {first[:300]}" if first else type(exc).__name__)
+        self.cause = exc
+        # a worker process killed under the launcher (joblib's TerminatedWorkerError): its job is lost
+        self.exit_code = (Status.LOST.exit_code if any(c.__name__ in ("TerminatedWorkerError", "BrokenProcessPool")
+                                                       for c in type(exc).__mro__) else Status.CRASHED.exit_code)
+
+
+_USER_FULL_ERROR = False  # the user asked Hydra for full tracebacks (HYDRA_FULL_ERROR=1)
+
+
+@contextlib.contextmanager
+def launcher_errors_raised() -> Any:
+    """While Hydra launches: an exception it would print as a traceback (a launcher's own) is raised instead
+    (HYDRA_FULL_ERROR), so launch says it in one line; the user's own HYDRA_FULL_ERROR=1 keeps the traceback too."""
+    global _USER_FULL_ERROR
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    _USER_FULL_ERROR = before == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = before
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Any:
+    """While a stopped sweep's records are completed (sweep.parquet, the job list): Ctrl-C and SIGTERM are noted,
+    not raised, so a second Ctrl-C never leaves the sweep without its table; the first one noted is re-raised at
+    the end (as KeyboardInterrupt or Terminated)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from tfmoe.harness.launching import runner
+
+    got: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        got.append(signum)
+        runner._SIGNALS_SEEN.append(signum)  # a test's hold (runner.stage) ends on it
+
+    previous = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if got:
+        raise KeyboardInterrupt if got[0] == signal.SIGINT else Terminated(got[0])
+
+
 def sweep_job_overrides(overrides: list[str]) -> list[list[str]] | None:
     """Each job's task overrides, in job order, as Hydra's basic sweeper enumerates them; None for another sweeper
     (it enumerates its own jobs)."""
@@ -487,6 +561,8 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     overrides, flags = split_args(args)
     overrides = [force_expect(o) for o in overrides]
     composed = validate_overrides(exp, overrides)
+    if multirun:
+        check_launcher_settings(composed)
     validate_expectations(exp, composed, multirun)
     checking = validate_only()
     if not any(f in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") for f in flags):
@@ -518,31 +594,42 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
     GlobalHydra.instance().clear()
     main = hydra.main(version_base="1.3", config_path=str(config_dir()), config_name=exp.config)(runner.execute)
     hydra_failed = False
+    failed: LauncherFailed | None = None
     dirs: list[Path] = []
     sweeps: list[Path] = []
     stopped: BaseException | None = None
     try:
-        with runner.stop_reaches_workers(out):
-            main()
-    except runner.JobNotStarted as exc:  # the disk filled during the sweep: this job (and the rest) never started
-        print(f"error: {exc.said} (its .hydra/ records refused; the sweep stops here)", file=sys.stderr)
-        runner.UNRECORDED.add(exc.job_dir.resolve())
-    except SystemExit as exc:  # Hydra's own error path: a bad config, or a launcher that lost a job
-        hydra_failed = exc.code not in (0, None)
-    except (KeyboardInterrupt, Terminated) as exc:  # Ctrl-C / SIGTERM here: say each job's outcome, then stop
-        stopped = exc
+        try:
+            with runner.stop_reaches_workers(out), launcher_errors_raised():
+                main()
+        except runner.JobNotStarted as exc:  # the disk filled during the sweep: this job (and the rest) never started
+            print(f"error: {exc.said} (its .hydra/ records refused; the sweep stops here)", file=sys.stderr)
+            runner.UNRECORDED.add(exc.job_dir.resolve())
+        except SystemExit as exc:  # Hydra's own error path: a bad config, or a launcher that lost a job
+            hydra_failed = exc.code not in (0, None)
+        except (KeyboardInterrupt, Terminated) as exc:  # Ctrl-C / SIGTERM here: say each job's outcome, then stop
+            stopped = exc
+        except Exception as exc:  # raised through Hydra (launcher_errors_raised): one line, never a traceback
+            failed = said_launcher_error(exc)
+            hydra_failed = failed is None
+    except (KeyboardInterrupt, Terminated) as exc:  # a second Ctrl-C while Hydra unwound the first
+        stopped = stopped or exc
     finally:
-        sys.argv = saved_argv
-        GlobalHydra.instance().clear()
-        # a sweep that stopped early (a job killed, a launcher error, Ctrl-C/SIGTERM here) still gets its
-        # sweep.parquet: the jobs that finished and the state of the others
-        hydra_callbacks.complete_unfinished_sweeps()
-        dirs, sweeps = made_dirs(out, multirun)
-        if made is not None:
-            made.extend(dirs)
+        with contextlib.suppress(KeyboardInterrupt, Terminated), signals_deferred():
+            sys.argv = saved_argv
+            GlobalHydra.instance().clear()
+            if multirun:
+                runner.stage("sweep_records")
+            # a sweep that stopped early (a job killed, a launcher error, Ctrl-C/SIGTERM here) still gets its
+            # sweep.parquet: the jobs that finished and the state of the others; a further Ctrl-C waits for it
+            hydra_callbacks.complete_unfinished_sweeps()
+            dirs, sweeps = made_dirs(out, multirun)
+            if made is not None:
+                made.extend(dirs)
     if stopped is not None:
         if multirun and dirs and not quiet:
-            print_outcome(dirs, sweeps)
+            with contextlib.suppress(KeyboardInterrupt, Terminated):
+                print_outcome(dirs, sweeps)
         raise stopped
     unrecorded = {d for d in runner.UNRECORDED if d == out.resolve() or out.resolve() in d.parents}
     runner.UNRECORDED.difference_update(unrecorded)
@@ -552,16 +639,59 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         return worst_exit_code([exit_code_of([d for d in dirs if d not in unrecorded]), Status.ERROR.exit_code])
     if hydra_failed and not sweeps and not dirs:
         return EXIT_FROM_HYDRA
-    if not dirs:
+    if not dirs and not sweeps and failed is None:
         return 0  # --cfg / --info: Hydra printed and ran nothing
     if not quiet:
         print_outcome(dirs, sweeps)
-    codes = [exit_code_of(dirs)]
-    if any(has_unstarted_jobs(s) for s in sweeps):
-        codes.append(Status.NOT_STARTED.exit_code)
+    if failed is not None:
+        what = f"the sweep's launcher failed ({failed}); {unfinished_jobs(dirs, sweeps)}" if multirun else \
+            f"Hydra could not run it ({failed})"
+        print(f"error: {what}", file=sys.stderr)
+    codes = [exit_code_of(dirs)] if dirs else []
+    if any(has_unstarted_jobs(s) for s in sweeps):  # jobs that never ran: a stop (Ctrl-C's code) or the launcher's
+        codes.append(failed.exit_code if failed is not None else Status.NOT_STARTED.exit_code)
+    if failed is not None:
+        codes.append(failed.exit_code)
     if hydra_failed:
         codes.append(EXIT_FROM_HYDRA)
     return worst_exit_code(codes)
+
+
+def said_launcher_error(exc: Exception) -> LauncherFailed | None:
+    """An exception raised through Hydra's launch: Hydra's own (a config error: its message in one line on stderr,
+    None) or the launcher's (a LauncherFailed); the traceback goes to stderr only under the user's own
+    HYDRA_FULL_ERROR=1."""
+    import traceback
+
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from tfmoe.errors import disk_problem
+
+    said = disk_problem(exc)  # the file system refused Hydra's directories or files: bad input, exit 2
+    if said is None and isinstance(exc, (HydraException, OmegaConfBaseException)):
+        said = " ".join(str(exc).split())[:400]
+    if said is not None:
+        print(f"error: {said}", file=sys.stderr)
+        return None
+    if _USER_FULL_ERROR:
+        traceback.print_exception(exc)
+    return LauncherFailed(exc)
+
+
+def unfinished_jobs(dirs: list[Path], sweeps: list[Path]) -> str:
+    """'2 of 3 jobs did not run or did not finish' from the sweeps' tables (or the run directories)."""
+    import pandas as pd
+
+    total, done = 0, 0
+    for s in sweeps:
+        with contextlib.suppress(Exception):
+            table = pd.read_parquet(s / "sweep.parquet", columns=["job", "status"]).drop_duplicates("job")
+            total += len(table)
+            done += int(table["status"].isin([st.value for st in Status if st.final and st != Status.NOT_STARTED]).sum())
+    if not total:
+        return f"{len(dirs)} job(s) started"
+    return f"{total - done} of {total} job(s) did not run or did not finish"
 
 
 def replay(ref: str, runs_root: Path) -> int:

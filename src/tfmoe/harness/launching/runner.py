@@ -375,6 +375,8 @@ def keep_code(cfg: DictConfig, writer: Any) -> None:
     try:
         writer.write_code(capture(OmegaConf.to_container(cfg, resolve=True), writer.run_dir))
     except Exception as exc:  # the run goes on; its log says what could not be kept
+        if disk_problem(exc, writer.run_dir) is not None:  # the disk refused the run's records: not ok, say so
+            raise
         log.warning("could not keep the code this run used: %s: %s", type(exc).__name__, exc)
 
 

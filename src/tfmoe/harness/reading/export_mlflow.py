@@ -187,14 +187,74 @@ def store_lock(tracking_uri: str, wait_s: float = 3600) -> Iterator[None]:
         lock.release()
 
 
+def open_client(client_cls: Any, tracking_uri: str) -> Any:
+    """MLflow's client on the store. A new sqlite store is created whole or not at all: its schema is made in a
+    file beside it, then renamed into place, so an export killed or refused a write while creating it leaves no
+    half-made store. One such store left by an earlier export (an MLflow migration's leftovers, no version, or
+    empty), holding no run, is moved aside (said on stderr) and created again."""
+    import os
+
+    from tfmoe.harness.store.rundir import utcnow
+
+    db = Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else None
+    if db is not None and db.name and db.parent.is_dir():
+        if db.is_file() and half_created(db):
+            aside = db.with_name(f"{db.name}.half-created-{utcnow():%Y%m%dT%H%M%SZ}")
+            os.replace(db, aside)
+            print(f"{db} was left half-created by an earlier export and holds no run: moved to {aside}, created "
+                  "again", file=sys.stderr)
+        if not db.exists():
+            import uuid
+
+            for left in db.parent.glob(f".{db.name}.tfmoe-creating-*"):  # an earlier attempt's (the store is locked)
+                left.unlink(missing_ok=True)
+            making = db.with_name(f".{db.name}.tfmoe-creating-{uuid.uuid4().hex[:8]}")  # new: MLflow caches by URI
+            client_cls(tracking_uri=f"sqlite:///{making}")  # MLflow creates its schema
+            os.replace(making, db)
+    return client_cls(tracking_uri=tracking_uri)
+
+
+def half_created(db: Path) -> bool:
+    """Whether a sqlite file is an MLflow store whose creation stopped part-way (no schema version, a migration's
+    temporary table, or nothing at all) and holds no run."""
+    import sqlite3
+
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if "runs" in tables and conn.execute("SELECT count(*) FROM runs").fetchone()[0]:
+                return False
+            versioned = "alembic_version" in tables and conn.execute(
+                "SELECT count(*) FROM alembic_version").fetchone()[0] > 0
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return False  # not a database: MLflow says so
+    return not versioned or any(t.startswith("_alembic_tmp_") for t in tables)
+
+
+def one_line(exc: BaseException, where: str | None = None) -> str:
+    """An MLflow or SQLAlchemy error in one line: a refused write as :func:`tfmoe.errors.disk_problem` says it, else
+    the message without SQLAlchemy's statement dump and link."""
+    from tfmoe.errors import disk_problem
+
+    said = disk_problem(exc, where)
+    if said is not None:  # the store, not a run directory, is where the space or device is wanting
+        return said.replace("pass run_root=DIR", "pass --tracking-uri")
+    text = str(getattr(exc, "message", exc)).split("\n[SQL:")[0].split("(Background on this error")[0]
+    return " ".join(text.split())[:400]
+
+
 class Exporter:
     def __init__(self, tracking_uri: str) -> None:
         mlflow, client_cls = _mlflow()
         self.mlflow = mlflow
         try:
-            self.client = client_cls(tracking_uri=tracking_uri)
-        except Exception as exc:
-            raise BadInput(f"cannot open MLflow tracking store {tracking_uri!r}: {exc}") from None
+            self.client = open_client(client_cls, tracking_uri)
+        except Exception as exc:  # its schema not created (a refused write, a store of another version): one line
+            raise BadInput(f"cannot open MLflow tracking store {tracking_uri!r}: {one_line(exc, tracking_uri)}; a store an export "
+                           "left half-created is completed by the next `tfmoe export mlflow`") from None
         self.artifact_root = _tracking_store(tracking_uri)
         self.experiments: dict[str, str] = {}
         self.known: dict[str, dict[str, str]] = {}  # experiment id -> tfmoe.run_id -> MLflow run id
@@ -394,7 +454,7 @@ def export(refs: list[str], runs_root: Path, tracking_uri: str = DEFAULT_URI) ->
             singles.append(d)
         else:
             sweeps.setdefault(sweep, []).append(d)
-    with store_lock(tracking_uri):  # one export at a time per store, from opening it (its schema) to the end
+    with store_lock(tracking_uri), _mlflow_logs_quiet():  # one export at a time per store, from its schema on
         exporter = Exporter(tracking_uri)
         try:
             for d in singles:
@@ -403,11 +463,23 @@ def export(refs: list[str], runs_root: Path, tracking_uri: str = DEFAULT_URI) ->
                 exporter.export_sweep(sweep, sorted(jobs, key=lambda j: (len(j.name), j.name)), done)
         except (OSError, exporter.mlflow.exceptions.MlflowException) as exc:  # an artifact that cannot be read or
             # written, a store that refuses a write: the run being written is left for the next export to complete
-            message = " ".join(str(getattr(exc, "message", exc)).split())[:500]
+            message = one_line(exc, tracking_uri)
             raise BadInput(f"export stopped: {message}; {len(done.exported)} run(s) exported before it, the run it "
                            "was writing is completed by the next `tfmoe export mlflow`") from None
         done.experiments = dict(exporter.experiments)
     return done
+
+
+@contextlib.contextmanager
+def _mlflow_logs_quiet() -> Iterator[None]:
+    """MLflow logs a refused database write with its traceback before raising it; the export says it in one line."""
+    store = logging.getLogger("mlflow.store")
+    before = store.level
+    store.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        store.setLevel(before)
 
 
 def report(done: Exported, tracking_uri: str) -> int:

@@ -87,6 +87,9 @@ def print_outcome(run_dirs: list[Path], sweep_dirs: list[Path], title: str | Non
     if len(run_dirs) > OUTCOME_TABLE_MAX:
         _print_outcome_by_status(run_dirs, sweep_dirs, title)
         return
+    if not run_dirs:  # a sweep none of whose jobs started: its lines name them
+        print_sweep_lines(sweep_dirs)
+        return
     df = _runs_frame(run_dirs)
     table_df = df.drop(columns=["path"])
     table = from_frame(table_df, title or ("tfmoe run" if len(df) == 1 else f"tfmoe sweep: {len(df)} jobs"))

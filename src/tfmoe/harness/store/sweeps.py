@@ -53,7 +53,10 @@ def sweep_jobs(sweep_dir: Path) -> list[list[str]] | None:
 
     try:
         cfg = OmegaConf.load(sweep_dir / "multirun.yaml")
-        task = [str(o) for o in OmegaConf.select(cfg, "hydra.overrides.task", default=[])]
+        listed = OmegaConf.select(cfg, "hydra.overrides.task", default=None) if OmegaConf.is_dict(cfg) else None
+        if listed is None:  # empty or cut short (a write the disk refused): its jobs are unknown, never guessed
+            return None
+        task = [str(o) for o in listed]
         parsed = OverridesParser.create().parse_overrides(task)
         return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     except Exception:
