@@ -20,7 +20,8 @@ PROCESS_WORDS = {
     "a work-item number": r"\b(?:work )?items? ?-?\d+\b",
     "a work item": r"\bwork items?\b",
     "a sitting": r"\bsittings?\b",
-    "a session": r"\bsessions?\b",
+    # a Unix process session (setsid: "a new session", "a session of its own") is a product word
+    "a session": r"\b(?<!new )(?<!process )sessions?\b(?! of (?:its|their) own)(?! leader)",
     "an assistant": r"\bassistants?\b",
     "a helper": r"\bhelpers?\b",
     "a stop of the work": r"\b(?:this|that|the previous|an earlier|the last|the next) stop\b",
