@@ -378,3 +378,10 @@ class InsideWeightBiased(InsideWeight):
 
 class InsideWeightBiasedDeclared(InsideWeightBiased):
     tfmoe_mixing = "weight_inside_expert"
+
+
+class InsideNoHook(InsideWeightDeclared):
+    """``InsideWeightDeclared`` without ``tfmoe_expert_ffn``: its experts are black boxes whose forward takes (x, w),
+    so the reference cannot call them as expert(x)."""
+
+    tfmoe_expert_ffn = None

@@ -196,3 +196,19 @@ def test_a_weight_inside_the_expert_before_a_last_bias_is_named_undeclared_and_p
                                                                "weight inside the expert")
     rec = battery("mixing_moe:InsideWeightBiasedDeclared")
     assert not failed(rec) and "measured inside the experts" in rows(rec)["routing_weights"].detail
+
+
+def test_a_black_box_expert_not_callable_as_expert_x_leaves_the_mixture_not_judged_and_the_rest_judged():
+    """Regression (F-254): a declared weight_inside_expert layer without tfmoe_expert_ffn has experts taking (x, w);
+    the reference called them as expert(x) and the run crashed (exit 3) with the user's TypeError."""
+    rec = battery("mixing_moe:InsideNoHook")
+    skipped = not_judged(rec)
+    for name in ("output_vs_reference", "expert_internals"):
+        assert skipped[name].startswith("not judged: raised TypeError: ScaledFFN.forward() missing 1 required")
+        assert "callable as expert(x)" in skipped[name] and "tfmoe_expert_ffn" in skipped[name]
+    assert not failed(rec), failed(rec)
+    judged = {n for n, c in rows(rec).items() if c.applicable}
+    assert {"routing_selection", "routing_weights", "loads_sum", "cv_maxvio", "permutation_equivariance",
+            "batch_independence", "finite.fp16", "finite.bf16"} <= judged
+    # the weights are read off the router; nothing claims the combine was judged
+    assert "the combine is not judged" in rows(rec)["routing_weights"].detail

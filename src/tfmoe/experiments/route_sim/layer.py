@@ -143,14 +143,17 @@ class Observation:
     ref_out: torch.Tensor  # (N,D) float64
     ref: ref.ReferenceRouting
     clear: torch.Tensor  # (N,) bool: tokens whose decision is not within rounding of a tie
+    ref_runs: bool = True  # False: a black-box expert cannot be called as expert(x), so ref_out is not computed
     expert_dtype: torch.dtype | None = None  # the precision the experts compute in (declared or detected), if coarser
 
 
 def observe(lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights, x: torch.Tensor,
-            sem: ref.RoutingSemantics | None = None) -> Observation:
+            sem: ref.RoutingSemantics | None = None, experts_run: bool = True) -> Observation:
+    """The layer's output and routing on x, and the reference's (its output only where ``experts_run``: every
+    black-box expert callable as expert(x))."""
     out, cap = lut.run(module, x)
     sem = sem or lut.semantics
-    if cap.weights is None and sem.weight_inside_expert:  # measured inside the experts, where they are applied
+    if cap.weights is None and sem.weight_inside_expert and experts_run:  # measured inside the experts
         targets = lut.expert_modules(module)
         inside = None if not targets else call_layer(inside_weights, lambda t: lut.forward(module, t), x, targets,
                                                      weights.experts)
@@ -158,8 +161,12 @@ def observe(lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights, x
             cap.weights, cap.zero_tol, cap.source = inside, 64 * _ulps(x.dtype), "inside"
     if cap.weights is None:  # no module returns one expert's weighted output: the router's, through the semantics
         cap.weights, cap.zero_tol, cap.source = router_weights(cap, sem, weights), 0.0, "router"
-    ref_out, r = ref.forward(_flat(x).double(), sem, weights)
-    return Observation(x, out, cap, ref_out, r, r.margin > score_rounding(lut, sem, weights, x, r))
+    if experts_run:
+        ref_out, r = ref.forward(_flat(x).double(), sem, weights)
+    else:  # the routing alone: it needs no expert
+        r = ref.route(_flat(x).double(), sem, weights)
+        ref_out = torch.full_like(_flat(x), float("nan"), dtype=torch.float64)
+    return Observation(x, out, cap, ref_out, r, r.margin > score_rounding(lut, sem, weights, x, r), experts_run)
 
 
 def router_weights(cap: Captured, sem: ref.RoutingSemantics, weights: ref.LayerWeights) -> torch.Tensor:
@@ -326,9 +333,11 @@ def check_routing(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: r
     agree = same & (plain.selected == o.ref.selected).all(dim=-1)
     plain_err = _max_abs((plain.weights.double() - o.ref.weights)[agree])
     tol = 2 * plain_err + 8 * _router_ulps(lut, o) * max(1.0, _max_abs(o.ref.weights))
+    combine = ("output_vs_reference judges the combine" if o.ref_runs else
+               "the combine is not judged: a black-box expert cannot be called as expert(x)")
     where = {"router": "read off the layer's own router output through the declared semantics"
-             + (f" (mixing = {mixing}: {MIXING[mixing]}; output_vs_reference judges the combine)" if mixing else
-                " (no module returns one expert's output; output_vs_reference judges the combine)"),
+             + (f" (mixing = {mixing}: {MIXING[mixing]}; {combine})" if mixing else
+                f" (no module returns one expert's output; {combine})"),
              "inside": "measured inside the experts: each expert's output on the rows it received against the "
                        "reference's unweighted expert on those rows (mixing = weight_inside_expert)",
              "probe": "measured by replacing each expert's output with a constant"
@@ -382,7 +391,9 @@ def check_sums(rec: Recorder, lut: LayerUnderTest, o: Observation, unjudged: str
     if sem.normalize and (unjudged or o.cap.source == "router"):
         rec.not_applicable(f"{PREFIX}topk_weights_sum", "not judged: " + (unjudged or (
             "the combine weights are read off the router through the declared semantics, which normalise them by "
-            "construction; output_vs_reference judges the weights the layer applies")))
+            "construction; " + ("output_vs_reference judges the weights the layer applies" if o.ref_runs else
+                                "the weights the layer applies are not judged: a black-box expert cannot be called "
+                                "as expert(x)"))))
     elif sem.normalize:
         full = o.ref.selected.sum(dim=-1) == sem.top_k  # tokens a capacity dropped nothing of (all, dropless)
         sums = o.cap.weights.double().sum(dim=-1)[full]
@@ -457,7 +468,7 @@ def check_batch(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: Observ
 
 
 def check_low_precision(rec: Recorder, lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights,
-                        x: torch.Tensor, decl: caps.Declared) -> None:
+                        x: torch.Tensor, decl: caps.Declared, experts_run: bool = True) -> None:
     """fp16 and bf16 copies of the layer (rebuilt through its factory or adapter, :func:`_low_precision_copy`) on tokens scaled so the largest router logit is ~LOGIT_TARGET. A dtype
     the layer declares it lacks is not run (n/a, rule 2); a NotImplementedError from a copy makes it n/a (rule 3)."""
     logits = _flat(x).double() @ weights.router.T
@@ -479,12 +490,15 @@ def check_low_precision(rec: Recorder, lut: LayerUnderTest, module: nn.Module, w
                           f"{RAISED}{exc} (the {name} copy of the layer, on tokens scaled x{scale:.3g})")
             continue
         bad = int((~torch.isfinite(out)).sum())
-        ref_out, _ = ref.forward(_flat(xs).double(), lut.semantics, weights)
-        rel = _max_abs(_flat(out).double() - ref_out) / max(_max_abs(ref_out), 1e-30)
-        rec.metric(f"{PREFIX}{name}.rel_error", rel if math.isfinite(rel) else float("nan"))
+        error = "no float64 reference (a black-box expert cannot be called as expert(x))"
+        if experts_run:
+            ref_out, _ = ref.forward(_flat(xs).double(), lut.semantics, weights)
+            rel = _max_abs(_flat(out).double() - ref_out) / max(_max_abs(ref_out), 1e-30)
+            rec.metric(f"{PREFIX}{name}.rel_error", rel if math.isfinite(rel) else float("nan"))
+            error = f"max relative error vs float64 {rel:.3g} (recorded, not judged)"
         rec.check(f"{PREFIX}finite.{name}", bad == 0, bad, 0.0,
                   f"non-finite outputs of a {name} copy on tokens scaled x{scale:.3g} (router logits up to "
-                  f"{LOGIT_TARGET:g}); max relative error vs float64 {rel:.3g} (recorded, not judged)",
+                  f"{LOGIT_TARGET:g}); {error}",
                   evidence={"out": out} if bad else None)
 
 
@@ -647,16 +661,23 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     rec.tensor(f"{PREFIX}x", x)
     na: list[str] = []
     seen: list[Observation] = []
-    raised = guarded(rec, ROUTING_CHECKS, lambda: seen.append(observe(lut, module, weights, x)))
+    broken = uncallable_expert(weights, x)
+    raised = guarded(rec, ROUTING_CHECKS, lambda: seen.append(observe(lut, module, weights, x,
+                                                                      experts_run=broken is None)))
     if raised is None:
         o = seen[0]
         rec.tensor(f"{PREFIX}out", o.out)
-        rec.tensor(f"{PREFIX}reference_out", o.ref_out)
+        if o.ref_runs:
+            rec.tensor(f"{PREFIX}reference_out", o.ref_out)
         rec.tensor(f"{PREFIX}captured_weights", o.cap.weights)
         rec.tensor(f"{PREFIX}reference_weights", o.ref.weights)
         rec.metric(f"{PREFIX}tokens_near_tie", int((~o.clear).sum()))
-        output_ok = check_output(rec, lut, o, weights, decl)
-        note_opaque_experts(rec, lut, weights)
+        if broken is None:
+            output_ok = check_output(rec, lut, o, weights, decl)
+        else:
+            output_ok = False
+            rec.not_applicable(f"{PREFIX}output_vs_reference", "not judged: " + broken_detail(lut, *broken))
+        note_opaque_experts(rec, lut, weights, broken)
         unjudged = check_routing(rec, lut, o, weights, output_ok, mixing)
         na += check_sums(rec, lut, o, unjudged)
         check_loads(rec, lut, o)
@@ -679,14 +700,17 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
         guarded(rec, ("aux_loss_vs_switch",), aux)
         if not check_bias_exercised(rec, lut, weights, o):
             na.append("bias_exercised")
-        probe_designs(rec, lut, weights, o)
+        if o.ref_runs:
+            probe_designs(rec, lut, weights, o)
     else:
         needs = ["permutation_equivariance", "batch_independence"]
         needs += ["aux_loss_vs_switch"] if lut.aux_loss_name else []
         needs += ["bias_exercised"] if lut.draws_correction_bias else []
         raised_in_run(rec, needs, raised, " (the layer, on the run's tokens: not judged)")
         na += [n for n in ("aux_loss_vs_switch", "bias_exercised") if n not in needs]
-    check_low_precision(rec, lut, module, weights, x, decl)
+        if broken is not None:  # the layer raised too: the black box's own failure is still named
+            note_opaque_experts(rec, lut, weights, broken)
+    check_low_precision(rec, lut, module, weights, x, decl, experts_run=broken is None)
     for note in lut.notes():
         rec.note(note)
     for name in na:
@@ -717,14 +741,57 @@ def apply_mixing(p: LayerSettings, lut: LayerUnderTest, weights: ref.LayerWeight
     return mixing
 
 
-def note_opaque_experts(rec: Recorder, lut: LayerUnderTest, weights: ref.LayerWeights) -> None:
-    """expert_internals: not judged where the reference runs some experts as black boxes, naming the hook."""
+def uncallable_expert(weights: ref.LayerWeights, x: torch.Tensor) -> tuple[ref.OpaqueExpert, LayerRaised] | None:
+    """The first black-box expert that cannot be called as the reference calls it, ``expert(h)`` -> a tensor shaped
+    like h (h: x in float64, or x preᵀ for a latent MoE's routed experts), with its exception; None if every one can.
+    Such an expert does not fit the black-box contract (say its forward takes (x, weight)): the reference cannot
+    compute the mixture, so what needs it is not judged, naming the exception and the hook."""
+    h = _flat(x).double()
+    h_routed = h if weights.pre is None else h @ weights.pre.to(h).T
+    for inp, experts in ((h_routed, weights.experts), (h, weights.shared_list)):
+        for ex in experts:
+            if not isinstance(ex, ref.OpaqueExpert):
+                continue
+            try:
+                y = call_layer(ex, inp)
+                if not isinstance(y, torch.Tensor) or y.shape != inp.shape:
+                    raise TypeError(f"returned {tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}"
+                                    f" for an input {tuple(inp.shape)}: expected the input's shape")
+            except LayerRaised as exc:
+                return ex, exc
+            except TypeError as exc:
+                return ex, LayerRaised(exc)
+    return None
+
+
+def expert_hook(lut: LayerUnderTest) -> str:
+    """How this interface gives the reference an expert's weights."""
+    return (f"give the class a method {EXPERT_HOOK}(self, i) returning expert i's weights" if
+            isinstance(lut, ToyInterfaceLayer) else "return each expert from reference_weights(module)")
+
+
+def broken_detail(lut: LayerUnderTest, ex: ref.OpaqueExpert, exc: LayerRaised) -> str:
+    """Why the reference could not run a black-box expert: the user's exception first, then the contract and the
+    hook that would judge it."""
+    return (f"{RAISED}{exc} ({ex.name}, run as a black box, called as expert(x)): a black-box expert must be "
+            f"callable as expert(x) -> a tensor shaped like x, so the reference cannot compute the mixture "
+            f"(output_vs_reference, expert_internals and the design probes are not judged; the routing, loads, "
+            f"invariances and dtypes are); {expert_hook(lut)} as a tfmoe.components.moe_reference.MlpExpert / "
+            "GluExpert / ChunkedGluExpert to judge them")
+
+
+def note_opaque_experts(rec: Recorder, lut: LayerUnderTest, weights: ref.LayerWeights,
+                        broken: tuple[ref.OpaqueExpert, LayerRaised] | None = None) -> None:
+    """expert_internals: not judged where the reference runs some experts as black boxes, naming the hook (and
+    leading with the exception of one that cannot be called as expert(x))."""
     every = [*weights.experts, *weights.shared_list]
     opaque = [ex for ex in every if isinstance(ex, ref.OpaqueExpert)]
+    if broken is not None:
+        rec.not_applicable(f"{PREFIX}expert_internals", "not judged: " + broken_detail(lut, *broken))
+        return
     if not opaque:
         return
-    hook = (f"give the class a method {EXPERT_HOOK}(self, i) returning expert i's weights" if
-            isinstance(lut, ToyInterfaceLayer) else "return each expert from reference_weights(module)")
+    hook = expert_hook(lut)
     names = ", ".join(ex.name for ex in opaque[:3]) + (f" and {len(opaque) - 3} more" if len(opaque) > 3 else "")
     rec.not_applicable(f"{PREFIX}expert_internals",
                        f"not judged: {len(opaque)} of {len(every)} experts ({names}) have no layout the reference "
