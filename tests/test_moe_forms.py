@@ -212,3 +212,16 @@ def test_a_black_box_expert_not_callable_as_expert_x_leaves_the_mixture_not_judg
             "batch_independence", "finite.fp16", "finite.bf16"} <= judged
     # the weights are read off the router; nothing claims the combine was judged
     assert "the combine is not judged" in rows(rec)["routing_weights"].detail
+
+
+def test_the_semantics_note_states_only_what_the_design_sets():
+    """Regression (F-255): the verdict's note printed every field, so an ungated shared expert read
+    `shared_gated=True`; a deliberately wrong variant's switch is named only when set."""
+    rec = battery("mixing_moe:SeveralShared")
+    note = next(n for n in rec.notes if n.startswith("layer battery on"))
+    assert "RoutingSemantics(score_func='softmax', top_k=2, normalize=True" in note
+    assert "shared_gated" not in note and "use_correction_bias" not in note
+    from tfmoe.components.moe_reference import RoutingSemantics
+
+    assert str(RoutingSemantics("sigmoid", 8, True).variant(shared_gated=False, capacity=3)) == (
+        "RoutingSemantics(score_func='sigmoid', top_k=8, normalize=True, shared_gated=False, capacity=3)")
