@@ -218,7 +218,7 @@ def inside_weights(call: Callable[[torch.Tensor], Any], x: torch.Tensor, targets
             h.remove()
     d = x.shape[-1]
     flat = x.reshape(-1, d)
-    token_of = {row.cpu().numpy().tobytes(): t for t, row in enumerate(flat)}
+    token_of = {row.double().cpu().numpy().tobytes(): t for t, row in enumerate(flat)}  # exact; numpy has no bf16
     weights = torch.zeros(flat.shape[0], len(experts), dtype=torch.float64, device=x.device)
     matched = 0
     for i, rows, y in seen:
@@ -230,7 +230,7 @@ def inside_weights(call: Callable[[torch.Tensor], Any], x: torch.Tensor, targets
         z = experts[i](rows.double()) - b  # (n,D) unweighted, without the last bias
         w = ((y.double() - b) * z).sum(dim=-1) / (z * z).sum(dim=-1).clamp_min(1e-300)  # (n,)
         for r in range(rows.shape[0]):
-            t = token_of.get(rows[r].cpu().numpy().tobytes())
+            t = token_of.get(rows[r].double().cpu().numpy().tobytes())
             if t is not None:
                 weights[t, i] = w[r]
                 matched += 1

@@ -561,6 +561,14 @@ ALL_CHECKS = ("output_vs_reference", "expert_internals", "routing_selection", "r
               "finite.bf16", "aux_loss_vs_switch", "bias_exercised")
 
 
+NOT_DEFINED = {  # why a check does not apply to a layer (its n/a row)
+    "probs_sum_to_one": "{label} exposes no full router distribution (router_probs)",
+    "topk_weights_sum": "the design does not renormalise the k weights",
+    "aux_loss_vs_switch": "{label} defines no load-balancing loss",
+    "bias_exercised": "the design draws no selection-only correction bias",
+}
+
+
 def lack_detail(decl: caps.Declared, feature: str, lut: LayerUnderTest) -> str:
     """The n/a detail of a check whose feature the layer declares it lacks."""
     if decl.sources.get(feature) == "half_precision_unsupported":
@@ -678,6 +686,8 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
             output_ok = False
             rec.not_applicable(f"{PREFIX}output_vs_reference", "not judged: " + broken_detail(lut, *broken))
         note_opaque_experts(rec, lut, weights, broken)
+        if broken is None and not weights.opaque:
+            guarded(rec, ("expert_internals",), lambda: check_expert_internals(rec, lut, module, weights, o))
         unjudged = check_routing(rec, lut, o, weights, output_ok, mixing)
         na += check_sums(rec, lut, o, unjudged)
         check_loads(rec, lut, o)
@@ -713,7 +723,10 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     check_low_precision(rec, lut, module, weights, x, decl, experts_run=broken is None)
     for note in lut.notes():
         rec.note(note)
-    for name in na:
+    for name in na:  # a row each, so the table and the run's count agree
+        why = f"not judged: {lut.order_dependent}" if name == "permutation_equivariance" else \
+            "not applicable: " + NOT_DEFINED[name].format(label=lut.label)
+        rec.not_applicable(f"{PREFIX}{name}", why)
         rec.note(f"n/a: {PREFIX}{name} ({lut.label})")
     rec.metric(f"{PREFIX}battery_s", time.perf_counter() - t0, measured=True)
     rec.note(f"layer battery on {lut.label}: {p.batch}x{p.seq} tokens, d_model {s.d_model}, {s.n_experts} experts, "
@@ -762,6 +775,93 @@ def uncallable_expert(weights: ref.LayerWeights, x: torch.Tensor) -> tuple[ref.O
             except TypeError as exc:
                 return ex, LayerRaised(exc)
     return None
+
+
+def check_expert_internals(rec: Recorder, lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights,
+                           o: Observation) -> None:
+    """expert_internals, where every expert is rebuilt from its weights and the layer's expert modules receive the
+    token rows: each module's output on the rows it received against its rebuilt expert on the same rows (float64).
+    With the weight inside the expert, each row's weight is fitted first (as :func:`inside_weights` does) and the
+    residual judged. FlashAttention's rule: 2x the rebuilt expert's plain error in the run's dtype (the experts'
+    declared or detected precision where coarser) + 4 ulps of the scale. No module receiving token rows (a fused or
+    latent layout): no row, the experts are judged through output_vs_reference alone (a note says so)."""
+    targets = lut.expert_modules(module)
+    if not targets or weights.pre is not None or len(targets) != len(weights.experts):
+        return
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def hook(i: int):
+        def capture(_m: nn.Module, inputs: tuple, out: object) -> None:
+            if inputs and isinstance(inputs[0], torch.Tensor):
+                seen.append((i, inputs[0].detach(), ref.expert_output(out).detach()))
+        return capture
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(targets)]
+    try:
+        call_layer(lut.forward, module, o.x)
+    finally:
+        for h in handles:
+            h.remove()
+    d, dtype = o.x.shape[-1], o.x.dtype
+    def key(row: torch.Tensor) -> bytes:  # exact in float64 for every run dtype (numpy has no bfloat16)
+        return row.double().cpu().numpy().tobytes()
+
+    token_of = {key(row): t for t, row in enumerate(_flat(o.x))}
+    compute = _coarsest(dtype, o.expert_dtype)
+
+    def compare(inside: bool) -> tuple[float, float, float, int, set[int], float]:
+        """(error, plain error, scale, rows, experts seen, max |fitted weight - reference weight|)."""
+        err = plain_err = scale = off = 0.0
+        n_rows, experts_seen = 0, set()
+        for i, rows, y in seen:
+            if rows.dtype != dtype or rows.shape[-1] != d or y.shape[-1] != d:
+                continue
+            rows, y = rows.reshape(-1, d), y.reshape(-1, d).double()
+            tok = [token_of.get(key(r), -1) for r in rows]
+            keep = torch.tensor([t >= 0 for t in tok], dtype=torch.bool, device=rows.device)
+            if not bool(keep.any()):
+                continue
+            rows, y = rows[keep], y[keep]
+            expert = weights.experts[i]
+            z = expert(rows.double())  # (n,D) float64
+            plain = expert.to(compute)(rows.to(compute)).double()
+            if inside:  # y = w (z - b) + b: fit each row's w, judge the residual
+                b = 0.0 if expert.last_bias is None else expert.last_bias.to(z)
+                zc = z - b
+                w = ((y - b) * zc).sum(dim=-1, keepdim=True) / (zc * zc).sum(dim=-1, keepdim=True).clamp_min(1e-300)
+                z, plain = w * zc + b, w * (plain - b) + b
+                want = o.ref.weights[[t for t in tok if t >= 0], i].to(w)
+                off = max(off, _max_abs(w[:, 0] - want))
+            err = max(err, _max_abs(y - z))
+            plain_err = max(plain_err, _max_abs(plain - z))
+            scale = max(scale, _max_abs(z))
+            n_rows += rows.shape[0]
+            experts_seen.add(i)
+        return err, plain_err, scale, n_rows, experts_seen, off
+
+    inside = lut.semantics.weight_inside_expert
+    err, plain_err, scale, n_rows, experts_seen, _ = compare(inside)
+    if not n_rows:
+        rec.note(f"expert_internals: no expert module received token rows ({lut.label}): the experts are judged "
+                 "through output_vs_reference alone")
+        return
+    tol = 2 * plain_err + 4 * _ulps(dtype) * max(scale, 1e-30)
+    carried = ""
+    if not inside and not err <= tol:  # undeclared: do the modules' outputs carry each row's combine weight?
+        alt = compare(True)
+        alt_tol = 2 * alt[1] + 4 * _ulps(dtype) * max(alt[2], 1e-30)
+        if alt[0] <= alt_tol and alt[5] <= 256 * _ulps(compute):
+            err, plain_err, tol, inside = alt[0], alt[1], alt_tol, True
+            carried = " (the modules' outputs carry each row's combine weight: the weight inside the expert)"
+    kinds = "/".join(sorted({type(ex).__name__ for ex in weights.experts}))
+    via = (f"through {EXPERT_HOOK}" if callable(getattr(module, EXPERT_HOOK, None)) else
+           "from the course layout" if isinstance(lut, ToyInterfaceLayer) else "from reference_weights")
+    detail = (f"max |expert module's output - the expert rebuilt from its weights| over the {n_rows} token rows "
+              f"{len(experts_seen)} of {len(targets)} experts received (rebuilt {via} as {kinds})"
+              + ("; each row's combine weight fitted first (mixing = weight_inside_expert)" + carried if inside
+                 else "")
+              + f"; plain {str(compute).removeprefix('torch.')} expert error {plain_err:.3g}")
+    rec.check_le(f"{PREFIX}expert_internals", err, tol, detail)
 
 
 def expert_hook(lut: LayerUnderTest) -> str:
