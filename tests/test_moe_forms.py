@@ -250,3 +250,36 @@ def test_the_run_count_labels_every_n_a_and_not_judged_row_the_table_shows():
     cell = checks_cell([{"passed": c.passed, "applicable": c.applicable, "detail": c.detail} for c in rec.checks_rows])
     assert cell.endswith(f"(+{na} n/a, +{unjudged} not judged)"), cell
     assert len(rec.checks_rows) == len(shown)
+
+
+def test_a_course_interface_shared_expert_given_through_its_hook_is_judged():
+    """The course interface names its shared experts with tfmoe_shared_experts(); a shared expert doubled fails, and
+    one the class does not name fails output_vs_reference (the course's semantics have none)."""
+    assert not failed(battery("mixing_moe:CourseShared"))
+    assert "output_vs_reference" in failed(battery("mixing_moe:CourseSharedDoubled"))
+    assert "output_vs_reference" in failed(battery("mixing_moe:CourseSharedUndeclared"))
+
+
+def test_the_protocol_names_import_from_tfmoe_adapters_and_a_biased_glu_reads_as_documented():
+    """docs/checking-your-own-layers.md: the protocol's names come from tfmoe.adapters; GluExpert is bias-free and a
+    GLU with biases is a ChunkedGluExpert, up (value) half first."""
+    import torch
+
+    from tfmoe.adapters import ChunkedGluExpert, GluExpert, LayerWeights, MlpExpert, MoEAdapter, MoESemantics
+    from tfmoe.components import moe_reference as ref
+
+    assert (LayerWeights, MlpExpert, GluExpert, ChunkedGluExpert) == (ref.LayerWeights, ref.MlpExpert, ref.GluExpert,
+                                                                      ref.ChunkedGluExpert)
+    assert MoEAdapter and MoESemantics
+    g = torch.Generator().manual_seed(0)
+    gate, up, bg, bu = (torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 4, generator=g,
+                        dtype=torch.float64), torch.randn(6, generator=g, dtype=torch.float64),
+                        torch.randn(6, generator=g, dtype=torch.float64))
+    down, bd = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
+    x = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    lin = torch.nn.functional.linear
+    want = lin(torch.nn.functional.silu(lin(x, gate, bg)) * lin(x, up, bu), down, bd)
+    got = ChunkedGluExpert(torch.cat([up, gate]), down, "silu", b_in=torch.cat([bu, bg]), b_down=bd)(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(GluExpert(gate, up, down, "silu")(x),
+                               lin(torch.nn.functional.silu(lin(x, gate)) * lin(x, up), down), rtol=1e-12, atol=1e-12)

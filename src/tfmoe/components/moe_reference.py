@@ -90,7 +90,9 @@ def _to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 @dataclass
 class GluExpert:
-    """down(act(x gate^T) * x up^T): gate, up (H,D); down (D,H) (Mixtral, Qwen2-MoE, DeepSeek-V3 experts)."""
+    """down(act(x gate^T) * x up^T): gate, up (H,D); down (D,H), each in nn.Linear's (out, in) layout, bias-free
+    (Mixtral, Qwen2-MoE, DeepSeek-V3 experts). A GLU with biases is ``ChunkedGluExpert(cat([up, gate]), down, act,
+    b_in=cat([b_up, b_gate]), b_down=b_down)``."""
 
     gate: torch.Tensor
     up: torch.Tensor
