@@ -5,8 +5,10 @@ class in the course's ToyMoE interface) against the independent float64 referenc
 Checks (each named ``layer.<check>`` in checks.parquet):
   output_vs_reference      layer output vs the float64 dense reference, within 2x the error of the same
                            mixture computed plainly in the run's dtype (+ a few ulps of the output's scale)
-  expert_internals         not judged where an expert is run by the reference as a black box (no layout
-                           describes it): recorded only then, naming the hook that would judge it
+  expert_internals         each rebuilt expert against the layer's own expert module on the token rows it
+                           received (the weight inside the expert fitted per row first); not judged where an
+                           expert is run as a black box (no layout describes it), naming the hook that would judge
+                           it, or cannot be called as expert(x) (then output_vs_reference is not judged either)
   routing_selection        the experts each token reached (router hook) = the reference's choice
   routing_weights          the combine weights (router hook) = the reference's, within the router's dtype. Read
                            where the layer applies them (:data:`MIXING`): at each expert's output (the probe), along
