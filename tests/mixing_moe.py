@@ -378,3 +378,43 @@ class InsideWeightBiased(InsideWeight):
 
 class InsideWeightBiasedDeclared(InsideWeightBiased):
     tfmoe_mixing = "weight_inside_expert"
+
+
+class InsideNoHook(InsideWeightDeclared):
+    """``InsideWeightDeclared`` without ``tfmoe_expert_ffn``: its experts are black boxes whose forward takes (x, w),
+    so the reference cannot call them as expert(x)."""
+
+    tfmoe_expert_ffn = None
+
+
+# ------------------------------------------------------------ a shared expert in the course interface
+class CourseShared(nn.Module):
+    """The course's ToyMoE plus one ungated shared expert, given through ``tfmoe_shared_experts()``."""
+
+    shared_scale = 1.0
+
+    def __init__(self, d_model, hidden, n_experts, k):
+        super().__init__()
+        self.top_k = k
+        self.router = nn.Linear(d_model, n_experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
+                                     for _ in range(n_experts))
+        self.shared = SwiGLU(d_model, hidden)
+
+    def tfmoe_shared_experts(self):
+        s = self.shared
+        return ref.GluExpert(s.w_gate.weight.detach(), s.w_up.weight.detach(), s.w_down.weight.detach(), "silu")
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        probs, w, idx = top_k(self.router(flat), self.top_k)
+        out = mix(flat, w, idx, self.experts, call=lambda ex, rows, we: we * ex(rows))
+        return (out + self.shared_scale * self.shared(flat)).view(x.shape), probs
+
+
+class CourseSharedDoubled(CourseShared):
+    shared_scale = 2.0
+
+
+class CourseSharedUndeclared(CourseShared):
+    tfmoe_shared_experts = None

@@ -244,4 +244,7 @@ PLANTED: list[Planted] = [
             own_cv_sample_std),
     Planted("tfmoe MoELayer: aux loss without the expert factor", None, frozenset({"aux_loss_vs_switch"}),
             patch=own_aux_loss_without_expert_factor),
+    Planted("course interface, experts read through tfmoe_expert_ffn: GatedFFN output x1.5",
+            "buggy_moe:OwnExpertLayout", frozenset({OUT, "expert_internals"}),
+            frozenset({"routing_selection", "routing_weights"}), _scale_forward(buggy_moe.GatedFFN)),
 ]

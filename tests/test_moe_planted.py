@@ -153,7 +153,8 @@ def test_declared_lack_makes_the_check_not_applicable_and_refuses_that_dtype():
     for name in ("finite.fp16", "finite.bf16"):
         row = check_row(rec, name)
         assert not row.applicable and row.detail.startswith("not applicable: the layer declares it lacks")
-    assert "Not applicable or not judged (2, never failures)" in route_layer.battery_summary(rec, _lut(rec))
+    # the two declared lacks, and the course layer's undefined aux loss and correction bias
+    assert "Not applicable or not judged (4, never failures)" in route_layer.battery_summary(rec, _lut(rec))
     with pytest.raises(BadInput, match=r"declares it lacks fp16 .*: run it with dtype=fp32 or dtype=fp64$"):
         default_battery_with("buggy_moe:NoHalfDeclared", "dtype=fp16")
 

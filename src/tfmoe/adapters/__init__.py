@@ -121,9 +121,11 @@ def load_layer(impl: str | None, sizes: LayerSizes, seq: int = 12) -> LayerUnder
 
 
 __all__ = ["AttentionAdapter", "ContractError", "Projections", "Rope", "copy_linear", "seeded", "load_adapter", "load_layer", "BUILTIN",
-           "MoEAdapter", "MoESemantics", "LayerSizes", "per_expert_fill", "stacked_fill"]
+           "MoEAdapter", "MoESemantics", "LayerSizes", "per_expert_fill", "stacked_fill", "LayerWeights", "MlpExpert",
+           "GluExpert", "ChunkedGluExpert"]
 
 
 # the MoE adapter protocol's public names (docs/checking-your-own-layers.md, "The MoE adapter protocol")
 from tfmoe.adapters.moe_base import MoEAdapter, MoESemantics  # noqa: E402
 from tfmoe.adapters.moe_layers import LayerSizes, per_expert_fill, stacked_fill  # noqa: E402
+from tfmoe.components.moe_reference import ChunkedGluExpert, GluExpert, LayerWeights, MlpExpert  # noqa: E402

@@ -218,7 +218,7 @@ def inside_weights(call: Callable[[torch.Tensor], Any], x: torch.Tensor, targets
             h.remove()
     d = x.shape[-1]
     flat = x.reshape(-1, d)
-    token_of = {row.cpu().numpy().tobytes(): t for t, row in enumerate(flat)}
+    token_of = {row.double().cpu().numpy().tobytes(): t for t, row in enumerate(flat)}  # exact; numpy has no bf16
     weights = torch.zeros(flat.shape[0], len(experts), dtype=torch.float64, device=x.device)
     matched = 0
     for i, rows, y in seen:
@@ -230,7 +230,7 @@ def inside_weights(call: Callable[[torch.Tensor], Any], x: torch.Tensor, targets
         z = experts[i](rows.double()) - b  # (n,D) unweighted, without the last bias
         w = ((y.double() - b) * z).sum(dim=-1) / (z * z).sum(dim=-1).clamp_min(1e-300)  # (n,)
         for r in range(rows.shape[0]):
-            t = token_of.get(rows[r].cpu().numpy().tobytes())
+            t = token_of.get(rows[r].double().cpu().numpy().tobytes())
             if t is not None:
                 weights[t, i] = w[r]
                 matched += 1
@@ -374,6 +374,7 @@ ACTIVATION_MODULES: dict[type[nn.Module], Callable[[nn.Module], str]] = {
 EXPERT_LAYOUT = ("nn.Sequential(nn.Linear(d_model, hidden), an activation (nn.GELU, nn.ReLU, nn.SiLU), "
                  "nn.Linear(hidden, d_model))")
 EXPERT_HOOK = "tfmoe_expert_ffn"
+SHARED_HOOK = "tfmoe_shared_experts"  # () -> the shared expert(s) added, ungated, to every token's output
 
 
 def course_expert(module: nn.Module, index: int, label: str) -> ref.Expert:
@@ -419,7 +420,8 @@ def reference_expert(ex: object, where: str, label: str) -> ref.Expert:
 
 class ToyInterfaceLayer(LayerUnderTest):
     """Any class in the course's ToyMoE interface. The course's semantics: softmax router, top-k,
-    weights renormalised over the k, out = sum_k w_k expert_k(x) (no residual, no shared expert).
+    weights renormalised over the k, out = sum_k w_k expert_k(x) (no residual), + the shared experts the class
+    gives through ``tfmoe_shared_experts()`` (ungated; none without the hook).
 
     Hooks: the router's output gives the logits; the combine weights are measured by replacing the experts'
     outputs (:func:`probe_combine_weights`), so a token's experts are those its output depends on, whatever
@@ -501,7 +503,18 @@ class ToyInterfaceLayer(LayerUnderTest):
     def reference_weights(self, module: nn.Module) -> ref.LayerWeights:
         """The router's weights and every expert rebuilt from its weights (:func:`course_expert`)."""
         w, b = _linear64(module.router)
-        return ref.LayerWeights(w, [course_expert(module, i, self.label) for i in range(len(module.experts))], b)
+        experts = [course_expert(module, i, self.label) for i in range(len(module.experts))]
+        return ref.LayerWeights(w, experts, b, shared=self.shared_experts(module))
+
+    def shared_experts(self, module: nn.Module) -> list[ref.Expert] | None:
+        """The layer's ``tfmoe_shared_experts()``: one expert or a list, each added ungated to every token's output
+        (an MlpExpert / GluExpert / ChunkedGluExpert, or an nn.Module run as a black box); None without the hook."""
+        hook = getattr(module, SHARED_HOOK, None)
+        if not callable(hook):
+            return None
+        got = hook()
+        items = list(got) if isinstance(got, (list, tuple, nn.ModuleList)) else [got]
+        return [reference_expert(ex, f"{SHARED_HOOK}()[{i}]", self.label) for i, ex in enumerate(items)] or None
 
     def alternatives(self) -> dict[str, ref.RoutingSemantics]:
         return {"not renormalised": self.semantics.variant(normalize=False)}

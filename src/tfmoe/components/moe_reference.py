@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -67,6 +67,16 @@ class RoutingSemantics:
     def variant(self, **changes: object) -> RoutingSemantics:
         return replace(self, **changes)
 
+    def __str__(self) -> str:
+        """The semantics as reports state them: the score function, k and the renormalisation, then only what
+        differs from the defaults (a deliberately wrong variant's switch is named only when it is set)."""
+        shown = [f"score_func={self.score_func!r}", f"top_k={self.top_k}", f"normalize={self.normalize}"]
+        for f in fields(self)[3:]:
+            value = getattr(self, f.name)
+            if value != f.default:
+                shown.append(f"{f.name}={value!r}")
+        return f"RoutingSemantics({', '.join(shown)})"
+
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
@@ -80,7 +90,9 @@ def _to(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 @dataclass
 class GluExpert:
-    """down(act(x gate^T) * x up^T): gate, up (H,D); down (D,H) (Mixtral, Qwen2-MoE, DeepSeek-V3 experts)."""
+    """down(act(x gate^T) * x up^T): gate, up (H,D); down (D,H), each in nn.Linear's (out, in) layout, bias-free
+    (Mixtral, Qwen2-MoE, DeepSeek-V3 experts). A GLU with biases is ``ChunkedGluExpert(cat([up, gate]), down, act,
+    b_in=cat([b_up, b_gate]), b_down=b_down)``."""
 
     gate: torch.Tensor
     up: torch.Tensor

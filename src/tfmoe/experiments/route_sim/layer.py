@@ -5,8 +5,10 @@ class in the course's ToyMoE interface) against the independent float64 referenc
 Checks (each named ``layer.<check>`` in checks.parquet):
   output_vs_reference      layer output vs the float64 dense reference, within 2x the error of the same
                            mixture computed plainly in the run's dtype (+ a few ulps of the output's scale)
-  expert_internals         not judged where an expert is run by the reference as a black box (no layout
-                           describes it): recorded only then, naming the hook that would judge it
+  expert_internals         each rebuilt expert against the layer's own expert module on the token rows it
+                           received (the weight inside the expert fitted per row first); not judged where an
+                           expert is run as a black box (no layout describes it), naming the hook that would judge
+                           it, or cannot be called as expert(x) (then output_vs_reference is not judged either)
   routing_selection        the experts each token reached (router hook) = the reference's choice
   routing_weights          the combine weights (router hook) = the reference's, within the router's dtype. Read
                            where the layer applies them (:data:`MIXING`): at each expert's output (the probe), along
@@ -143,14 +145,17 @@ class Observation:
     ref_out: torch.Tensor  # (N,D) float64
     ref: ref.ReferenceRouting
     clear: torch.Tensor  # (N,) bool: tokens whose decision is not within rounding of a tie
+    ref_runs: bool = True  # False: a black-box expert cannot be called as expert(x), so ref_out is not computed
     expert_dtype: torch.dtype | None = None  # the precision the experts compute in (declared or detected), if coarser
 
 
 def observe(lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights, x: torch.Tensor,
-            sem: ref.RoutingSemantics | None = None) -> Observation:
+            sem: ref.RoutingSemantics | None = None, experts_run: bool = True) -> Observation:
+    """The layer's output and routing on x, and the reference's (its output only where ``experts_run``: every
+    black-box expert callable as expert(x))."""
     out, cap = lut.run(module, x)
     sem = sem or lut.semantics
-    if cap.weights is None and sem.weight_inside_expert:  # measured inside the experts, where they are applied
+    if cap.weights is None and sem.weight_inside_expert and experts_run:  # measured inside the experts
         targets = lut.expert_modules(module)
         inside = None if not targets else call_layer(inside_weights, lambda t: lut.forward(module, t), x, targets,
                                                      weights.experts)
@@ -158,8 +163,12 @@ def observe(lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights, x
             cap.weights, cap.zero_tol, cap.source = inside, 64 * _ulps(x.dtype), "inside"
     if cap.weights is None:  # no module returns one expert's weighted output: the router's, through the semantics
         cap.weights, cap.zero_tol, cap.source = router_weights(cap, sem, weights), 0.0, "router"
-    ref_out, r = ref.forward(_flat(x).double(), sem, weights)
-    return Observation(x, out, cap, ref_out, r, r.margin > score_rounding(lut, sem, weights, x, r))
+    if experts_run:
+        ref_out, r = ref.forward(_flat(x).double(), sem, weights)
+    else:  # the routing alone: it needs no expert
+        r = ref.route(_flat(x).double(), sem, weights)
+        ref_out = torch.full_like(_flat(x), float("nan"), dtype=torch.float64)
+    return Observation(x, out, cap, ref_out, r, r.margin > score_rounding(lut, sem, weights, x, r), experts_run)
 
 
 def router_weights(cap: Captured, sem: ref.RoutingSemantics, weights: ref.LayerWeights) -> torch.Tensor:
@@ -326,9 +335,11 @@ def check_routing(rec: Recorder, lut: LayerUnderTest, o: Observation, weights: r
     agree = same & (plain.selected == o.ref.selected).all(dim=-1)
     plain_err = _max_abs((plain.weights.double() - o.ref.weights)[agree])
     tol = 2 * plain_err + 8 * _router_ulps(lut, o) * max(1.0, _max_abs(o.ref.weights))
+    combine = ("output_vs_reference judges the combine" if o.ref_runs else
+               "the combine is not judged: a black-box expert cannot be called as expert(x)")
     where = {"router": "read off the layer's own router output through the declared semantics"
-             + (f" (mixing = {mixing}: {MIXING[mixing]}; output_vs_reference judges the combine)" if mixing else
-                " (no module returns one expert's output; output_vs_reference judges the combine)"),
+             + (f" (mixing = {mixing}: {MIXING[mixing]}; {combine})" if mixing else
+                f" (no module returns one expert's output; {combine})"),
              "inside": "measured inside the experts: each expert's output on the rows it received against the "
                        "reference's unweighted expert on those rows (mixing = weight_inside_expert)",
              "probe": "measured by replacing each expert's output with a constant"
@@ -382,7 +393,9 @@ def check_sums(rec: Recorder, lut: LayerUnderTest, o: Observation, unjudged: str
     if sem.normalize and (unjudged or o.cap.source == "router"):
         rec.not_applicable(f"{PREFIX}topk_weights_sum", "not judged: " + (unjudged or (
             "the combine weights are read off the router through the declared semantics, which normalise them by "
-            "construction; output_vs_reference judges the weights the layer applies")))
+            "construction; " + ("output_vs_reference judges the weights the layer applies" if o.ref_runs else
+                                "the weights the layer applies are not judged: a black-box expert cannot be called "
+                                "as expert(x)"))))
     elif sem.normalize:
         full = o.ref.selected.sum(dim=-1) == sem.top_k  # tokens a capacity dropped nothing of (all, dropless)
         sums = o.cap.weights.double().sum(dim=-1)[full]
@@ -457,7 +470,7 @@ def check_batch(rec: Recorder, lut: LayerUnderTest, module: nn.Module, o: Observ
 
 
 def check_low_precision(rec: Recorder, lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights,
-                        x: torch.Tensor, decl: caps.Declared) -> None:
+                        x: torch.Tensor, decl: caps.Declared, experts_run: bool = True) -> None:
     """fp16 and bf16 copies of the layer (rebuilt through its factory or adapter, :func:`_low_precision_copy`) on tokens scaled so the largest router logit is ~LOGIT_TARGET. A dtype
     the layer declares it lacks is not run (n/a, rule 2); a NotImplementedError from a copy makes it n/a (rule 3)."""
     logits = _flat(x).double() @ weights.router.T
@@ -479,12 +492,15 @@ def check_low_precision(rec: Recorder, lut: LayerUnderTest, module: nn.Module, w
                           f"{RAISED}{exc} (the {name} copy of the layer, on tokens scaled x{scale:.3g})")
             continue
         bad = int((~torch.isfinite(out)).sum())
-        ref_out, _ = ref.forward(_flat(xs).double(), lut.semantics, weights)
-        rel = _max_abs(_flat(out).double() - ref_out) / max(_max_abs(ref_out), 1e-30)
-        rec.metric(f"{PREFIX}{name}.rel_error", rel if math.isfinite(rel) else float("nan"))
+        error = "no float64 reference (a black-box expert cannot be called as expert(x))"
+        if experts_run:
+            ref_out, _ = ref.forward(_flat(xs).double(), lut.semantics, weights)
+            rel = _max_abs(_flat(out).double() - ref_out) / max(_max_abs(ref_out), 1e-30)
+            rec.metric(f"{PREFIX}{name}.rel_error", rel if math.isfinite(rel) else float("nan"))
+            error = f"max relative error vs float64 {rel:.3g} (recorded, not judged)"
         rec.check(f"{PREFIX}finite.{name}", bad == 0, bad, 0.0,
                   f"non-finite outputs of a {name} copy on tokens scaled x{scale:.3g} (router logits up to "
-                  f"{LOGIT_TARGET:g}); max relative error vs float64 {rel:.3g} (recorded, not judged)",
+                  f"{LOGIT_TARGET:g}); {error}",
                   evidence={"out": out} if bad else None)
 
 
@@ -545,6 +561,14 @@ def probe_designs(rec: Recorder, lut: LayerUnderTest, weights: ref.LayerWeights,
 ALL_CHECKS = ("output_vs_reference", "expert_internals", "routing_selection", "routing_weights", "probs_sum_to_one", "topk_weights_sum",
               "loads_sum", "cv_maxvio", "permutation_equivariance", "batch_independence", "finite.fp16",
               "finite.bf16", "aux_loss_vs_switch", "bias_exercised")
+
+
+NOT_DEFINED = {  # why a check does not apply to a layer (its n/a row)
+    "probs_sum_to_one": "{label} exposes no full router distribution (router_probs)",
+    "topk_weights_sum": "the design does not renormalise the k weights",
+    "aux_loss_vs_switch": "{label} defines no load-balancing loss",
+    "bias_exercised": "the design draws no selection-only correction bias",
+}
 
 
 def lack_detail(decl: caps.Declared, feature: str, lut: LayerUnderTest) -> str:
@@ -647,16 +671,25 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
     rec.tensor(f"{PREFIX}x", x)
     na: list[str] = []
     seen: list[Observation] = []
-    raised = guarded(rec, ROUTING_CHECKS, lambda: seen.append(observe(lut, module, weights, x)))
+    broken = uncallable_expert(weights, x)
+    raised = guarded(rec, ROUTING_CHECKS, lambda: seen.append(observe(lut, module, weights, x,
+                                                                      experts_run=broken is None)))
     if raised is None:
         o = seen[0]
         rec.tensor(f"{PREFIX}out", o.out)
-        rec.tensor(f"{PREFIX}reference_out", o.ref_out)
+        if o.ref_runs:
+            rec.tensor(f"{PREFIX}reference_out", o.ref_out)
         rec.tensor(f"{PREFIX}captured_weights", o.cap.weights)
         rec.tensor(f"{PREFIX}reference_weights", o.ref.weights)
         rec.metric(f"{PREFIX}tokens_near_tie", int((~o.clear).sum()))
-        output_ok = check_output(rec, lut, o, weights, decl)
-        note_opaque_experts(rec, lut, weights)
+        if broken is None:
+            output_ok = check_output(rec, lut, o, weights, decl)
+        else:
+            output_ok = False
+            rec.not_applicable(f"{PREFIX}output_vs_reference", "not judged: " + broken_detail(lut, *broken))
+        note_opaque_experts(rec, lut, weights, broken)
+        if broken is None and not weights.opaque:
+            guarded(rec, ("expert_internals",), lambda: check_expert_internals(rec, lut, module, weights, o))
         unjudged = check_routing(rec, lut, o, weights, output_ok, mixing)
         na += check_sums(rec, lut, o, unjudged)
         check_loads(rec, lut, o)
@@ -679,17 +712,23 @@ def run_battery(p: LayerSettings, rec: Recorder) -> LayerUnderTest:
         guarded(rec, ("aux_loss_vs_switch",), aux)
         if not check_bias_exercised(rec, lut, weights, o):
             na.append("bias_exercised")
-        probe_designs(rec, lut, weights, o)
+        if o.ref_runs:
+            probe_designs(rec, lut, weights, o)
     else:
         needs = ["permutation_equivariance", "batch_independence"]
         needs += ["aux_loss_vs_switch"] if lut.aux_loss_name else []
         needs += ["bias_exercised"] if lut.draws_correction_bias else []
         raised_in_run(rec, needs, raised, " (the layer, on the run's tokens: not judged)")
         na += [n for n in ("aux_loss_vs_switch", "bias_exercised") if n not in needs]
-    check_low_precision(rec, lut, module, weights, x, decl)
+        if broken is not None:  # the layer raised too: the black box's own failure is still named
+            note_opaque_experts(rec, lut, weights, broken)
+    check_low_precision(rec, lut, module, weights, x, decl, experts_run=broken is None)
     for note in lut.notes():
         rec.note(note)
-    for name in na:
+    for name in na:  # a row each, so the table and the run's count agree
+        why = f"not judged: {lut.order_dependent}" if name == "permutation_equivariance" else \
+            "not applicable: " + NOT_DEFINED[name].format(label=lut.label)
+        rec.not_applicable(f"{PREFIX}{name}", why)
         rec.note(f"n/a: {PREFIX}{name} ({lut.label})")
     rec.metric(f"{PREFIX}battery_s", time.perf_counter() - t0, measured=True)
     rec.note(f"layer battery on {lut.label}: {p.batch}x{p.seq} tokens, d_model {s.d_model}, {s.n_experts} experts, "
@@ -717,14 +756,144 @@ def apply_mixing(p: LayerSettings, lut: LayerUnderTest, weights: ref.LayerWeight
     return mixing
 
 
-def note_opaque_experts(rec: Recorder, lut: LayerUnderTest, weights: ref.LayerWeights) -> None:
-    """expert_internals: not judged where the reference runs some experts as black boxes, naming the hook."""
+def uncallable_expert(weights: ref.LayerWeights, x: torch.Tensor) -> tuple[ref.OpaqueExpert, LayerRaised] | None:
+    """The first black-box expert that cannot be called as the reference calls it, ``expert(h)`` -> a tensor shaped
+    like h (h: x in float64, or x preᵀ for a latent MoE's routed experts), with its exception; None if every one can.
+    Such an expert does not fit the black-box contract (say its forward takes (x, weight)): the reference cannot
+    compute the mixture, so what needs it is not judged, naming the exception and the hook."""
+    h = _flat(x).double()
+    h_routed = h if weights.pre is None else h @ weights.pre.to(h).T
+    for inp, experts in ((h_routed, weights.experts), (h, weights.shared_list)):
+        for ex in experts:
+            if not isinstance(ex, ref.OpaqueExpert):
+                continue
+            try:
+                y = call_layer(ex, inp)
+                if not isinstance(y, torch.Tensor) or y.shape != inp.shape:
+                    raise TypeError(f"returned {tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}"
+                                    f" for an input {tuple(inp.shape)}: expected the input's shape")
+            except LayerRaised as exc:
+                return ex, exc
+            except TypeError as exc:
+                return ex, LayerRaised(exc)
+    return None
+
+
+def check_expert_internals(rec: Recorder, lut: LayerUnderTest, module: nn.Module, weights: ref.LayerWeights,
+                           o: Observation) -> None:
+    """expert_internals, where every expert is rebuilt from its weights and the layer's expert modules receive the
+    token rows: each module's output on the rows it received against its rebuilt expert on the same rows (float64).
+    With the weight inside the expert, each row's weight is fitted first (as :func:`inside_weights` does) and the
+    residual judged. FlashAttention's rule: 2x the rebuilt expert's plain error in the run's dtype (the experts'
+    declared or detected precision where coarser) + 4 ulps of the scale. No module receiving token rows (a fused or
+    latent layout): no row, the experts are judged through output_vs_reference alone (a note says so)."""
+    targets = lut.expert_modules(module)
+    if not targets or weights.pre is not None or len(targets) != len(weights.experts):
+        return
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def hook(i: int):
+        def capture(_m: nn.Module, inputs: tuple, out: object) -> None:
+            if inputs and isinstance(inputs[0], torch.Tensor):
+                seen.append((i, inputs[0].detach(), ref.expert_output(out).detach()))
+        return capture
+
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(targets)]
+    try:
+        call_layer(lut.forward, module, o.x)
+    finally:
+        for h in handles:
+            h.remove()
+    d, dtype = o.x.shape[-1], o.x.dtype
+    def key(row: torch.Tensor) -> bytes:  # exact in float64 for every run dtype (numpy has no bfloat16)
+        return row.double().cpu().numpy().tobytes()
+
+    token_of = {key(row): t for t, row in enumerate(_flat(o.x))}
+    compute = _coarsest(dtype, o.expert_dtype)
+
+    def compare(inside: bool) -> tuple[float, float, float, int, set[int], float]:
+        """(error, plain error, scale, rows, experts seen, max |fitted weight - reference weight|)."""
+        err = plain_err = scale = off = 0.0
+        n_rows, experts_seen = 0, set()
+        for i, rows, y in seen:
+            if rows.dtype != dtype or rows.shape[-1] != d or y.shape[-1] != d:
+                continue
+            rows, y = rows.reshape(-1, d), y.reshape(-1, d).double()
+            tok = [token_of.get(key(r), -1) for r in rows]
+            keep = torch.tensor([t >= 0 for t in tok], dtype=torch.bool, device=rows.device)
+            if not bool(keep.any()):
+                continue
+            rows, y = rows[keep], y[keep]
+            expert = weights.experts[i]
+            z = expert(rows.double())  # (n,D) float64
+            plain = expert.to(compute)(rows.to(compute)).double()
+            if inside:  # y = w (z - b) + b: fit each row's w, judge the residual
+                b = 0.0 if expert.last_bias is None else expert.last_bias.to(z)
+                zc = z - b
+                w = ((y - b) * zc).sum(dim=-1, keepdim=True) / (zc * zc).sum(dim=-1, keepdim=True).clamp_min(1e-300)
+                z, plain = w * zc + b, w * (plain - b) + b
+                want = o.ref.weights[[t for t in tok if t >= 0], i].to(w)
+                off = max(off, _max_abs(w[:, 0] - want))
+            err = max(err, _max_abs(y - z))
+            plain_err = max(plain_err, _max_abs(plain - z))
+            scale = max(scale, _max_abs(z))
+            n_rows += rows.shape[0]
+            experts_seen.add(i)
+        return err, plain_err, scale, n_rows, experts_seen, off
+
+    inside = lut.semantics.weight_inside_expert
+    err, plain_err, scale, n_rows, experts_seen, _ = compare(inside)
+    if not n_rows:
+        rec.note(f"expert_internals: no expert module received token rows ({lut.label}): the experts are judged "
+                 "through output_vs_reference alone")
+        return
+    tol = 2 * plain_err + 4 * _ulps(dtype) * max(scale, 1e-30)
+    carried = ""
+    if not inside and not err <= tol:  # undeclared: do the modules' outputs carry each row's combine weight?
+        alt = compare(True)
+        alt_tol = 2 * alt[1] + 4 * _ulps(dtype) * max(alt[2], 1e-30)
+        if alt[0] <= alt_tol and alt[5] <= 256 * _ulps(compute):
+            err, plain_err, tol, inside = alt[0], alt[1], alt_tol, True
+            carried = " (the modules' outputs carry each row's combine weight: the weight inside the expert)"
+    kinds = "/".join(sorted({type(ex).__name__ for ex in weights.experts}))
+    via = (f"through {EXPERT_HOOK}" if callable(getattr(module, EXPERT_HOOK, None)) else
+           "from the course layout" if isinstance(lut, ToyInterfaceLayer) else "from reference_weights")
+    detail = (f"max |expert module's output - the expert rebuilt from its weights| over the {n_rows} token rows "
+              f"{len(experts_seen)} of {len(targets)} experts received (rebuilt {via} as {kinds})"
+              + ("; each row's combine weight fitted first (mixing = weight_inside_expert)" + carried if inside
+                 else "")
+              + f"; plain {str(compute).removeprefix('torch.')} expert error {plain_err:.3g}")
+    rec.check_le(f"{PREFIX}expert_internals", err, tol, detail)
+
+
+def expert_hook(lut: LayerUnderTest) -> str:
+    """How this interface gives the reference an expert's weights."""
+    return (f"give the class a method {EXPERT_HOOK}(self, i) returning expert i's weights" if
+            isinstance(lut, ToyInterfaceLayer) else "return each expert from reference_weights(module)")
+
+
+def broken_detail(lut: LayerUnderTest, ex: ref.OpaqueExpert, exc: LayerRaised) -> str:
+    """Why the reference could not run a black-box expert: the user's exception first, then the contract and the
+    hook that would judge it."""
+    return (f"{RAISED}{exc} ({ex.name}, run as a black box, called as expert(x)): a black-box expert must be "
+            f"callable as expert(x) -> a tensor shaped like x, so the reference cannot compute the mixture "
+            f"(output_vs_reference, expert_internals and the design probes are not judged; the routing, loads, "
+            f"invariances and dtypes are); {expert_hook(lut)} as a tfmoe.components.moe_reference.MlpExpert / "
+            "GluExpert / ChunkedGluExpert to judge them")
+
+
+def note_opaque_experts(rec: Recorder, lut: LayerUnderTest, weights: ref.LayerWeights,
+                        broken: tuple[ref.OpaqueExpert, LayerRaised] | None = None) -> None:
+    """expert_internals: not judged where the reference runs some experts as black boxes, naming the hook (and
+    leading with the exception of one that cannot be called as expert(x))."""
     every = [*weights.experts, *weights.shared_list]
     opaque = [ex for ex in every if isinstance(ex, ref.OpaqueExpert)]
+    if broken is not None:
+        rec.not_applicable(f"{PREFIX}expert_internals", "not judged: " + broken_detail(lut, *broken))
+        return
     if not opaque:
         return
-    hook = (f"give the class a method {EXPERT_HOOK}(self, i) returning expert i's weights" if
-            isinstance(lut, ToyInterfaceLayer) else "return each expert from reference_weights(module)")
+    hook = expert_hook(lut)
     names = ", ".join(ex.name for ex in opaque[:3]) + (f" and {len(opaque) - 3} more" if len(opaque) > 3 else "")
     rec.not_applicable(f"{PREFIX}expert_internals",
                        f"not judged: {len(opaque)} of {len(every)} experts ({names}) have no layout the reference "

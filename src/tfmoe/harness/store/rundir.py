@@ -65,9 +65,13 @@ def checks_count(rows: list[dict[str, Any]]) -> tuple[int, int, int]:
 
 
 def checks_cell(rows: list[dict[str, Any]]) -> str:
-    """A run's checks in one cell: ``11/11``, or ``11/11 (+2 n/a)``."""
+    """A run's checks in one cell: ``11/11``, ``11/11 (+2 n/a)``, or ``9/9 (+2 n/a, +2 not judged)``, as the
+    battery tables label those rows (a not-applicable row whose detail starts "not judged" is counted as such)."""
     passed, judged, na = checks_count(rows)
-    return f"{passed}/{judged}" + (f" (+{na} n/a)" if na else "")
+    unjudged = sum(not check_applicable(r) and str(r.get("detail") or "").startswith("not judged") for r in rows)
+    parts = [f"+{na - unjudged} n/a"] if na > unjudged else []
+    parts += [f"+{unjudged} not judged"] if unjudged else []
+    return f"{passed}/{judged}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def utcnow() -> dt.datetime:
