@@ -55,8 +55,11 @@ check-lock: setup
 run: setup
 	$(VENV)/bin/tfmoe all
 
+# pytest-xdist: one worker per core (TEST_WORKERS=auto; 2 on the project's machines), each test module whole in one
+# worker (--dist loadfile: a module's fixtures are built once). TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= auto
 test: setup
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: setup
 	$(VENV)/bin/pytest -m slow
