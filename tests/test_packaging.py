@@ -8,6 +8,7 @@ no collision between pytest-xdist workers)."""
 from __future__ import annotations
 
 import email
+import importlib.metadata
 import json
 import os
 import re
@@ -24,8 +25,18 @@ REPO = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "src", "conf", "docs/examples")
 
 
+def _isolation() -> list[str]:
+    """--no-isolation where this environment meets the build system (setuptools>=77: the lock's), else pip
+    installs it in an isolated build environment (an engineer's venv may hold an older setuptools)."""
+    try:
+        major = int(importlib.metadata.version("setuptools").split(".")[0])
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    return ["--no-isolation"] if major >= 77 else []
+
+
 def _build(args: list[str], source: Path, out: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", *args, "--outdir", str(out), str(source)],
+    proc = subprocess.run([sys.executable, "-m", "build", *_isolation(), *args, "--outdir", str(out), str(source)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
