@@ -15,6 +15,8 @@ LOCK_FLAGS ?=
 # GPU users: make setup TORCH_INDEX_URL=<PyTorch CUDA wheel index>, see docs/gpu.md: torch comes from there, the
 # rest from the lock.
 TORCH_INDEX_URL ?=
+# The torch the lock holds (and `make lock` keeps, even with --upgrade: pyproject.toml admits a range, and the newest
+# release in it is a multi-GB CUDA build). Its CPU build comes from this machine's pip configuration.
 TORCH_SPEC = torch==2.13.0
 
 .PHONY: setup lock check-lock run test test-slow test-cluster slurm-up slurm-down lint bench clean
@@ -41,9 +43,10 @@ endif
 # Regenerate requirements.lock from pyproject.toml (core + EXTRAS), in a venv of its own with a pinned pip-tools.
 lock:
 	test -x $(LOCK_VENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/pip install -q "$(PIP_TOOLS)"; }
+	echo "$(TORCH_SPEC)" > $(LOCK_VENV)/torch-constraint.txt
 	$(LOCK_VENV)/bin/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
 	    --no-emit-find-links $(foreach e,$(subst $(comma), ,$(EXTRAS)),--extra $(e)) $(LOCK_FLAGS) \
-	    --output-file $(LOCK) pyproject.toml
+	    --constraint $(LOCK_VENV)/torch-constraint.txt --output-file $(LOCK) pyproject.toml
 
 # Does .venv hold exactly the locked versions? (make setup ends with it.)
 check-lock: setup
@@ -52,8 +55,11 @@ check-lock: setup
 run: setup
 	$(VENV)/bin/tfmoe all
 
+# pytest-xdist: one worker per core (TEST_WORKERS=auto; 2 on the project's machines), each test module whole in one
+# worker (--dist loadfile: a module's fixtures are built once). TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= auto
 test: setup
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: setup
 	$(VENV)/bin/pytest -m slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import pandas as pd
@@ -118,11 +119,13 @@ def test_machine_measurements_are_declared_once_in_data() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ show/diff/runs text
-def test_show_diff_runs_print_the_users_text_literally_never_as_rich_markup(tmp_path: Path) -> None:
+def test_show_diff_runs_print_the_users_text_literally_never_as_rich_markup(request: pytest.FixtureRequest) -> None:
     """`expect: cli1: tokens_per_text[text=1] == 3` showed as `… tokens_per_text == 3`: rich read `[text=1]` as
-    markup. Likewise a runs root whose path holds `[bold]`."""
-    where = tmp_path / "[bold]lab"
+    markup. Likewise a runs root whose path holds `[bold]`. The root sits at a short path: under pytest-xdist
+    tmp_path is longer (popen-gwN/), and show's title folds a long run path past `[bold]lab`."""
+    where = Path(tempfile.mkdtemp(prefix="t")) / "[bold]lab"
     where.mkdir()
+    request.addfinalizer(lambda: shutil.rmtree(where.parent, ignore_errors=True))
     ran = run_cli(["shift-labels", "--expect", "sequence_loss[sequence=1] < 100"], where)
     assert ran.exit_code == 0, ran.stderr
     assert f"run directory: {ran.run_dir}" in ran.stdout.replace("\n", "")

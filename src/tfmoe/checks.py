@@ -460,8 +460,8 @@ def _record(root: Path, exp: Any, cfg: Any, overrides: Mapping[str, Any], rec: A
     from tfmoe.recorder import device_peak
     from tfmoe.status import Status
 
-    name = utcnow().strftime("%Y-%m-%d_%H-%M-%S-%f")
-    run_dir = root / exp.name / name
+    run_dir = _new_run_dir(root / exp.name, utcnow().strftime("%Y-%m-%d_%H-%M-%S-%f"))
+    name = run_dir.name
     texts = [_override_text(k, v) for k, v in overrides.items()]
     writer = RunWriter(run_dir=run_dir, run_id=name, experiment=exp.name, seed=int(cfg.seed),
                        argv=["tfmoe.checks", *texts], overrides=texts, device=str(rec.device), dtype=str(cfg.dtype))
@@ -474,6 +474,20 @@ def _record(root: Path, exp: Any, cfg: Any, overrides: Mapping[str, Any], rec: A
     writer.finish(rec, status, status.exit_code, None, device_peak(rec.device), None,
                   int(cfg.get("tensor_max_numel", 1_000_000)))
     return run_dir
+
+
+def _new_run_dir(parent: Path, name: str) -> Path:
+    """parent/name made here and by no one else: two processes recording in the same microsecond (pytest-xdist
+    workers sharing one --tfmoe-record) get name and name-1, never one directory written twice."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        run_dir = parent / (name if n == 0 else f"{name}-{n}")
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            continue
+        return run_dir
+    raise FileExistsError(f"{parent / name}: 1000 run directories of that name exist")
 
 
 # ------------------------------------------------------------------------------ the layer, named
