@@ -451,6 +451,33 @@ def output_dir(composed: Any, multirun: bool) -> tuple[str, Path]:
         hc.cfg = before
 
 
+# What marks a directory as a run's or a sweep's: its record, Hydra's copy of its config, a sweep's table.
+_RECORD_MARKS = ("run.parquet", ".hydra", "sweep.parquet", "multirun.yaml")
+
+
+def check_new_dir(key: str, out: Path, overrides: list[str]) -> None:
+    """One writer per run: BadInput when the run (sweep) directory ``out`` already exists with anything in it, or
+    lies inside another run's or sweep's directory, whichever way it was named (``hydra.run.dir``,
+    ``hydra.sweep.dir``, or ``run_root`` under the default naming). A record is written only by the run that
+    made it; nothing is written before this check."""
+    given = next((o.split("=", 1)[0].lstrip("+") for o in overrides
+                  if o.split("=", 1)[0].lstrip("+") in (key, "run_root")), "run_root")
+    named = f"{given}={next((o.split('=', 1)[1] for o in overrides if o.split('=', 1)[0].lstrip('+') == given), '')}"
+    fix = (f"leave {key} unset (each run gets a new directory) or name a new one" if given == key
+           else "pass run_root=DIR that is not inside a run, e.g. run_root=runs")
+    where = out.resolve()
+    if where.exists() and (not where.is_dir() or any(where.iterdir())):
+        held = next((m for m in _RECORD_MARKS if (where / m).exists()), None)
+        what = f"already holds a {'sweep' if held in ('sweep.parquet', 'multirun.yaml') else 'run'} ({held})" \
+            if held else "already exists and is not empty"
+        raise BadInput(f"{named}: {where} {what}; a run directory is written once, by the run that made it: {fix}")
+    for parent in where.parents:
+        held = next((m for m in _RECORD_MARKS if (parent / m).exists()), None)
+        if held is not None:
+            raise BadInput(f"{named}: {where} would lie inside the run directory {parent} (it holds {held}); a run "
+                           f"directory is written once, by the run that made it: {fix}")
+
+
 def dir_override(key: str, path: Path, overrides: list[str]) -> list[str]:
     """``overrides`` with ``key=<path>`` (quoted for Hydra's grammar) in place of any override of ``key``."""
     text = str(path)
@@ -500,6 +527,8 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
                 peer = serve_as_peer(exp, composed)  # `srun -n W`: a task other than the first writes no run
                 if peer is not None:
                     return peer
+        key, out = output_dir(composed, multirun)
+        check_new_dir(key, out, overrides)  # before anything is written, check_writable's probe included
         check_writable(str(composed.run_root))
     key, out = output_dir(composed, multirun)
     overrides = dir_override(key, out, overrides)
