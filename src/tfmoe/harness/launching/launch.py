@@ -303,6 +303,36 @@ def job_settings(module: Any, cfg: Any, devices: bool = True) -> Any:
     return module.settings(cfg)
 
 
+def check_interpolations(cfg: Any, job: str = "") -> None:
+    """Resolve every value of a composed config (Hydra's own section aside) as the run will: BadInput, in one line,
+    for an interpolation that cannot resolve (``seed=${oc.env:NOPE}``, a key that does not exist, bad ``${`` syntax)
+    before any run directory exists. ``${hydra:...}`` values resolve only inside the job and are left to it."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+    from omegaconf.errors import GrammarParseError, InterpolationResolutionError, MissingMandatoryValue
+
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    hc = HydraConfig.instance()
+    before = hc.cfg
+    try:
+        if "hydra" in cfg:
+            hc.set_config(cfg)
+        for key in raw:
+            if key == "hydra" or "${hydra:" in str(raw[key]):
+                continue
+            try:
+                node = cfg[key]
+                if OmegaConf.is_config(node):
+                    OmegaConf.to_container(node, resolve=True)
+            except (InterpolationResolutionError, GrammarParseError, MissingMandatoryValue) as exc:
+                where = getattr(exc, "full_key", None) or key
+                said = " ".join(str(exc).splitlines()[0].split())[:200]
+                raise BadInput(f"{job}{where}: cannot resolve {raw[key]!r}: {said}: set what it names, or give the "
+                               f"value itself, e.g. {key}=<value>") from None
+    finally:
+        hc.cfg = before
+
+
 def validate_run_settings(exp: Experiment, composed: Any) -> None:
     """A single run's settings, built from its composed config before its run directory exists: the contract
     sweeps keep (:func:`validate_sweep_settings`), so a typo writes nothing. A config whose settings fail other
@@ -360,6 +390,7 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str], strict: bool 
             for i, job in enumerate(jobs):
                 try:
                     cfg = configs(job)
+                    check_interpolations(cfg)
                     tasks = launcher_tasks(cfg)
                     with read_write(cfg), open_dict(cfg):  # the job's config, as run_job hands it over
                         del cfg["hydra"]
@@ -520,6 +551,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         if multirun or checking:
             validate_sweep_settings(exp, overrides, strict=checking)
         else:
+            check_interpolations(composed)
             validate_run_settings(exp, composed)
             if not checking:
                 from tfmoe.harness.launching.runner import serve_as_peer
