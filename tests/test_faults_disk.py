@@ -179,6 +179,30 @@ def test_the_catalog_on_a_full_disk_falls_back_to_a_full_scan(small_fs: Path) ->
     assert sql.exit_code == 0 and '"ok"' in sql.stdout, sql.stdout + sql.stderr
 
 
+@pytest.mark.parametrize("leave_kib", [0, 20, 44, 60, 100])
+def test_readers_answer_when_the_disk_fills_under_a_settled_catalog(small_fs: Path, leave_kib: int) -> None:
+    """A catalog that exists, a run added since, then the disk filled to a few KiB: the sync's write fails, SQLite
+    rolls back by itself, and a second ROLLBACK used to raise "cannot rollback" over it (a 60-line traceback from
+    `runs`, `sql` and `show`). Each reader answers, with at most one warning line."""
+    made = small_fs.parent / "made"
+    made.mkdir()
+    for seed in (1, 2):
+        assert run_cli([*ROUTE, "steps=0", f"seed={seed}"], made).exit_code == 0
+    shutil.copytree(made / "runs", small_fs / "runs")
+    newest = sorted((small_fs / "runs" / "route-sim").iterdir())[-1]
+    moved = small_fs.parent / "later"
+    shutil.move(str(newest), moved)
+    assert run_cli(["sql", "SELECT * FROM runs JOIN metrics USING (run_id)"], small_fs).exit_code == 0  # settled
+    shutil.move(str(moved), newest)  # a run added since: the next sync writes
+    _fill(small_fs, leave_kib * 1024)
+    for args in (["runs", "--format", "json"], ["sql", "SELECT count(*) AS n FROM runs r JOIN metrics USING (run_id)"],
+                 ["show", newest.name], ["diff", newest.name, newest.name]):
+        r = run_cli(args, small_fs)
+        assert r.exit_code == 0 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert len([ln for ln in r.stderr.splitlines() if ln.strip()]) <= 1, (args, r.stderr)
+    assert newest.name in run_cli(["runs", "--format", "json"], small_fs).stdout
+
+
 def test_a_disk_that_fills_between_sweep_parquet_and_its_plots_says_which(small_fs: Path, tmp_path: Path,
                                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """sweep.parquet fits, its plot does not: the one line says sweep.parquet was written and its plots not (it said

@@ -143,8 +143,18 @@ def _replace_triggers(conn: sqlite3.Connection) -> None:
             conn.execute(f"INSERT OR REPLACE INTO versions SELECT path, coalesce({_GENERATION}, 0) FROM runs")
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back the open transaction, if SQLite still has one: on a full disk it rolls back by itself, and a
+    second ROLLBACK would raise "cannot rollback - no transaction is active" over the real cause."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
 
 
 def _fresh(conn: sqlite3.Connection, root: Path) -> bool:
@@ -166,8 +176,40 @@ def _reset(conn: sqlite3.Connection, root: Path) -> None:
                               ("epoch", os.urandom(4).hex())])
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
+
+
+_IN_MEMORY: list[bool] = [False]  # set by read_through_full_disk: this process lists runs from a full scan
+
+
+def read_through_full_disk(read: Callable[[], Any], runs_root: Path) -> Any:
+    """``read()``, a reader of the catalog (`runs`, `show`, `sql`, `diff`, `export`); when the disk fills while it
+    writes the catalog (a cache: rows, cached tables), ``read()`` again over an in-memory catalog, with one warning
+    line, never SQLite's traceback. A reader prints only after its catalog work, so nothing is printed twice."""
+    _WARNED[0] = False
+    try:
+        return read()
+    except (sqlite3.OperationalError, OSError) as exc:
+        if not _disk_full(exc) or _IN_MEMORY[0]:
+            raise
+        said = exc
+    _IN_MEMORY[0] = True
+    try:
+        _warn_full(Path(runs_root) / CATALOG_FILE, said)
+        return read()
+    finally:
+        _IN_MEMORY[0] = False
+
+
+_WARNED: list[bool] = [False]  # one warning per command, however many times it opens the catalog
+
+
+def _warn_full(db: Path, exc: BaseException) -> None:
+    if not _WARNED[0]:
+        _WARNED[0] = True
+        print(f"warning: cannot write the run catalog {db} ({exc}): listing the runs from a full scan; free space "
+              "there", file=sys.stderr)
 
 
 def open_catalog(runs_root: Path) -> sqlite3.Connection:
@@ -175,7 +217,7 @@ def open_catalog(runs_root: Path) -> sqlite3.Connection:
     catalog (a full scan); a corrupt or foreign catalog file is rebuilt."""
     root = Path(runs_root)
     db = root / CATALOG_FILE
-    if not os.access(root, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
+    if _IN_MEMORY[0] or not os.access(root, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
         return _in_memory(root)
     conn = None
     try:
@@ -196,11 +238,7 @@ def open_catalog(runs_root: Path) -> sqlite3.Connection:
             raise
         if conn is not None:
             conn.close()
-        import sys
-
-        # the catalog is only a cache: the runs are listed from a full scan, and the user hears why once
-        print(f"warning: cannot write the run catalog {db} ({exc}): listing the runs from a full scan; free "
-              "space there", file=sys.stderr)
+        _warn_full(db, exc)  # the catalog is only a cache: the runs are listed from a full scan, said once
         return _in_memory(root)
     return conn
 
@@ -518,7 +556,7 @@ def sync(conn: sqlite3.Connection, runs_root: Path) -> None:
                     _upsert_run(conn, rel, parent, new_sig, row)
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
 
 
@@ -619,7 +657,7 @@ def fill_tables(conn: sqlite3.Connection, runs_root: Path) -> int:
                 _mark_unreadable(conn, p, bad)
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
     return len(missing)
 
