@@ -12,7 +12,9 @@ name's tfmoe name and tags), then the tag ``tfmoe.export_complete=true``, then i
 a run with that tag counts as "already there": one an export left half-written (killed, a failing artifact) is found
 by the next export and completed in place, so each tfmoe run has exactly one MLflow run. Exports into one store are
 serialised by a file lock beside it (``<db>.tfmoe-export.lock`` for sqlite, ``.tfmoe-export.lock`` in a file
-store's folder): two at once would otherwise both create the store's schema or both export every run.
+store's folder): two at once would otherwise both create the store's schema or both export every run. A new sqlite
+store is created whole or not at all (its schema made in a file beside it, then renamed); an empty store whose
+schema creation was cut short is made again, while a store with runs in it is never touched.
 """
 
 from __future__ import annotations
@@ -145,6 +147,60 @@ def _tracking_store(tracking_uri: str) -> str | None:
     return None
 
 
+def _sqlite_file(tracking_uri: str) -> Path | None:
+    return Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else None
+
+
+def _open_store(client_cls: Any, tracking_uri: str) -> Any:
+    """MLflow's client on the store, its schema verified now (MLflow opens a store lazily, and a broken one would
+    fail at the first call with its SQL). A sqlite store that does not exist yet is created whole or not at all:
+    its schema is made in a file beside it, which then takes its name (a kill during MLflow's migrations, seconds
+    long, leaves only that file, which the next export makes again)."""
+    db = _sqlite_file(tracking_uri)
+    if db is not None and not db.exists():
+        tmp = db.parent / f"{db.name}.tfmoe-creating"
+        for suffix in ("", "-journal", "-wal", "-shm"):
+            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+        client_cls(tracking_uri=f"sqlite:///{tmp}").search_experiments(max_results=1)
+        _forget_engine(f"sqlite:///{tmp}")  # its connections closed before the file moves
+        tmp.replace(db)
+    client = client_cls(tracking_uri=tracking_uri)
+    client.search_experiments(max_results=1)
+    return client
+
+
+def _forget_engine(uri: str) -> None:
+    """Close and drop the SQLAlchemy engine MLflow's sqlite store keeps for ``uri`` (one per URI, per process)."""
+    try:
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    except ImportError:
+        return
+    engine = getattr(SqlAlchemyStore, "_engine_map", {}).pop(uri, None)
+    if engine is not None:
+        engine.dispose()
+
+
+def _unfinished(db: Path) -> bool:
+    """A sqlite file that holds no MLflow run and no experiment but the default one: a store whose schema creation
+    was cut short (by an older tfmoe, or by MLflow itself), safe to make again; a store with runs is never touched."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return False
+    try:
+        tables = {n for (n,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        runs = con.execute("SELECT count(*) FROM runs").fetchone()[0] if "runs" in tables else 0
+        experiments = con.execute("SELECT count(*) FROM experiments WHERE experiment_id != 0").fetchone()[0] \
+            if "experiments" in tables else 0
+        return runs == 0 and experiments == 0
+    except sqlite3.Error:
+        return False
+    finally:
+        con.close()
+
+
 def lock_path(tracking_uri: str) -> Path | None:
     """The file lock that serialises exports into this store: beside a sqlite database, inside a file store's
     folder; None for a tracking server (it owns its database)."""
@@ -192,9 +248,16 @@ class Exporter:
         mlflow, client_cls = _mlflow()
         self.mlflow = mlflow
         try:
-            self.client = client_cls(tracking_uri=tracking_uri)
+            self.client = _open_store(client_cls, tracking_uri)
         except Exception as exc:
-            raise BadInput(f"cannot open MLflow tracking store {tracking_uri!r}: {exc}") from None
+            db = _sqlite_file(tracking_uri)
+            if db is None or not _unfinished(db):
+                said = " ".join(str(getattr(exc, "message", exc)).split())[:300]
+                raise BadInput(f"cannot open MLflow tracking store {tracking_uri!r}: {said}") from None
+            _forget_engine(tracking_uri)  # MLflow keeps one engine per URI: its pool holds the old file open
+            for suffix in ("", "-journal", "-wal", "-shm"):  # an empty store whose schema creation was cut short
+                Path(f"{db}{suffix}").unlink(missing_ok=True)
+            self.client = _open_store(client_cls, tracking_uri)
         self.artifact_root = _tracking_store(tracking_uri)
         self.experiments: dict[str, str] = {}
         self.known: dict[str, dict[str, str]] = {}  # experiment id -> tfmoe.run_id -> MLflow run id
