@@ -130,3 +130,38 @@ def test_show_escapes_what_is_already_on_disk(fake_experiment) -> None:
         out = run_cli(["show", str(run), "--format", fmt], Path.cwd()).stdout
         assert "\x1b" not in out and "\u202e" not in out, fmt
         assert "\\x1b[2J\\u202eevil ## Proven - forged" in out and "\\x1b[31mred" in out
+
+
+# ------------------------------------------------------------------------------------------ small edges
+@pytest.mark.parametrize("name", ["latest", "-x"])
+def test_a_run_directory_named_like_a_word_the_commands_read_is_refused(fake_experiment, name: str) -> None:
+    r = run_cli(["fake", f"hydra.run.dir=runs/fake/{name}"], Path.cwd())
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "would give the run the id" in r.stderr, r.stderr
+    assert not Path("runs/fake", name).exists()
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--config-name", "nosuch"], "always composes conf/fake.yaml"), (["--config-name=arch"], "run `tfmoe arch`"),
+    (["-cn", "fake"], "always composes"), (["--config-path", "/tmp"], "always composes"),
+])
+def test_config_name_and_path_are_refused_in_one_line(fake_experiment, args: list[str], said: str) -> None:
+    r = run_cli(["fake", *args], Path.cwd())
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
+    assert not Path("runs").exists()
+
+
+@pytest.mark.parametrize(("args", "code"), [
+    (["--seed", "1", "seed=2"], 2), (["-m", "seed=1,2", "--seed", "3"], 2), (["--seed", "1", "seed=1"], 0),
+    (["--seed", "4"], 0), (["seed=5"], 0),
+])
+def test_an_option_and_an_override_of_the_same_key_are_never_merged(fake_experiment, args: list[str],
+                                                                    code: int) -> None:
+    r = run_cli(["fake", *args], Path.cwd())
+    assert r.exit_code == code, r.stderr
+    if code == 2:
+        assert r.stderr.count("\n") == 1 and "both set seed: pass one of them" in r.stderr
+        assert not Path("runs").exists()
+    else:
+        import pandas as pd
+
+        assert pd.read_parquet(r.run_dir / "run.parquet")["seed"].iloc[0] == int(args[-1].split("=")[-1])

@@ -132,12 +132,15 @@ def _experiment_command(exp: Experiment):
         from tfmoe.harness.launching.launch import run_experiment
 
         typed = []
-        if device is not None:
-            typed.append(f"device={device}")
-        if dtype is not None:
-            typed.append(f"dtype={dtype.value}")
-        if seed is not None:
-            typed.append(f"seed={seed}")
+        for key, value in (("device", device), ("dtype", dtype.value if dtype else None), ("seed", seed)):
+            if value is None:
+                continue
+            given = [a for a in ctx.args if a.split("=", 1)[0].lstrip("+~") == key]
+            if any(a.split("=", 1)[-1] != str(value) for a in given):  # neither silently wins: you choose
+                raise fail(f"--{key} {value} and {given[0]} both set {key}: pass one of them (an option and an "
+                           f"override of the same key are never merged)")
+            if not given:
+                typed.append(f"{key}={value}")
         with bad_input_exits_2():
             if expect:
                 from tfmoe.harness.method.expectations import cli_override

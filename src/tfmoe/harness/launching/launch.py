@@ -56,6 +56,26 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
     return overrides, flags
 
 
+_CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp")
+
+
+def check_config_flags(exp: Experiment, flags: list[str]) -> None:
+    """Refuse Hydra's flags that choose another primary config: each subcommand composes its own
+    (conf/<config>.yaml), which is what its overrides are validated against (Hydra would print a multi-line error
+    for a name it cannot find, and run another experiment's config under this command for one it can)."""
+    from tfmoe.registry import EXPERIMENTS
+
+    for i, flag in enumerate(flags):
+        name = flag.split("=", 1)[0]
+        if name not in _CONFIG_FLAGS:
+            continue
+        value = flag.split("=", 1)[1] if "=" in flag else (flags[i + 1] if i + 1 < len(flags) else "")
+        other = next((e.name for e in EXPERIMENTS.values() if e.config == value.removesuffix(".yaml")), None)
+        hint = f"run `tfmoe {other}` for that experiment" if other and other != exp.name else \
+            "change its keys with key=value overrides (`tfmoe " + exp.name + " --cfg job` lists them)"
+        raise BadInput(f"{name} {value}: `tfmoe {exp.name}` always composes conf/{exp.config}.yaml: {hint}")
+
+
 # Keys whose documented forms (the comments in conf/<config>.yaml) have more than one type: the CLI accepts
 # every one of them. Without an entry a value must have the default's type (checks: all -> a string only).
 CONFIG_FORMS: dict[tuple[str, str], tuple[type, ...]] = {
@@ -484,6 +504,8 @@ def output_dir(composed: Any, multirun: bool) -> tuple[str, Path]:
 
 # What marks a directory as a run's or a sweep's: its record, Hydra's copy of its config, a sweep's table.
 _RECORD_MARKS = ("run.parquet", ".hydra", "sweep.parquet", "multirun.yaml")
+# Words the commands that take a run read as a reference, not an id (notebook.resolve_run): never a run's id.
+REFERENCE_WORDS = ("latest",)
 
 
 def check_new_dir(key: str, out: Path, overrides: list[str]) -> None:
@@ -497,6 +519,9 @@ def check_new_dir(key: str, out: Path, overrides: list[str]) -> None:
     fix = (f"leave {key} unset (each run gets a new directory) or name a new one" if given == key
            else "pass run_root=DIR that is not inside a run, e.g. run_root=runs")
     where = out.resolve()
+    if key == "hydra.run.dir" and (where.name in REFERENCE_WORDS or where.name.startswith("-")):
+        raise BadInput(f"{named}: a run directory named {where.name!r} would give the run the id {where.name!r}, "
+                       f"which `show`, `diff` and the other commands read as {'a word' if where.name in REFERENCE_WORDS else 'an option'}: {fix}")
     if where.exists() and (not where.is_dir() or any(where.iterdir())):
         held = next((m for m in _RECORD_MARKS if (where / m).exists()), None)
         what = f"already holds a {'sweep' if held in ('sweep.parquet', 'multirun.yaml') else 'run'} ({held})" \
@@ -543,6 +568,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
 
     check_utf8(args)
     overrides, flags = split_args(args)
+    check_config_flags(exp, flags)
     overrides = [force_expect(o) for o in overrides]
     composed = validate_overrides(exp, overrides)
     validate_expectations(exp, composed, multirun)
