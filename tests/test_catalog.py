@@ -265,3 +265,58 @@ def test_a_catalog_made_before_gets_this_codes_triggers_once(tmp_path: Path, mad
         assert versions == {"fake/20260101T000000Z-aaaaaaaa": before[2], "fake/20260102T000000Z-bbbbbbbb": before[2]}
         assert generation == before[2]  # no rebuild: the same rows, the same generation
     assert ids(root) == ids_before
+
+
+# ------------------------------------------------------------------------------------------ runs never vanish
+@pytest.mark.parametrize("settle_first", [True, False])
+@pytest.mark.parametrize("wait_s", [0.0, 2.5])
+def test_a_deleted_run_parquet_is_unreadable_at_every_timing(tmp_path: Path, settle_first: bool,
+                                                             wait_s: float) -> None:
+    """Deleting run.parquet moves its directory's mtime: a listing within the catalog's racy window once forgot
+    the run for good (its parent container never changes). At once, later, and after a listing in between, it
+    is listed `unreadable` in `runs` and in `sql`."""
+    root = tmp_path / "runs"
+    run = make_run(root, "fake/20260101T000000Z-aaaaaaaa", checks=(True,))
+    (run / "summary.md").write_text("# a run\n")
+    if settle_first:
+        age(root)
+    assert ids(root) == {run.name}
+    (run / "run.parquet").unlink()
+    for _ in range(2):  # right away (inside RACY_S), then again after wait_s
+        listed = notebook.run_index(root)
+        assert list(listed["run_id"]) == [run.name] and list(listed["status"]) == ["unreadable"]
+        time.sleep(wait_s)
+    from tfmoe.harness.reading import sql
+
+    result = sql.query(root, "SELECT run_id, status FROM runs")
+    assert result.rows == [(run.name, "unreadable")]
+
+
+def test_a_symlinked_run_directory_is_followed_by_runs_sql_and_show(tmp_path: Path, capsys,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from tfmoe.harness.reading import sql
+
+    root = tmp_path / "runs"
+    kept = make_run(root, "fake/20260101T000000Z-aaaaaaaa")
+    moved = make_run(tmp_path / "other-disk", "fake/20260101T000001Z-bbbbbbbb", status="failed")
+    (root / "fake" / moved.name).symlink_to(moved, target_is_directory=True)
+    (root / "fake" / "dangling").symlink_to(tmp_path / "nowhere", target_is_directory=True)
+    (root / "fake" / "loop").symlink_to(root, target_is_directory=True)
+    assert ids(root) == {kept.name, moved.name}
+    assert "loop" in capsys.readouterr().err  # the loop is named, once, not followed
+    assert sorted(sql.query(root, "SELECT run_id, status FROM runs").rows) == [(kept.name, "ok"),
+                                                                             (moved.name, "failed")]
+    assert notebook.resolve_run(moved.name, root).resolve() == moved.resolve()
+    monkeypatch.setattr(catalog, "RACY_S", 0.0)  # the directories settled
+    ids(root)
+    capsys.readouterr()
+    ids(root)
+    assert "loop" not in capsys.readouterr().err  # a settled catalog does not list the directory again
+
+
+def test_a_symlinked_experiment_directory_is_followed(tmp_path: Path) -> None:
+    root = tmp_path / "runs"
+    root.mkdir()
+    moved = make_run(tmp_path / "big-disk", "fake/20260101T000001Z-bbbbbbbb")
+    (root / "fake").symlink_to(moved.parent, target_is_directory=True)
+    assert ids(root) == {moved.name}

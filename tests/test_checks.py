@@ -196,3 +196,29 @@ def test_the_api_benchmark_runs_to_its_end() -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for label in ("attention", "kernel", "moe"):
         assert any(line.startswith(label) and "CLI same case" in line for line in r.stdout.splitlines()), r.stdout
+
+
+@pytest.mark.parametrize("where", ["a_file", "a_file/below", "/proc/1/nope"])
+def test_a_record_place_that_cannot_be_written_is_bad_settings_before_running(tmp_path: Path, where: str) -> None:
+    from tfmoe.checks import BadSettings
+
+    (tmp_path / "a_file").write_text("x")
+    record = tmp_path / where if not where.startswith("/") else Path(where)
+    with pytest.raises(BadSettings, match="record=") as err:
+        tfmoe.check_kernel(buggy_kernels.plain_kernel, record=record, **SMALL_KERNEL)
+    assert "\n" not in str(err.value)
+
+
+def test_a_record_refused_while_writing_is_bad_settings_with_the_verdict(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk refuses the run directory after the battery ran: BadSettings, and the verdict's table is in it."""
+    from tfmoe import checks
+    from tfmoe.checks import BadSettings
+
+    def refused(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "rec"))
+
+    monkeypatch.setattr(checks, "_record", refused)
+    with pytest.raises(BadSettings, match="No space left on device") as err:
+        tfmoe.check_kernel(buggy_kernels.plain_kernel, record=tmp_path / "rec", **SMALL_KERNEL)
+    assert "the verdict, not recorded" in str(err.value) and "kernel" in str(err.value).split("\n", 1)[1]

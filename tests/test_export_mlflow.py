@@ -331,3 +331,79 @@ def test_the_export_lock_sits_beside_a_sqlite_store_and_inside_a_file_store(tmp_
         with pytest.raises(BadInput, match="another export has held"):
             with export_mlflow.store_lock(f"sqlite:///{tmp_path}/m.db", wait_s=0.2):
                 pass
+
+
+KILL_DURING_SCHEMA = """
+import os, signal, sys
+from pathlib import Path
+from alembic.operations import Operations
+from tfmoe.harness.reading import export_mlflow
+
+real, made = Operations.create_index, []
+def create_index(self, *args, **kwargs):  # MLflow's migrations, part way: the process dies, as under `kill -9`
+    made.append(1)
+    if len(made) == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, *args, **kwargs)
+Operations.create_index = create_index
+export_mlflow.export([], Path(sys.argv[1]), sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("nth_index", [1, 4])
+def test_a_first_export_killed_during_schema_creation_is_completed_by_the_next(fake_experiment,
+                                                                               nth_index: int) -> None:
+    """The store is made whole or not at all: the kill leaves no mlflow.db (before: a half-migrated one that every
+    later export refused with a 21-line SQL dump)."""
+    import subprocess
+
+    pytest.importorskip("mlflow")
+    dirs = launched(fake_experiment, ["seed=1"])[1]
+    uri = f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    killed = subprocess.run([sys.executable, "-c", KILL_DURING_SCHEMA, "runs", uri, str(nth_index)],
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (Path.cwd() / "mlflow.db").exists()
+    again = run_cli(["export", "mlflow", "--tracking-uri", uri], Path.cwd())
+    assert again.exit_code == 0 and again.stderr == "", again.stderr
+    _assert_whole(uri, dirs)
+
+
+def test_an_empty_store_left_half_migrated_is_made_again_and_one_with_runs_is_refused_untouched(
+        fake_experiment) -> None:
+    """A store an older tfmoe (or MLflow itself) left half-migrated and empty is made again; one that holds runs
+    is never touched: one line, exit 2."""
+    import os
+    import subprocess
+
+    pytest.importorskip("mlflow")
+    dirs = launched(fake_experiment, ["seed=1"])[1]
+    db = Path.cwd() / "mlflow.db"
+    uri = f"sqlite:///{db}"
+
+    def export() -> subprocess.CompletedProcess:  # a process of its own: MLflow verifies a store once per process
+        return subprocess.run([sys.executable, "-m", "tfmoe.cli", "export", "mlflow", "--tracking-uri", uri],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+
+    assert export().returncode == 0
+    (latest,) = sqlite3.connect(db).execute("SELECT version_num FROM alembic_version").fetchone()
+    con = sqlite3.connect(db)
+    with con:  # the last migration "not applied": what a kill between a migration's DDL and its stamp leaves
+        con.execute("UPDATE alembic_version SET version_num = 'c48cb773bb87'")
+    con.close()
+    before = db.read_bytes()
+    refused = export()
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "out-of-date" in refused.stderr, \
+        refused.stderr
+    assert db.read_bytes() == before
+    con = sqlite3.connect(db)
+    with con:
+        for table in ("latest_metrics", "metrics", "params", "tags", "runs"):
+            con.execute(f"DELETE FROM {table}")
+        con.execute("DELETE FROM experiment_tags")
+        con.execute("DELETE FROM experiments WHERE experiment_id != 0")
+    con.close()
+    again = export()
+    assert again.returncode == 0 and "exported 1 run(s)" in again.stdout, again.stderr
+    assert sqlite3.connect(db).execute("SELECT version_num FROM alembic_version").fetchone()[0] == latest
+    _assert_whole(uri, dirs)

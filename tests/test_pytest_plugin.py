@@ -101,3 +101,22 @@ def test_the_docs_show_the_shipped_example() -> None:
     start = "def test_my_attention_conforms"
     shipped = (EXAMPLES / "test_my_attention.py").read_text(encoding="utf-8")
     assert block[block.index(start):].strip() == shipped[shipped.index(start):].strip()
+
+
+def test_a_misspelled_tfmoe_marker_fails_the_test(pytester: pytest.Pytester) -> None:
+    copy_examples(pytester)
+    pytester.makepyfile(test_typo="""
+        import pytest
+        from my_attention import MyAttention
+
+        @pytest.mark.tfmoe_attentoin(MyAttention, profile="quick")
+        def test_typo():
+            pass
+
+        @pytest.mark.other_marker
+        def test_not_ours():
+            pass
+    """)
+    result = pytester.runpytest(*plugin_args(), "-p", "no:cacheprovider", "test_typo.py")
+    result.assert_outcomes(failed=1, passed=1)
+    assert "unknown marker @pytest.mark.tfmoe_attentoin: tfmoe's markers are tfmoe_attention" in result.stdout.str()

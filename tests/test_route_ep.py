@@ -141,7 +141,7 @@ def test_experts_outside_the_interface_fail_every_check_naming_the_layout(judged
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["ep_size=3"], "ep_size=3 does not divide n_experts=8: pass ep_size as one of 1, 2, 4, 8"),
+    (["ep_size=3"], "ep_size=3 does not divide n_experts=8: pass ep_size as one of 1, 2, 4"),  # 8: tokens=100
     (["ep_size=8", "tokens=100"], "tokens=100 is not divisible by ep_size=8: pass tokens=96"),
     (["ep_size=0"], "ep_size"),
     (["ep_size=2", "impl=buggy_moe:Correct"], "with ep_size=2 pass the expert-parallel layer as ep_impl="),
@@ -162,7 +162,33 @@ def test_bad_ep_size_is_exit_2_in_one_line(tmp_path):
     res = run_cli(["route-sim", "ep_size=3"], tmp_path)
     assert res.exit_code == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
-    assert lines == ["error: ep_size=3 does not divide n_experts=8: pass ep_size as one of 1, 2, 4, 8"]
+    assert lines == ["error: ep_size=3 does not divide n_experts=8: pass ep_size as one of 1, 2, 4"]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["ep_size=3"], ["ep_size=16"], ["ep_size=6", "n_experts=12"], ["ep_size=7", "n_experts=14"],
+    ["ep_size=3", "n_experts=6", "tokens=7"], ["ep_size=5", "n_experts=10", "train_tokens=7"],
+    ["ep_size=8", "tokens=100"], ["ep_size=4", "train_tokens=250", "tokens=90"],
+])
+def test_every_ep_size_suggestion_is_itself_accepted(overrides):
+    """Each value a refusal suggests (every one of an 'as one of' list; all the keys of a 'pass k=v k=v' fix) is
+    accepted as it stands: a suggestion never leads to the next refusal."""
+    import re
+
+    with pytest.raises(BadInput) as err:
+        route_sim.settings(compose("route-sim", overrides))
+    said = str(err.value)
+    tries = []
+    listed = re.search(r"ep_size as one of ([\d, ]+)", said)
+    if listed:
+        tries += [[*overrides, f"ep_size={w}"] for w in listed.group(1).replace(" ", "").split(",")]
+    fix = re.search(r": pass ((?:\w+=\d+ ?)+)", said)
+    if fix:
+        tries.append([*overrides, *fix.group(1).split()])
+    assert tries, said
+    for args in tries:
+        keys = {a.split("=")[0]: a for a in args}  # the last value of each key
+        route_sim.settings(compose("route-sim", list(keys.values())))
 
 
 def test_failure_line_names_the_rank():

@@ -24,9 +24,11 @@ change in any release. A public name or keyword changes only after one minor rel
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import math
+import os
 import re
 import sys
 import types
@@ -395,6 +397,8 @@ def _run(kind: str, overrides: dict[str, Any], record: str | Path | None, record
 
     experiment = KINDS.get(kind, kind)  # a kind, or an experiment's own name (the model battery's three)
     exp = EXPERIMENTS[experiment]
+    if record is not None:
+        _check_record_dir(Path(record))
     cfg = compose(experiment, overrides)
     module = exp.load()
     s = module.settings(cfg)  # the experiment's own validation (BadInput -> BadSettings)
@@ -420,13 +424,30 @@ def _run(kind: str, overrides: dict[str, Any], record: str | Path | None, record
         same = common_exception(checks)
         found = diagnose(experiment, checks, rec.metrics_rows, OmegaConf.to_container(cfg, resolve=True))
         causes = ([same_exception_line(same)] if same else []) + [i.line() for i in found]
-    run_dir = None
-    if record is not None and not (record_only_failed and rec.all_passed):
-        run_dir = _record(Path(record), exp, cfg, overrides, rec, same, found)
-    return Verdict(
+    verdict = Verdict(
         experiment=experiment, impl=str(overrides.get("kernel" if kind == "kernel" else "impl")),
         checks=tuple(CheckResult(c.check, c.outcome, c.observed, c.threshold, c.detail) for c in rec.checks_rows),
-        likely_causes=tuple(causes), notes=tuple(rec.notes), settings=dict(overrides), run_dir=run_dir)
+        likely_causes=tuple(causes), notes=tuple(rec.notes), settings=dict(overrides), run_dir=None)
+    if record is not None and not (record_only_failed and rec.all_passed):
+        try:
+            run_dir = _record(Path(record), exp, cfg, overrides, rec, same, found)
+        except OSError as exc:  # refused while writing (a full disk, permissions changed): the verdict still shown
+            raise BadSettings(f"record={record}: could not write the run ({exc.strerror or exc}: "
+                              f"{exc.filename or record}): free space there or pass record= a directory you can "
+                              f"write; the verdict, not recorded:\n{verdict.table()}") from None
+        return dataclasses.replace(verdict, run_dir=run_dir)
+    return verdict
+
+
+def _check_record_dir(root: Path) -> None:
+    """BadSettings before anything runs when ``record=`` names a place no run directory can be written: a file, or
+    a directory (or its nearest existing parent) this process cannot write."""
+    if root.exists() and not root.is_dir():
+        raise BadSettings(f"record={root}: is a file, not a directory: pass record= a directory (it is created)")
+    existing = next((p for p in [root, *root.parents] if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise BadSettings(f"record={root}: cannot write there ({existing} is not a directory this process can "
+                          "write): pass record= a directory you can write")
 
 
 def _override_text(key: str, value: Any) -> str:

@@ -103,6 +103,13 @@ def bad_input_exits_2() -> Iterator[None]:
         raise fail(str(exc)) from None
 
 
+def _reading(read: Any, runs_root: Path) -> Any:
+    """A notebook reader that still answers when the disk fills under the run catalog (catalog.read_through_full_disk)."""
+    from tfmoe.harness.store.catalog import read_through_full_disk
+
+    return read_through_full_disk(read, runs_root)
+
+
 # Typer's Annotated style: the type and the option together, the default as the parameter's own default
 RunsRoot = Annotated[Path, typer.Option("--runs-root", help="Where the runs live (default: ./runs).")]
 DEFAULT_RUNS_ROOT = Path("runs")
@@ -125,12 +132,15 @@ def _experiment_command(exp: Experiment):
         from tfmoe.harness.launching.launch import run_experiment
 
         typed = []
-        if device is not None:
-            typed.append(f"device={device}")
-        if dtype is not None:
-            typed.append(f"dtype={dtype.value}")
-        if seed is not None:
-            typed.append(f"seed={seed}")
+        for key, value in (("device", device), ("dtype", dtype.value if dtype else None), ("seed", seed)):
+            if value is None:
+                continue
+            given = [a for a in ctx.args if a.split("=", 1)[0].lstrip("+~") == key]
+            if any(a.split("=", 1)[-1] != str(value) for a in given):  # neither silently wins: you choose
+                raise fail(f"--{key} {value} and {given[0]} both set {key}: pass one of them (an option and an "
+                           f"override of the same key are never merged)")
+            if not given:
+                typed.append(f"{key}={value}")
         with bad_input_exits_2():
             if expect:
                 from tfmoe.harness.method.expectations import cli_override
@@ -195,7 +205,7 @@ def runs_cmd(
         except ValueError as exc:
             raise fail(f"--status {exc}") from None
     with bad_input_exits_2():
-        listing.runs(runs_root, experiment, status, last, fmt.value)
+        _reading(lambda: listing.runs(runs_root, experiment, status, last, fmt.value), runs_root)
 
 
 @app.command("show")
@@ -211,7 +221,7 @@ def show_cmd(
     from tfmoe.harness.reading import reports
 
     with bad_input_exits_2():
-        reports.show(run, runs_root, fmt.value, full_width=full_width)
+        _reading(lambda: reports.show(run, runs_root, fmt.value, full_width=full_width), runs_root)
 
 
 @app.command("diff")
@@ -231,7 +241,8 @@ def diff_cmd(
     from tfmoe.harness.reading import reports
 
     with bad_input_exits_2():
-        code = reports.diff(a, b, runs_root, all_rows, force, fmt.value, metric=metric, top=top)
+        code = _reading(lambda: reports.diff(a, b, runs_root, all_rows, force, fmt.value, metric=metric, top=top),
+                        runs_root)
     raise typer.Exit(code)
 
 
@@ -265,7 +276,7 @@ def sql_cmd(
     from tfmoe.harness.reading import sql
 
     with bad_input_exits_2():
-        sql.emit(sql.query(runs_root, query), fmt.value)
+        sql.emit(_reading(lambda: sql.query(runs_root, query), runs_root), fmt.value)
 
 
 @export_app.command("mlflow")
@@ -281,7 +292,8 @@ def export_mlflow_cmd(
     from tfmoe.harness.reading import export_mlflow
 
     with bad_input_exits_2():
-        code = export_mlflow.report(export_mlflow.export(list(runs or []), runs_root, tracking_uri), tracking_uri)
+        done = _reading(lambda: export_mlflow.export(list(runs or []), runs_root, tracking_uri), runs_root)
+        code = export_mlflow.report(done, tracking_uri)
     raise typer.Exit(code)
 
 

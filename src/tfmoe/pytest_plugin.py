@@ -101,7 +101,12 @@ def tfmoe_check(request: pytest.FixtureRequest) -> Checker:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> None:
-    """Judge each layer a tfmoe_* marker names before the test body; a failed check fails the test."""
+    """Judge each layer a tfmoe_* marker names before the test body; a failed check fails the test. An unknown
+    tfmoe_* marker (a misspelling) fails the test rather than passing it unjudged."""
+    unknown = sorted({m.name for m in item.iter_markers() if m.name.startswith("tfmoe_") and m.name not in MARKERS})
+    if unknown:
+        pytest.fail(f"unknown marker @pytest.mark.{unknown[0]}: tfmoe's markers are {', '.join(MARKERS)}",
+                    pytrace=False)
     for name, kind in MARKERS.items():
         for mark in item.iter_markers(name):
             if len(mark.args) != 1:

@@ -18,11 +18,14 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from tfmoe.safe_text import cell_text
+
 COMPACT_WIDTH = 14  # a column wider than this may wrap (its header never does)
 
 
 def cell(value: Any) -> str:
-    """A value as table text: floats to 6 significant digits, NaN/None/NA empty, lists space-separated."""
+    """A value as table text: floats to 6 significant digits, NaN/None/NA empty, lists space-separated; control and
+    bidi characters as escapes (safe_text.cell_text: text on disk never acts on the terminal)."""
     if value is None or str(value) in ("<NA>", "NaT"):
         return ""
     if hasattr(value, "tolist"):  # numpy scalars and arrays
@@ -30,8 +33,8 @@ def cell(value: Any) -> str:
     if isinstance(value, float):
         return "" if math.isnan(value) else f"{value:.6g}"
     if isinstance(value, (list, tuple)):
-        return " ".join(map(str, value))
-    return str(value)
+        return cell_text(" ".join(map(str, value)))
+    return cell_text(str(value))
 
 
 @dataclass

@@ -607,17 +607,25 @@ def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
     extra = (tuple(ranks), link, latency)
     if size == 1:
         return EPSettings(1, impl, steps, timeout, *extra)
-    divisors = [w for w in range(1, n_experts + 1) if n_experts % w == 0]
-    if n_experts % size:
-        raise BadInput(f"ep_size={size} does not divide n_experts={n_experts}: pass ep_size as one of "
-                       f"{', '.join(map(str, divisors))}")
-    if tokens % size:
-        raise BadInput(f"tokens={tokens} is not divisible by ep_size={size}: pass tokens={tokens // size * size or size}"
-                       f" (a multiple of {size})")
+    import psutil
+
     train_tokens, steps_train = cfg.get("train_tokens"), cfg.get("steps")
-    if isinstance(steps_train, int) and steps_train > 0 and isinstance(train_tokens, int) and train_tokens % size:
-        raise BadInput(f"train_tokens={train_tokens} is not divisible by ep_size={size}: pass train_tokens="
-                       f"{train_tokens // size * size or size} (or steps=0 for no training simulation)")
+    training = isinstance(steps_train, int) and steps_train > 0 and isinstance(train_tokens, int)
+    limit = most_ranks(int(psutil.virtual_memory().available))
+    # every suggestion below is itself accepted: sizes that divide the experts and both token counts, and fit here
+    fitting = [w for w in range(1, n_experts + 1) if n_experts % w == 0 and tokens % w == 0
+               and (not training or train_tokens % w == 0) and (w <= limit or under_slurm)]
+    sizes = f"pass ep_size as one of {', '.join(map(str, fitting))}"
+    if n_experts % size:
+        raise BadInput(f"ep_size={size} does not divide n_experts={n_experts}: {sizes}")
+    uneven = [(key, n) for key, n in (("tokens", tokens), ("train_tokens", train_tokens if training else None))
+              if n is not None and n % size]
+    if uneven:
+        said = " and ".join(f"{key}={n}" for key, n in uneven)
+        fix = " ".join(f"{key}={n // size * size or size}" for key, n in uneven)
+        raise BadInput(f"{said} {'is' if len(uneven) == 1 else 'are'} not divisible by ep_size={size}: pass {fix} "
+                       f"(multiples of {size}){', or steps=0 for no training simulation' if training else ''}, "
+                       f"or {sizes.removeprefix('pass ')}")
     if cfg.get("impl") is not None:
         raise BadInput(f"impl={cfg.get('impl')!r} names a single-process layer: with ep_size={size} pass the "
                        "expert-parallel layer as ep_impl=module:Class (and impl=null)")
@@ -627,12 +635,8 @@ def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
     if str(cfg.get("dtype")) not in ("fp32", "fp64"):
         raise BadInput(f"dtype={cfg.get('dtype')} is not supported with ep_size={size}: pass dtype=fp32 or "
                        "dtype=fp64")
-    import psutil
-
-    limit = most_ranks(int(psutil.virtual_memory().available))
     if size > limit and not under_slurm:  # under SLURM each task starts one worker
-        fits = [w for w in divisors if w <= limit]
         raise BadInput(f"ep_size={size} is more worker processes than this machine can start (at most {limit}: "
                        f"{WORKER_BYTES / 2**20:.0f} MiB each in 80% of the available memory): pass ep_size="
-                       f"{max(fits)} or less")
+                       f"{max(fitting)} or less")
     return EPSettings(size, impl, steps, timeout, *extra)

@@ -56,6 +56,26 @@ def split_args(args: list[str]) -> tuple[list[str], list[str]]:
     return overrides, flags
 
 
+_CONFIG_FLAGS = ("--config-name", "-cn", "--config-path", "-cp")
+
+
+def check_config_flags(exp: Experiment, flags: list[str]) -> None:
+    """Refuse Hydra's flags that choose another primary config: each subcommand composes its own
+    (conf/<config>.yaml), which is what its overrides are validated against (Hydra would print a multi-line error
+    for a name it cannot find, and run another experiment's config under this command for one it can)."""
+    from tfmoe.registry import EXPERIMENTS
+
+    for i, flag in enumerate(flags):
+        name = flag.split("=", 1)[0]
+        if name not in _CONFIG_FLAGS:
+            continue
+        value = flag.split("=", 1)[1] if "=" in flag else (flags[i + 1] if i + 1 < len(flags) else "")
+        other = next((e.name for e in EXPERIMENTS.values() if e.config == value.removesuffix(".yaml")), None)
+        hint = f"run `tfmoe {other}` for that experiment" if other and other != exp.name else \
+            "change its keys with key=value overrides (`tfmoe " + exp.name + " --cfg job` lists them)"
+        raise BadInput(f"{name} {value}: `tfmoe {exp.name}` always composes conf/{exp.config}.yaml: {hint}")
+
+
 # Keys whose documented forms (the comments in conf/<config>.yaml) have more than one type: the CLI accepts
 # every one of them. Without an entry a value must have the default's type (checks: all -> a string only).
 CONFIG_FORMS: dict[tuple[str, str], tuple[type, ...]] = {
@@ -377,6 +397,36 @@ def job_settings(module: Any, cfg: Any, devices: bool = True) -> Any:
     return module.settings(cfg)
 
 
+def check_interpolations(cfg: Any, job: str = "") -> None:
+    """Resolve every value of a composed config (Hydra's own section aside) as the run will: BadInput, in one line,
+    for an interpolation that cannot resolve (``seed=${oc.env:NOPE}``, a key that does not exist, bad ``${`` syntax)
+    before any run directory exists. ``${hydra:...}`` values resolve only inside the job and are left to it."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+    from omegaconf.errors import GrammarParseError, InterpolationResolutionError, MissingMandatoryValue
+
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    hc = HydraConfig.instance()
+    before = hc.cfg
+    try:
+        if "hydra" in cfg:
+            hc.set_config(cfg)
+        for key in raw:
+            if key == "hydra" or "${hydra:" in str(raw[key]):
+                continue
+            try:
+                node = cfg[key]
+                if OmegaConf.is_config(node):
+                    OmegaConf.to_container(node, resolve=True)
+            except (InterpolationResolutionError, GrammarParseError, MissingMandatoryValue) as exc:
+                where = getattr(exc, "full_key", None) or key
+                said = " ".join(str(exc).splitlines()[0].split())[:200]
+                raise BadInput(f"{job}{where}: cannot resolve {raw[key]!r}: {said}: set what it names, or give the "
+                               f"value itself, e.g. {key}=<value>") from None
+    finally:
+        hc.cfg = before
+
+
 def validate_run_settings(exp: Experiment, composed: Any) -> None:
     """A single run's settings, built from its composed config before its run directory exists: the contract
     sweeps keep (:func:`validate_sweep_settings`), so a typo writes nothing. A config whose settings fail other
@@ -434,6 +484,7 @@ def validate_sweep_settings(exp: Experiment, overrides: list[str], strict: bool 
             for i, job in enumerate(jobs):
                 try:
                     cfg = configs(job)
+                    check_interpolations(cfg)
                     tasks = launcher_tasks(cfg)
                     with read_write(cfg), open_dict(cfg):  # the job's config, as run_job hands it over
                         del cfg["hydra"]
@@ -525,6 +576,38 @@ def output_dir(composed: Any, multirun: bool) -> tuple[str, Path]:
         hc.cfg = before
 
 
+# What marks a directory as a run's or a sweep's: its record, Hydra's copy of its config, a sweep's table.
+_RECORD_MARKS = ("run.parquet", ".hydra", "sweep.parquet", "multirun.yaml")
+# Words the commands that take a run read as a reference, not an id (notebook.resolve_run): never a run's id.
+REFERENCE_WORDS = ("latest",)
+
+
+def check_new_dir(key: str, out: Path, overrides: list[str]) -> None:
+    """One writer per run: BadInput when the run (sweep) directory ``out`` already exists with anything in it, or
+    lies inside another run's or sweep's directory, whichever way it was named (``hydra.run.dir``,
+    ``hydra.sweep.dir``, or ``run_root`` under the default naming). A record is written only by the run that
+    made it; nothing is written before this check."""
+    given = next((o.split("=", 1)[0].lstrip("+") for o in overrides
+                  if o.split("=", 1)[0].lstrip("+") in (key, "run_root")), "run_root")
+    named = f"{given}={next((o.split('=', 1)[1] for o in overrides if o.split('=', 1)[0].lstrip('+') == given), '')}"
+    fix = (f"leave {key} unset (each run gets a new directory) or name a new one" if given == key
+           else "pass run_root=DIR that is not inside a run, e.g. run_root=runs")
+    where = out.resolve()
+    if key == "hydra.run.dir" and (where.name in REFERENCE_WORDS or where.name.startswith("-")):
+        raise BadInput(f"{named}: a run directory named {where.name!r} would give the run the id {where.name!r}, "
+                       f"which `show`, `diff` and the other commands read as {'a word' if where.name in REFERENCE_WORDS else 'an option'}: {fix}")
+    if where.exists() and (not where.is_dir() or any(where.iterdir())):
+        held = next((m for m in _RECORD_MARKS if (where / m).exists()), None)
+        what = f"already holds a {'sweep' if held in ('sweep.parquet', 'multirun.yaml') else 'run'} ({held})" \
+            if held else "already exists and is not empty"
+        raise BadInput(f"{named}: {where} {what}; a run directory is written once, by the run that made it: {fix}")
+    for parent in where.parents:
+        held = next((m for m in _RECORD_MARKS if (parent / m).exists()), None)
+        if held is not None:
+            raise BadInput(f"{named}: {where} would lie inside the run directory {parent} (it holds {held}); a run "
+                           f"directory is written once, by the run that made it: {fix}")
+
+
 def dir_override(key: str, path: Path, overrides: list[str]) -> list[str]:
     """``overrides`` with ``key=<path>`` (quoted for Hydra's grammar) in place of any override of ``key``."""
     text = str(path)
@@ -559,6 +642,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
 
     check_utf8(args)
     overrides, flags = split_args(args)
+    check_config_flags(exp, flags)
     overrides = [force_expect(o) for o in overrides]
     composed = validate_overrides(exp, overrides)
     if multirun:
@@ -569,6 +653,7 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
         if multirun or checking:
             validate_sweep_settings(exp, overrides, strict=checking)
         else:
+            check_interpolations(composed)
             validate_run_settings(exp, composed)
             if not checking:
                 from tfmoe.harness.launching.runner import serve_as_peer
@@ -576,6 +661,8 @@ def run_experiment(exp: Experiment, args: list[str], multirun: bool = False, qui
                 peer = serve_as_peer(exp, composed)  # `srun -n W`: a task other than the first writes no run
                 if peer is not None:
                     return peer
+        key, out = output_dir(composed, multirun)
+        check_new_dir(key, out, overrides)  # before anything is written, check_writable's probe included
         check_writable(str(composed.run_root))
     key, out = output_dir(composed, multirun)
     overrides = dir_override(key, out, overrides)

@@ -595,6 +595,9 @@ def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) ->
                     except StopExtras:
                         pass
                     status, code, error = final.interrupted(writer, status, code, error, rec)
+                    if writer.unwritten:  # best-effort parts the disk refused: one line, the status kept
+                        err.print(f"warning: {exp.name}: {'; '.join(writer.unwritten)} ({run_dir})", markup=False,
+                                  emoji=False, soft_wrap=True)
                 else:  # a signal during the tables or run.parquet: the summary, no plots
                     with contextlib.suppress(Exception):
                         writer.write_summary(rec)

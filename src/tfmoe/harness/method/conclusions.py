@@ -1,7 +1,8 @@
 """Conclusions kept with the run: what it proved, what is inferred from it, what is not yet verified.
 
 ``tfmoe conclude RUN --proven "…" --inferred "…" --unverified "…"`` appends rows (kind, text, written_at) to the
-run's conclusions.parquet. Earlier rows are never changed: each append reads them, refuses to go on if they no
+run's conclusions.parquet. The text follows the rule `failures add` follows (safe_text: line breaks folded, control
+and bidi characters refused; older rows shown with them escaped). Earlier rows are never changed: each append reads them, refuses to go on if they no
 longer read back, and writes old + new atomically under a file lock (concurrent appends are serialised).
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 from tfmoe.errors import BadInput
 from tfmoe.harness.store.notebook import resolve_run
 from tfmoe.harness.store.rundir import read_table, records, utcnow, write_parquet, write_text
+from tfmoe.safe_text import shown_text, typed_text
 
 CONCLUSIONS_FILE = "conclusions.parquet"
 KINDS = {"proven": "Proven (a check or a number from this run)", "inferred": "Inferred (not shown by this run alone)",
@@ -44,6 +46,7 @@ def append(run_ref: str, runs_root: Path, entries: list[tuple[str, str]]) -> tup
             raise BadInput(f"conclusion kind {kind!r} is unknown: use {', '.join(KINDS)}")
         if not text.strip():
             raise BadInput(f"--{kind} is empty: write the conclusion as a sentence")
+    entries = [(kind, typed_text(kind, text, "summary.md and `tfmoe show`")) for kind, text in entries]
     run_dir = resolve_run(run_ref, runs_root)
     path = run_dir / CONCLUSIONS_FILE
     try:
@@ -51,7 +54,7 @@ def append(run_ref: str, runs_root: Path, entries: list[tuple[str, str]]) -> tup
             old = read(run_dir)
             now = utcnow()
             both = [*({k: r[k] for k in ("kind", "text", "written_at")} for r in old),
-                    *({"kind": k, "text": t.strip(), "written_at": now} for k, t in entries)]
+                    *({"kind": k, "text": t, "written_at": now} for k, t in entries)]
             write_parquet(pd.DataFrame(both, columns=["kind", "text", "written_at"]), path, schema=schema())
             _rewrite_summary(run_dir, both)
     except Timeout:
@@ -67,7 +70,7 @@ def markdown(rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     for kind, heading in KINDS.items():
         lines += [f"### {heading}", ""]
-        lines += [f"- {r['text']} *({r['written_at'].strftime('%Y-%m-%d %H:%M')} UTC)*"
+        lines += [f"- {shown_text(r['text'])} *({r['written_at'].strftime('%Y-%m-%d %H:%M')} UTC)*"
                   for r in rows if r["kind"] == kind] or ["- (none yet)"]
         lines.append("")
     return lines

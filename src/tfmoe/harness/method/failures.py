@@ -11,6 +11,8 @@ from filelock import FileLock, Timeout
 
 from tfmoe.errors import BadInput
 from tfmoe.harness.store.notebook import RunData, load_run, read_run_row, resolve_run
+from tfmoe.safe_text import shown_text as run_text
+from tfmoe.safe_text import typed_text
 from tfmoe.status import Status
 
 HEADER = ("# Failures log\n\nReal failures met while running experiments: phenomenon, hypothesis, evidence, fix and the "
@@ -18,40 +20,12 @@ HEADER = ("# Failures log\n\nReal failures met while running experiments: phenom
 # An entry's heading: at the start of the file or after a blank line (format_entry writes one; a field's text never
 # holds a newline: user text is folded onto one line), so a heading forged inside a field of an older entry is not one.
 ENTRY_RE = re.compile(r"(?:\A|(?<=\n\n))## F-(\d+)(?: \([^)\n]*\))?: (.*)$", re.M)
-# Text folded onto one line: newlines and other line breaks would let a field start a heading of its own.
-LINE_BREAKS = re.compile(r"[\n\r\t\v\f\x1c-\x1e\x85\u2028\u2029]+")
-
-
-def _structural(ch: str) -> bool:
-    """A character that changes how the log reads rather than what it says: a control character (ESC starts a
-    terminal escape), a bidi or other format control (U+202E reverses what follows); the zero-width joiner of
-    emoji sequences stays."""
-    import unicodedata
-
-    return unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Co") and ch != "\u200d"
 
 
 def user_text(option: str, text: str, required: bool = True) -> str:
-    """A --title/--hypothesis/--fix/--test value as the log may hold it: line breaks folded into spaces, and
-    refused (BadInput) when empty or when it holds a control or bidi character."""
-    folded = " ".join(LINE_BREAKS.sub(" ", text).split(" ")).strip()
-    bad = next((ch for ch in folded if _structural(ch)), None)
-    if bad is not None:
-        import unicodedata
-
-        name = unicodedata.name(bad, "a control character")
-        raise BadInput(f"--{option} holds U+{ord(bad):04X} ({name}), which would change how failures.md reads: "
-                       "remove it")
-    if required and not folded:
-        raise BadInput(f"--{option} is empty: say what you know, e.g. --{option} 'not yet known'")
-    return folded
-
-
-def run_text(text: Any) -> str:
-    """Text recorded by a run (a check's detail, an error, an override) as the log may hold it: on one line,
-    control and bidi characters shown as escapes (\\x1b, \\u202e) instead of acting."""
-    folded = LINE_BREAKS.sub(" ", str(text))
-    return "".join(ch.encode("unicode_escape").decode("ascii") if _structural(ch) else ch for ch in folded)
+    """A --title/--hypothesis/--fix/--test value as the log may hold it (safe_text.typed_text, the rule `conclude`
+    shares)."""
+    return typed_text(option, text, "failures.md", required)
 
 
 def _lock(path: Path) -> FileLock:

@@ -12,7 +12,9 @@ name's tfmoe name and tags), then the tag ``tfmoe.export_complete=true``, then i
 a run with that tag counts as "already there": one an export left half-written (killed, a failing artifact) is found
 by the next export and completed in place, so each tfmoe run has exactly one MLflow run. Exports into one store are
 serialised by a file lock beside it (``<db>.tfmoe-export.lock`` for sqlite, ``.tfmoe-export.lock`` in a file
-store's folder): two at once would otherwise both create the store's schema or both export every run.
+store's folder): two at once would otherwise both create the store's schema or both export every run. A new sqlite
+store is created whole or not at all (its schema made in a file beside it, then renamed); an empty store whose
+schema creation was cut short is made again, while a store with runs in it is never touched.
 """
 
 from __future__ import annotations
@@ -145,6 +147,14 @@ def _tracking_store(tracking_uri: str) -> str | None:
     return None
 
 
+
+
+
+
+
+
+
+
 def lock_path(tracking_uri: str) -> Path | None:
     """The file lock that serialises exports into this store: beside a sqlite database, inside a file store's
     folder; None for a tracking server (it owns its database)."""
@@ -252,6 +262,7 @@ class Exporter:
         self.mlflow = mlflow
         try:
             self.client = open_client(client_cls, tracking_uri)
+            self.client.search_experiments(max_results=1)  # MLflow opens a store lazily: verify its schema now
         except Exception as exc:  # its schema not created (a refused write, a store of another version): one line
             raise BadInput(f"cannot open MLflow tracking store {tracking_uri!r}: {one_line(exc, tracking_uri)}; a store an export "
                            "left half-created is completed by the next `tfmoe export mlflow`") from None

@@ -6,10 +6,11 @@ columns lined up by name). The catalog keeps each view as one parquet file that 
 extended by the rows of runs added since, where that gives the table a rebuild would (the Extensions here), else
 rebuilt from the runs' cached tables; a view over runs still running is built at each query, their rows read from
 their files now), so a query over 10,000 runs imports neither pandas nor pyarrow.
-Only one SELECT (or EXPLAIN) statement is run; anything that writes is refused before DuckDB executes it. The
-connection is sandboxed by DuckDB's own settings: file access only under the runs root (``allowed_directories``,
-``enable_external_access=false``, no temp directory), no extension installed or auto-loaded, and the configuration
-locked, so ``read_text('/etc/passwd')`` or a ``SET`` of those settings is refused by DuckDB itself.
+It cannot write, by construction: the views named by the query are copied into an in-memory DuckDB as tables,
+then the connection loses every file (``enable_external_access=false`` with no allowed directory or path, no temp
+directory, no extension installed or auto-loaded, the configuration locked), so COPY, EXPORT, ATTACH, INSTALL and
+``read_text('/etc/passwd')`` are refused by DuckDB itself. Before that, only a statement DuckDB's parser reads as one
+query runs (an allowlist, ``check_read_only``): a SELECT in any form, a dynamic PIVOT, or EXPLAIN [ANALYZE] of one.
 """
 
 from __future__ import annotations
@@ -51,25 +52,99 @@ def _duckdb() -> Any:
     return duckdb
 
 
-def check_read_only(duckdb: Any, query: str, con: Any = None) -> None:
-    """Refuse (BadInput) anything but a single SELECT / EXPLAIN, and report syntax errors in one line. ``con``:
-    the connection to parse with (DuckDB's default one costs its own start, 15-25 ms)."""
+_QUERY_TYPES = ("SELECT",)  # and MULTI (a dynamic PIVOT) where it is a query: _is_query
+
+
+def _statement(con: Any, text: str) -> Any:
+    """The single statement DuckDB parses ``text`` into, or None (none, several, or a syntax error)."""
     try:
-        statements = (con or duckdb).extract_statements(query)
+        statements = con.extract_statements(text)
+    except _duckdb().Error:
+        return None
+    return statements[0] if len(statements) == 1 else None
+
+
+def _is_query(con: Any, text: str) -> bool:
+    """Whether DuckDB's parser reads ``text`` as one query: a SELECT statement (CTEs, SUMMARIZE, DESCRIBE, SHOW,
+    VALUES, FROM-first, static PIVOT/UNPIVOT), or a statement DuckDB can nest as a subquery (a dynamic PIVOT parses
+    as several statements, an in-memory ENUM type and the query; ``COPY (PIVOT …) TO`` parses the same way and
+    cannot be nested)."""
+    statement = _statement(con, text)
+    if statement is None:
+        return False
+    if statement.type.name in _QUERY_TYPES:
+        return True
+    if statement.type.name != "MULTI":
+        return False
+    nested = _statement(con, f"SELECT * FROM (\n{statement.query}\n)")  # newlines: a trailing -- comment ends
+    return nested is not None and nested.type.name in ("SELECT", "MULTI")
+
+
+def _first_word(duckdb: Any, text: str) -> str:
+    """The first token of ``text`` that is not a comment, upper-cased."""
+    for pos, kind in duckdb.tokenize(text):
+        if kind != duckdb.token_type.comment:
+            return re.split(r"[\s(]", text[pos:], maxsplit=1)[0].upper()
+    return ""
+
+
+def _explained(duckdb: Any, con: Any, text: str) -> str | None:
+    """The statement an EXPLAIN [ANALYZE] [(options)] wraps, from DuckDB's own tokens (comments skipped); None when
+    there is none."""
+    tokens = [(pos, kind) for pos, kind in duckdb.tokenize(text) if kind != duckdb.token_type.comment]
+    words = [(pos, kind, text[pos:tokens[i + 1][0] if i + 1 < len(tokens) else len(text)].strip())
+             for i, (pos, kind) in enumerate(tokens)]
+    i = 1  # words[0] is EXPLAIN
+    if i < len(words) and words[i][2].upper() == "ANALYZE":
+        i += 1
+    if i >= len(words):
+        return None
+    rest = text[words[i][0]:]
+    if words[i][2] != "(":
+        return rest
+    depth = 0
+    for j in range(i, len(words)):  # the option list's closing parenthesis (string constants are one token)
+        depth += words[j][2] == "("
+        depth -= words[j][2] == ")"
+        if depth == 0:
+            after = text[words[j + 1][0]:] if j + 1 < len(words) else ""
+            # EXPLAIN (SELECT 1) [UNION …]: the parentheses are the query's, not an option list
+            return after if after.strip() and _statement(con, after) is not None else rest
+    return rest
+
+
+def check_read_only(duckdb: Any, query: str, con: Any = None) -> None:
+    """Refuse (BadInput) anything that is not one query, by DuckDB's own parser (an allowlist): a SELECT in any of
+    its forms, a dynamic PIVOT, or EXPLAIN [ANALYZE] of one; report syntax errors in one line. ``con``: the
+    connection to parse with (DuckDB's default one costs its own start, 15-25 ms)."""
+    con = con or duckdb
+    try:
+        statements = con.extract_statements(query)
     except duckdb.Error as exc:
         raise BadInput(one_line(exc)) from None
     if not statements:
         raise BadInput("no SQL statement given: pass e.g. \"SELECT run_id, status FROM runs\"")
     if len(statements) > 1:
-        raise BadInput(f"{len(statements)} statements given: tfmoe sql runs one read-only SELECT")
-    kind = statements[0].type
+        raise BadInput(f"{len(statements)} statements given: tfmoe sql runs one read-only query")
+    text, wrapper = statements[0].query, ""
+    if _first_word(duckdb, text) == "EXPLAIN":  # an EXPLAIN of a dynamic PIVOT parses as MULTI
+        inner = _explained(duckdb, con, text)
+        if inner is not None and _is_query(con, inner):
+            return
+        kind = _statement(con, inner).type if inner is not None and _statement(con, inner) is not None else None
+        wrapper, text = "EXPLAIN of ", inner or ""
+    elif _is_query(con, text):
+        return
+    else:
+        kind = statements[0].type
     if kind == duckdb.StatementType.LOAD:  # INSTALL and LOAD share a statement type
-        word = "INSTALL" if re.match(r"\s*(FORCE\s+)?INSTALL\b", query, re.I) else "LOAD"
-        raise BadInput(f"{word} statements are refused: tfmoe sql is read-only and loads no extensions "
-                       "(SELECT over the views runs, metrics, checks, timings)")
-    if kind not in (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN):
-        raise BadInput(f"{kind.name} statements are refused: tfmoe sql is read-only (SELECT over the views "
-                       "runs, metrics, checks, timings); the run directories are changed only by tfmoe itself")
+        word = "INSTALL" if re.match(r"\s*(FORCE\s+)?INSTALL\b", text, re.I) else "LOAD"
+        raise BadInput(f"{wrapper}{word} statements are refused: tfmoe sql is read-only and loads no extensions "
+                       "(a query over the views runs, metrics, checks, timings)")
+    what = f"{kind.name} statement" if kind is not None and kind.name != "MULTI" else "statement that is not a query"
+    raise BadInput(f"{'EXPLAIN of a' if wrapper else 'a'} {what} is refused: tfmoe sql is read-only: one query (SELECT, WITH, "
+                   "PIVOT, SUMMARIZE, DESCRIBE, or EXPLAIN [ANALYZE] of one) over the views runs, metrics, checks, "
+                   "timings; the run directories are changed only by tfmoe itself")
 
 
 def one_line(exc: BaseException) -> str:
@@ -297,19 +372,24 @@ def _source(con: Any, name: str, kept: Any) -> str:
 
 
 def _create_view(con: Any, name: str, select: str, kept: Any, build_now: Any) -> None:
-    """CREATE VIEW ``name`` AS ``select`` (its ``{source}`` the kept view): a kept file DuckDB cannot read (deleted
-    or damaged since; it is only a cache) is dropped and the view built now instead (``build_now()``)."""
+    """The table ``name`` AS ``select`` (its ``{source}`` the kept view), copied into the in-memory database: the
+    query itself then needs no file at all (``sandbox``). A kept file DuckDB cannot read (deleted or damaged since;
+    it is only a cache) is dropped and the view built now instead (``build_now()``)."""
     if kept is None:  # no run has a row
-        con.execute(f"CREATE VIEW {name} AS SELECT CAST(NULL AS VARCHAR) AS run_id, {EMPTY_COLUMNS[name]} WHERE false")
+        con.execute(f"CREATE TABLE {name} AS SELECT CAST(NULL AS VARCHAR) AS run_id, {EMPTY_COLUMNS[name]} "
+                    "WHERE false")
         return
     try:
         head, _, tail = select.rpartition("{source}")  # not str.format: paths and errors may hold braces
-        con.execute(f"CREATE VIEW {name} AS {head}{_source(con, name, kept)}{tail}")
+        con.execute(f"CREATE TABLE {name} AS {head}{_source(con, name, kept)}{tail}")
     except _duckdb().Error:
         if not isinstance(kept, Path):
             raise
         kept.unlink(missing_ok=True)
         _create_view(con, name, select, build_now(), build_now)
+    finally:
+        if not isinstance(kept, Path) and kept is not None:
+            con.unregister(f"_{name}")
 
 
 def _connection() -> Any:
@@ -358,19 +438,19 @@ def connect(runs_root: Path, query: str, con: Any = None) -> Any:
 
 
 def sandbox(con: Any, runs_root: Path) -> None:
-    """Limit ``con``'s file access to ``runs_root`` with DuckDB's own settings, then lock them. The order
-    matters: allowed_directories cannot change once external access is off. No temp directory: DuckDB would
-    otherwise allow its default ``./.tmp`` as well."""
-    root = str(Path(runs_root).resolve()).rstrip("/") + "/"
+    """Take every file away from ``con`` with DuckDB's own settings, then lock them: no external access (no file
+    read or written, no COPY, EXPORT, ATTACH, INSTALL, no scan of Python objects), no allowed directory or path
+    (DuckDB would let a query write there too), no temp directory (it would otherwise allow ``./.tmp``). The views
+    are tables in the in-memory database by then (``connect``). ``runs_root`` names the refusal (``_refusal``)."""
+    del runs_root
     con.execute("SET temp_directory = ''")
-    con.execute("SET allowed_directories = [$1]", [root])
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
 
 
 def _refusal(runs_root: Path, exc: BaseException) -> str:
-    return (f"tfmoe sql reads only the runs root {Path(runs_root).resolve()} (and the views runs, metrics, "
-            f"checks, timings): {one_line(exc)}")
+    return (f"tfmoe sql reads no file, only its views runs, metrics, checks, timings (of the runs root "
+            f"{Path(runs_root).resolve()}): {one_line(exc)}")
 
 
 def query(runs_root: Path, sql: str) -> Result:

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 from tfmoe.status import Status
 
 CATALOG_FILE = ".tfmoe-catalog.sqlite3"
-SCHEMA_VERSION = "5"
+SCHEMA_VERSION = "6"  # 6: symlinked run directories followed (an older catalog never listed them)
 # Statuses a run never leaves; any other (running, unreadable) is re-checked at every sync.
 FINAL_STATUSES = tuple(s.value for s in Status if s.final)
 # The runs every sync re-stats: still changing, or indexed while their run.parquet was brand new. A partial index
@@ -143,8 +143,18 @@ def _replace_triggers(conn: sqlite3.Connection) -> None:
             conn.execute(f"INSERT OR REPLACE INTO versions SELECT path, coalesce({_GENERATION}, 0) FROM runs")
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back the open transaction, if SQLite still has one: on a full disk it rolls back by itself, and a
+    second ROLLBACK would raise "cannot rollback - no transaction is active" over the real cause."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
 
 
 def _fresh(conn: sqlite3.Connection, root: Path) -> bool:
@@ -166,8 +176,40 @@ def _reset(conn: sqlite3.Connection, root: Path) -> None:
                               ("epoch", os.urandom(4).hex())])
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
+
+
+_IN_MEMORY: list[bool] = [False]  # set by read_through_full_disk: this process lists runs from a full scan
+
+
+def read_through_full_disk(read: Callable[[], Any], runs_root: Path) -> Any:
+    """``read()``, a reader of the catalog (`runs`, `show`, `sql`, `diff`, `export`); when the disk fills while it
+    writes the catalog (a cache: rows, cached tables), ``read()`` again over an in-memory catalog, with one warning
+    line, never SQLite's traceback. A reader prints only after its catalog work, so nothing is printed twice."""
+    _WARNED[0] = False
+    try:
+        return read()
+    except (sqlite3.OperationalError, OSError) as exc:
+        if not _disk_full(exc) or _IN_MEMORY[0]:
+            raise
+        said = exc
+    _IN_MEMORY[0] = True
+    try:
+        _warn_full(Path(runs_root) / CATALOG_FILE, said)
+        return read()
+    finally:
+        _IN_MEMORY[0] = False
+
+
+_WARNED: list[bool] = [False]  # one warning per command, however many times it opens the catalog
+
+
+def _warn_full(db: Path, exc: BaseException) -> None:
+    if not _WARNED[0]:
+        _WARNED[0] = True
+        print(f"warning: cannot write the run catalog {db} ({exc}): listing the runs from a full scan; free space "
+              "there", file=sys.stderr)
 
 
 def open_catalog(runs_root: Path) -> sqlite3.Connection:
@@ -175,7 +217,7 @@ def open_catalog(runs_root: Path) -> sqlite3.Connection:
     catalog (a full scan); a corrupt or foreign catalog file is rebuilt."""
     root = Path(runs_root)
     db = root / CATALOG_FILE
-    if not os.access(root, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
+    if _IN_MEMORY[0] or not os.access(root, os.W_OK) or (db.exists() and not os.access(db, os.W_OK)):
         return _in_memory(root)
     conn = None
     try:
@@ -196,11 +238,7 @@ def open_catalog(runs_root: Path) -> sqlite3.Connection:
             raise
         if conn is not None:
             conn.close()
-        import sys
-
-        # the catalog is only a cache: the runs are listed from a full scan, and the user hears why once
-        print(f"warning: cannot write the run catalog {db} ({exc}): listing the runs from a full scan; free "
-              "space there", file=sys.stderr)
+        _warn_full(db, exc)  # the catalog is only a cache: the runs are listed from a full scan, said once
         return _in_memory(root)
     return conn
 
@@ -271,14 +309,9 @@ RUN_MARKS = ("summary.md", *TABLE_FILES.values())
 
 
 def _lost_run_file(path: Path) -> bool:
-    """A run directory whose run.parquet is missing: it holds a run's marks, and has been still for RACY_S (a run
-    that is just starting writes its run.parquet within milliseconds of Hydra's .hydra/)."""
-    if (path / RUN_FILE).exists() or not any((path / m).exists() for m in RUN_MARKS):
-        return False
-    try:
-        return _dir_sig(path.stat()) is not None
-    except OSError:
-        return False
+    """A run directory whose run.parquet is missing: it holds a run's marks. At any timing: a run writes its
+    run.parquet before any mark, and replaces it by a rename, so a mark without it is never a run that is starting."""
+    return not (path / RUN_FILE).exists() and any((path / m).exists() for m in RUN_MARKS)
 
 
 def _missing_run_row(run_dir: Path) -> dict[str, Any]:
@@ -422,7 +455,7 @@ def _scan(conn: sqlite3.Connection, root: Path, rel: str, parent: str | None) ->
     path = root / rel if rel else root
     try:
         st = path.stat()  # before listing: a change during the listing moves the mtime again
-        entries = [e for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+        entries = [e for e in os.scandir(path) if _followed_dir(e)]
     except OSError:
         _forget(conn, rel)
         return
@@ -454,6 +487,21 @@ def _scan(conn: sqlite3.Connection, root: Path, rel: str, parent: str | None) ->
         _forget(conn, gone)
 
 
+def _followed_dir(entry: os.DirEntry) -> bool:
+    """Whether a container's entry is a directory to list: a real one, or a symlink to one, followed (a run moved to
+    another disk and linked back is still a run). A symlink to a directory that holds it (a loop) is not
+    followed, with one warning line; a dangling one is a broken link, not a run, and is left alone."""
+    if entry.is_dir(follow_symlinks=False):
+        return True
+    if not entry.is_symlink() or not entry.is_dir():
+        return False
+    target, holder = Path(entry.path).resolve(), Path(entry.path).parent.resolve()
+    if target == holder or target in holder.parents:
+        sys.stderr.write(f"warning: {entry.path} links to {target}, which holds it (a loop): not followed\n")
+        return False
+    return True
+
+
 def _recheck_run_files(conn: sqlite3.Connection, root: Path) -> None:
     """A settled run whose run.parquet was deleted (its directory kept) becomes ``unreadable``: deleting a file in a
     run directory moves no container's mtime, so each settled run's run.parquet is stat'ed (one ``lstat`` per run,
@@ -461,7 +509,7 @@ def _recheck_run_files(conn: sqlite3.Connection, root: Path) -> None:
     rows = conn.execute(f"SELECT path, parent FROM runs WHERE NOT ({UNSETTLED}) AND NOT ({UNREADABLE})").fetchall()
     for rel, parent in rows:
         if not os.path.lexists(f"{root}/{rel}/{RUN_FILE}"):
-            if _lost_run_file(root / rel):
+            if os.path.isdir(f"{root}/{rel}"):  # it held a run: listed as unreadable, never dropped
                 _upsert_run(conn, rel, parent, None, _read_run(root / rel))
             else:
                 _forget(conn, rel)
@@ -497,7 +545,7 @@ def sync(conn: sqlite3.Connection, runs_root: Path) -> None:
         for rel, parent, sig in conn.execute(f"SELECT path, parent, sig FROM runs WHERE {UNSETTLED}").fetchall():
             new_sig = _sig(root / rel / RUN_FILE)
             if new_sig is None:
-                if sig is not None and _lost_run_file(root / rel):  # its run.parquet deleted, the directory kept
+                if sig is not None and os.path.isdir(root / rel):  # its run.parquet deleted, the directory kept
                     _upsert_run(conn, rel, parent, None, _read_run(root / rel))
                 continue  # gone: its container's rescan forgets it
             if new_sig != sig:
@@ -508,7 +556,7 @@ def sync(conn: sqlite3.Connection, runs_root: Path) -> None:
                     _upsert_run(conn, rel, parent, new_sig, row)
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
 
 
@@ -609,7 +657,7 @@ def fill_tables(conn: sqlite3.Connection, runs_root: Path) -> int:
                 _mark_unreadable(conn, p, bad)
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
     return len(missing)
 

@@ -134,6 +134,7 @@ class RunWriter:
     _checkpointed: tuple[int, int, int] = (0, 0, 0)  # metrics/checks/timings rows at the last checkpoint
     _end: dict[str, Any] = field(default_factory=dict)  # run.parquet's final fields other than the status (finish)
     ended: tuple[Status, int, str | None] | None = None  # how run.parquet says the run ended (finish, end_as)
+    unwritten: list[str] = field(default_factory=list)  # best-effort parts the disk refused (finish_extras)
 
     def _row(self, status: Status, **extra: Any) -> dict[str, Any]:
         row = {name: None for name in rundir.RUN_SCHEMA.names}
@@ -233,9 +234,13 @@ class RunWriter:
 
     def finish_extras(self, rec: Any, stage: Any = None) -> tuple[Status, int, str | None]:
         """The best-effort parts, after run.parquet holds how the run ended: summary.md (text, quick) and then the
-        plots (matplotlib, slow). One the file system refuses, or a plot that fails to draw, is added to the run's
-        error (an ok run becomes ``error`` or ``crashed``) and run.parquet is rewritten. ``stage(name)`` is called
-        before each part (the runner's test hook)."""
+        plots (matplotlib, slow). Plots the file system refuses (a full disk, read-only) are best-effort: the run's
+        status stays, its notes say which were not written (when run.parquet can still take them), and
+        ``unwritten`` says so for the runner's warning line. A summary.md the file system refuses, or a plot that
+        fails to draw (tfmoe's error), is added to the run's error (an ok run becomes ``error`` or ``crashed``) and
+        run.parquet is rewritten; if that rewrite is refused too, run.parquet keeps how it ended and the status
+        returned is that one (``unwritten`` says why). ``stage(name)`` is called before each part (the runner's
+        test hook)."""
         status, exit_code, error = self.ended
         for what, fn in [("summary.md", lambda: self.write_summary(rec)), ("plots", lambda: self._write_plots(rec))]:
             if stage is not None:
@@ -248,13 +253,34 @@ class RunWriter:
                 said = disk_problem(exc, self.run_dir)
                 if said is None and isinstance(exc, OSError) and what == "summary.md":
                     raise
-                error = "; ".join(([error] if error else []) + [
-                    f"could not write {what}: {said or f'{type(exc).__name__}: {exc}'}"])
+                problem = f"could not write {what}: {said or f'{type(exc).__name__}: {exc}'}"
+                if what == "plots" and said is not None:
+                    self.unwritten.append(f"{problem} (plots are best-effort: the records are complete)")
+                    self._end["notes"] = [*self._end.get("notes", []), self.unwritten[-1]]
+                    self._record_quietly(status, exit_code, error)
+                    continue
+                new_error = "; ".join(([error] if error else []) + [problem])
+                new_status, new_code = status, exit_code
                 if status == Status.OK:
-                    status = Status.ERROR if said else Status.CRASHED
-                    exit_code = status.exit_code
-                self.end_as(status, exit_code, error)
+                    new_status = Status.ERROR if said else Status.CRASHED
+                    new_code = new_status.exit_code
+                if self._record_quietly(new_status, new_code, new_error):
+                    status, exit_code, error = new_status, new_code, new_error
+                else:
+                    self.unwritten.append(problem)
         return status, exit_code, error
+
+    def _record_quietly(self, status: Status, exit_code: int, error: str | None) -> bool:
+        """end_as, unless the file system refuses run.parquet (then it keeps what it said, and False)."""
+        kept = self.ended
+        try:
+            self.end_as(status, exit_code, error)
+            return True
+        except OSError as exc:
+            if disk_problem(exc, self.run_dir) is None:
+                raise
+            self.ended = kept
+            return False
 
     def write_summary(self, rec: Any) -> None:
         """summary.md for the run as run.parquet says it ended."""
