@@ -36,6 +36,14 @@ def fake_experiment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "tfmoe.experiments.fake", module)
     monkeypatch.setenv("TFMOE_CONF", str(conf))
     monkeypatch.chdir(tmp_path)
+    # the CLI registers one command per experiment when it is first imported: an app imported by an earlier test
+    # gets `fake` too, for this test only (run_cli(["fake", ...]) must not depend on the order tests run in)
+    from tfmoe import cli
+
+    if not any(c.name == "fake" for c in cli.app.registered_commands):
+        monkeypatch.setattr(cli.app, "registered_commands", list(cli.app.registered_commands))
+        cli.app.command(name="fake", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(
+            cli._experiment_command(exp))
     return exp
 
 

@@ -199,7 +199,7 @@ def test_cli_runs_hf_llama_sdpa_exit_0(tmp_path):
     (["impl=torch:mha", "n_kv_heads=2"], "n_kv_heads"),
     (["impl=buggy_attention:NoPaddingArg"], "padding_mask"),
     (["impl=buggy_attention:NoQkvLayer"], "needs `qkv`"),
-    (["fully_masked_policy=uniform"], "fully_masked_policy"),
+    (["fully_masked_policy=random"], "fully_masked_policy"),
 ])
 def test_bad_input_is_one_line(overrides, fragment):
     if any(o.startswith("impl=hf:") and o != "impl=hf:" for o in overrides):

@@ -101,6 +101,7 @@ def test_show_flags_a_run_whose_recorded_versions_differ_from_the_lock(tmp_path:
     run_dir = _real_run(tmp_path, monkeypatch)
     locked = read_lock(LOCK)
     _set_recorded(run_dir, numpy="1.26.0", hydra="1.3.2")
+    monkeypatch.setenv("COLUMNS", "200")  # show wraps its prose to the terminal (at most 120 columns)
     result = run_cli(["show", run_dir.name], tmp_path)
     assert result.exit_code == 0
     lines = [line for line in result.stdout.splitlines() if line.startswith("version drift:")]
