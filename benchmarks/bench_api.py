@@ -34,7 +34,7 @@ CASES = {  # label -> (API call text, CLI arguments) for one case
 def cli_args(kind: str) -> list[str]:
     """The CLI's arguments for the API's quick case (the profile's keys and the sizes as overrides)."""
     sys.path.insert(0, str(SRC))
-    from tfmoe import checks
+    from tfmoe.api import checking as checks
 
     settings = {"attention": SIZES, "kernel": {}, "moe": {}}[kind]
     spec = {"attention": LAYER, "kernel": "torch:sdpa", "moe": "buggy_moe:Correct"}[kind]

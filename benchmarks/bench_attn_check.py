@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from tfmoe.components.chunked_attention import chunked_attention, naive_attention, naive_attention_bytes
-from tfmoe.memory import peak_memory_bytes
-from tfmoe.recorder import measure
+from tfmoe.contract.recorder import measure
+from tfmoe.rules.memory import peak_memory_bytes
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from tfmoe.testing import run_recorded
+from tfmoe.api.testing import run_recorded
 
 
 def main() -> None:

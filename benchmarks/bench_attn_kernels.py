@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from tfmoe.testing import run_recorded
+from tfmoe.api.testing import run_recorded
 
 TARGET_S = 60.0
 

@@ -146,9 +146,9 @@ def settings_validation_per_job(jobs: int = 1000) -> dict[str, float]:
     """CPU seconds per job to build every job's settings before a sweep starts (launch.validate_sweep_settings,
     issue 12 item 7) for a ``jobs``-job sweep: each job's config derived from one composed config, then the
     experiment's settings(cfg)."""
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.harness.launching import runner
     from tfmoe.harness.launching.launch import validate_sweep_settings
-    from tfmoe.registry import EXPERIMENTS
 
     runner.register_resolvers()
     out = {}
@@ -178,9 +178,9 @@ def marginal_overhead_cpu(small: int = 3, large: int = 9) -> dict[str, float]:
     import io
 
     import tfmoe.harness.launching.sweep_speed as sweep_speed
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.harness.launching import launch
     from tfmoe.harness.store import notebook, rundir
-    from tfmoe.registry import EXPERIMENTS
 
     module = importlib.import_module("tfmoe.experiments.shift_labels")
     run, write_run = module.run, notebook.RunWriter.write_run

@@ -41,6 +41,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from tfmoe.api.testing import compose, cpu_recorder
+from tfmoe.contract.registry import EXPERIMENTS
 from tfmoe.experiments.attn_check.kernel_cases import make_inputs
 from tfmoe.experiments.attn_check.kernel_dropout import dropout_probe, run_dropout_case
 from tfmoe.experiments.attn_check.kernel_exact import (
@@ -54,8 +56,6 @@ from tfmoe.experiments.attn_check.kernel_exact import (
 from tfmoe.experiments.attn_check.kernel_judging import backward_rounds_to_run_dtype, run_case
 from tfmoe.experiments.attn_check.kernel_weights import run_weights_probe
 from tfmoe.experiments.attn_check.kernels import Kernel
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.testing import compose, cpu_recorder
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The tests' reduced matrix, a shape whose rows see >= 128 keys, and the default long_rows case.

@@ -1,6 +1,6 @@
 """What tfmoe's pytest plugin adds to a pytest session that uses none of its markers: the wall time of
 `pytest -p no:cacheprovider -q` on a small project (20 plain tests, no tfmoe marker or fixture) with the plugin
-loaded and with it disabled (`-p no:tfmoe`, or without `-p tfmoe.pytest_plugin` where tfmoe is not installed),
+loaded and with it disabled (`-p no:tfmoe`, or without `-p tfmoe.api.pytest_plugin` where tfmoe is not installed),
 sampled in alternation so machine load hits both alike. Prints the medians, their ratio (target <= 1.05: no
 noticeable cost) and the load average before and after. Usage:
 python benchmarks/bench_plugin_startup.py [REPEATS]
@@ -27,8 +27,8 @@ def load() -> str:
 
 def plugin_flags() -> tuple[list[str], list[str]]:
     """(flags that load the plugin, flags that leave it out)."""
-    installed = any(ep.value == "tfmoe.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
-    return ([], ["-p", "no:tfmoe"]) if installed else (["-p", "tfmoe.pytest_plugin"], [])
+    installed = any(ep.value == "tfmoe.api.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+    return ([], ["-p", "no:tfmoe"]) if installed else (["-p", "tfmoe.api.pytest_plugin"], [])
 
 
 def session(cwd: Path, flags: list[str]) -> float:

@@ -12,10 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from tfmoe.api.testing import compose, make_recorder
+from tfmoe.contract.runtime import check_threads, torch_threads
 from tfmoe.experiments import route_sim
 from tfmoe.experiments.route_sim import layer as route_layer
-from tfmoe.runtime import check_threads, torch_threads
-from tfmoe.testing import compose, make_recorder
 
 TARGET_S = 30.0
 COURSE = Path(__file__).resolve().parents[1].parent / "shared" / "course"

@@ -14,8 +14,8 @@ import argparse
 import statistics
 import time
 
-from tfmoe import tokenizers_lab as lab
 from tfmoe.experiments.tokenize import samples as tokenize_input
+from tfmoe.experiments.tokenize import tokenizers_lab as lab
 
 NAMES = ["cl100k_base", "o200k_base", "bpe", "wordpiece", "unigram", "bytes", "chars"]
 
@@ -67,7 +67,7 @@ def main() -> None:
         print(f"{name:<14}{n_tok:>10}{wall:>10.3f}{n_tok / wall / 1e6:>10.2f}{n_bytes / wall / 1e6:>9.2f}{ratio:>10.2f}x"
               f"{chunk_rate:>15.2f}")
 
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     t0 = time.perf_counter()
     rec = run_recorded("tokenize")

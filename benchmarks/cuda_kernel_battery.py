@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # buggy_kernels, as the tests import it
 from kernel_seed_sweep import margins  # noqa: E402
 
-from tfmoe.errors import BadInput  # noqa: E402
-from tfmoe.testing import run_recorded  # noqa: E402
+from tfmoe.api.testing import run_recorded  # noqa: E402
+from tfmoe.contract.errors import BadInput  # noqa: E402
 
 SPECS = ["torch:sdpa", "torch:sdpa-flash", "torch:sdpa-efficient", "torch:sdpa-cudnn", "torch:sdpa-math",
          "torch:flex"]

@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernel_sensitivity as bench  # noqa: E402  (the rule and the matrix, exactly as benchmarked)
 
+from tfmoe.api.testing import compose  # noqa: E402
+from tfmoe.contract.registry import EXPERIMENTS  # noqa: E402
 from tfmoe.experiments.attn_check.kernel_cases import make_inputs  # noqa: E402
-from tfmoe.registry import EXPERIMENTS  # noqa: E402
-from tfmoe.testing import compose  # noqa: E402
 
 
 def _masked_softmax(s: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:

@@ -16,13 +16,13 @@ import sys
 
 import torch
 
+from tfmoe.api.testing import compose
 from tfmoe.components.comparison import cast_rounding, max_abs_err, rounding_atol
 from tfmoe.components.reference_attention import plain_attention, reference_attention
+from tfmoe.contract.registry import EXPERIMENTS
 from tfmoe.experiments.attn_check.kernel_cases import make_inputs
 from tfmoe.experiments.attn_check.kernel_judging import accumulation_atols, backward_rounds_to_run_dtype
 from tfmoe.experiments.attn_check.kernels import load_kernel
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.testing import compose
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_kernel_sensitivity import DTYPES, MATRIX, fa_attention, sdpa  # noqa: E402

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tfmoe.testing import run_recorded
+from tfmoe.api.testing import run_recorded
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 SMALL = "cases.shapes=[[5,7,12],[7,5,8],[1,6,16]]"  # tests/test_attn_kernels.py's reduced matrix

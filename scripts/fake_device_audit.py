@@ -180,11 +180,11 @@ def main() -> int:
     if len(sys.argv) < 2:
         print(__doc__.splitlines()[0] + "\nusage: python scripts/fake_device_audit.py EXPERIMENT [overrides...]")
         return 2
+    from tfmoe.api.testing import compose
+    from tfmoe.contract.recorder import Recorder
+    from tfmoe.contract.registry import EXPERIMENTS
+    from tfmoe.contract.runtime import resolve_dtype, seed_everything
     from tfmoe.harness.launching.runner import run_module
-    from tfmoe.recorder import Recorder
-    from tfmoe.registry import EXPERIMENTS
-    from tfmoe.runtime import resolve_dtype, seed_everything
-    from tfmoe.testing import compose
 
     exp, overrides = sys.argv[1], sys.argv[2:]
     cfg = compose(exp, overrides)

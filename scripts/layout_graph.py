@@ -3,9 +3,9 @@
     python scripts/layout_graph.py           # rewrite the generated part of docs/layout.md
     python scripts/layout_graph.py --check   # exit 1 when docs/layout.md is not current (tests/test_layout_graph.py)
 
-Parts (nodes): toolkit (the top-level modules experiments use), components, adapters, each experiment package,
+Parts (nodes): rules and contract (what experiments use), components, adapters, each experiment package,
 each harness room, registry (the list of experiments, which loads their packages by name), cli,
-testing (helpers for tests), checks (the Python API) and pytest_plugin. An edge A --> B means some module of A
+api (the Python API, the pytest plugin and the tests' utilities). An edge A --> B means some module of A
 imports some module of B (at module level, inside a function, or under TYPE_CHECKING), read with ``ast``.
 """
 
@@ -26,15 +26,17 @@ END = "<!-- /layout-graph -->"
 def part_of(module: str) -> str:
     """The part a module belongs to: tfmoe.experiments.route_sim.layer -> experiments/route_sim."""
     parts = module.split(".")
-    if module in ("tfmoe.cli", "tfmoe.registry", "tfmoe.testing", "tfmoe.checks", "tfmoe.pytest_plugin"):
-        return parts[1]
-    if len(parts) >= 2 and parts[1] in ("components", "adapters"):
+    if module == "tfmoe.contract.registry":
+        return "registry"  # the list of experiments, which loads their packages by name
+    if module == "tfmoe.cli":
+        return "cli"
+    if len(parts) >= 2 and parts[1] in ("components", "adapters", "api", "rules", "contract"):
         return parts[1]
     if len(parts) >= 3 and parts[1] == "experiments":
         return f"experiments/{parts[2]}"
     if len(parts) >= 3 and parts[1] == "harness":
         return f"harness/{parts[2]}"
-    return "toolkit"  # tfmoe, tfmoe.recorder, tfmoe.validate, ... and the package's own __init__
+    return "package"  # tfmoe's own __init__ (its lazy re-exports are left out of the drawing)
 
 
 def modules(src: Path = SRC) -> dict[str, Path]:
@@ -65,7 +67,7 @@ def edges(src: Path = SRC) -> list[tuple[str, str]]:
     for name, path in mods.items():
         for target in imports(path.read_text(encoding="utf-8"), set(mods)):
             a, b = part_of(name), part_of(target)
-            if a != b and not (a == "toolkit" and name == "tfmoe"):  # tfmoe.__init__'s lazy load_run re-export
+            if a != b and name != "tfmoe":  # tfmoe.__init__'s lazy re-exports
                 pairs.add((a, b))
     return sorted(pairs)
 

@@ -71,7 +71,7 @@ PY
         "$venv/bin/python" -m pytest -q -p no:cacheprovider -m slow \
             "$REPO/tests/test_pytest_plugin_xdist.py::test_the_example_under_xdist_from_another_directory"
     fi
-    for exp in $("$venv/bin/python" -c "from tfmoe.registry import EXPERIMENTS; print(*EXPERIMENTS)"); do
+    for exp in $("$venv/bin/python" -c "from tfmoe.contract.registry import EXPERIMENTS; print(*EXPERIMENTS)"); do
         # shellcheck disable=SC2086  # SMALL's words are separate overrides
         "$venv/bin/tfmoe" "$exp" ${SMALL[$exp]:-} > "$exp.log" 2>&1 \
             || { cat "$exp.log"; echo "test-torch-range: tfmoe $exp failed beside $(basename "$venv")" >&2; exit 1; }
@@ -79,7 +79,7 @@ PY
     "$venv/bin/tfmoe" runs --format json > runs.json
     "$venv/bin/python" - <<'PY'
 import json
-from tfmoe.registry import EXPERIMENTS
+from tfmoe.contract.registry import EXPERIMENTS
 runs = json.load(open("runs.json"))
 ended = {r["experiment"]: r["status"] for r in runs}
 assert ended == {e: "ok" for e in EXPERIMENTS}, ended

@@ -70,7 +70,7 @@ def classify(model_type: str, attention: str = "") -> Entry:
     import torch
 
     from tfmoe.adapters.huggingface import VETTED, HuggingFace
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     try:
         adapter = HuggingFace(model_type)

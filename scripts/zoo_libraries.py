@@ -25,10 +25,10 @@ def _run(spec: str, overrides: list[str]) -> tuple[int, str, set[str], str]:
     """attn-check impl=spec on the small case -> (exit code, run id, failed checks, refusal text)."""
     from library_cases import SMALL
 
-    from tfmoe.errors import BadInput
+    from tfmoe.api.testing import launched
+    from tfmoe.contract.errors import BadInput
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.harness.store.notebook import load_run
-    from tfmoe.registry import EXPERIMENTS
-    from tfmoe.testing import launched
 
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # the run's tables

@@ -65,10 +65,10 @@ def enumerate_blocks() -> list[Block]:
 def _battery(model_type: str, entry: object = None) -> tuple[str, str]:
     """(passes | FAILS | raised, detail) of route-sim's battery on one block."""
     from tfmoe.adapters.moe_hf import HFBlock
-    from tfmoe.errors import BadInput
+    from tfmoe.api.testing import compose, make_recorder
+    from tfmoe.contract.errors import BadInput
     from tfmoe.experiments import route_sim
     from tfmoe.experiments.route_sim import layer as route_layer
-    from tfmoe.testing import compose, make_recorder
 
     cfg = compose("route-sim", ["steps=0", f"impl=hf:{model_type}", "layer.seq=8"])
     rec = make_recorder(cfg)

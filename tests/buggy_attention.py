@@ -402,7 +402,7 @@ class RaisesOnPadding(PlainMHA):
 
 
 class CausalOnlyNoPadding(PlainMHA):
-    """a training library's causal-only attention: declares it has no padding mask (tfmoe.capabilities)."""
+    """a training library's causal-only attention: declares it has no padding mask (tfmoe.rules.capabilities)."""
 
     tfmoe_lacks = ("padding_mask",)
 

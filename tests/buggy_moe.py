@@ -228,7 +228,7 @@ class Bf16Experts(Correct):
 
 
 class Bf16ExpertsDeclared(Bf16Experts):
-    """The same layer, declaring it (tfmoe.capabilities)."""
+    """The same layer, declaring it (tfmoe.rules.capabilities)."""
 
     tfmoe_expert_dtype = "bf16"
 

@@ -1,4 +1,4 @@
-"""Layers written for the capability model's rules (tfmoe.capabilities, issue 28): an adapter whose
+"""Layers written for the capability model's rules (tfmoe.rules.capabilities, issue 28): an adapter whose
 parameters() returns a whole residual block (layer norms and MLP the attention never reads), one that detaches a
 projection (a real bug: no gradient reaches it), and a user adapter that declares no GQA and would otherwise crash
 in tfmoe's own shapes check."""

@@ -24,7 +24,7 @@ def fake_experiment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Registers `fake` (tests/fake_experiment.py) with its own conf dir; returns the Experiment."""
     import fake_experiment as module
 
-    from tfmoe import registry
+    from tfmoe.contract import registry
 
     conf = tmp_path / "conf"
     conf.mkdir()

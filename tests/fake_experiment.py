@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
-from tfmoe.errors import BadInput
-from tfmoe.recorder import Recorder
-from tfmoe.validate import require_int
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
+from tfmoe.rules.validate import require_int
 
 MODES = ("ok", "fail_check", "crash", "interrupt", "bad_input", "sigterm", "sigusr2", "exit", "not_applicable")
 
@@ -40,7 +40,7 @@ def settings(cfg: DictConfig) -> Settings:
 
 def run(s: Settings, rec: Recorder) -> None:
     if s.plugin:
-        from tfmoe.user_code import load_object
+        from tfmoe.rules.user_code import load_object
 
         load_object(s.plugin, "plugin")
     x = torch.randn(3, 4, dtype=rec.dtype, device=rec.device)  # seeded by the runner

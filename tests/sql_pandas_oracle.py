@@ -7,8 +7,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from tfmoe.contract.tables import cell
 from tfmoe.harness.reading import sql_output
-from tfmoe.tables import cell
 
 
 def pandas_texts(con: Any, query: str) -> dict[str, Any]:

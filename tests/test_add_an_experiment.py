@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe.testing import launched
+from tfmoe.api.testing import launched
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def readme_blocks() -> tuple[str, str]:
 
 @pytest.fixture
 def my_exp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from tfmoe import registry
+    from tfmoe.contract import registry
 
     config, recipe = readme_blocks()
     conf = tmp_path / "conf"
@@ -58,7 +58,7 @@ def test_the_readme_recipe_keeps_the_contract_and_runs_ok(my_exp) -> None:
 
 
 def test_the_readme_recipe_sweeps_and_refuses_bad_input_before_any_job(my_exp, tmp_path: Path) -> None:
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     exp, _ = my_exp
     code, dirs = launched(exp, ["n=8,16"], multirun=True)

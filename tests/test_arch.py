@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
+from tfmoe.api.testing import check_passed, cpu_recorder
 from tfmoe.components import positions as positions_mod
 from tfmoe.components.attention import MultiHeadCrossAttention, MultiHeadSelfAttention
 from tfmoe.components.encdec import DecoderOnly, EncoderDecoder, EncoderOnly, MeanPool
@@ -20,11 +21,10 @@ from tfmoe.components.positions import (
     rope_angles,
     sinusoidal_positions,
 )
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import arch
 from tfmoe.experiments.arch import checks as arch_checks
 from tfmoe.experiments.arch import trace as arch_trace
-from tfmoe.testing import check_passed, cpu_recorder
 
 V, D, H, L, T, TT = 40, 32, 4, 2, 8, 6
 
@@ -35,7 +35,7 @@ passed = check_passed
 
 @pytest.fixture(scope="module")
 def base_cfg():
-    from tfmoe.testing import compose
+    from tfmoe.api.testing import compose
 
     return compose("arch")
 
@@ -335,8 +335,8 @@ def test_rope_off_accepts_odd_head_size(base_cfg):
 
 # ----------------------------------------------------------------------------------------- CLI
 def test_cli_end_to_end_saves_matrices_pictures_and_trace(workdir):
+    from tfmoe.api.testing import run_cli
     from tfmoe.harness.store.notebook import load_run
-    from tfmoe.testing import run_cli
 
     res = run_cli(["arch"], workdir)
     assert res.exit_code == 0, res.stdout + res.stderr
@@ -355,7 +355,7 @@ def test_cli_end_to_end_saves_matrices_pictures_and_trace(workdir):
 
 
 def test_cli_bad_input_exits_2(workdir):
-    from tfmoe.testing import run_cli
+    from tfmoe.api.testing import run_cli
 
     res = run_cli(["arch", "n_heads=5"], workdir)
     assert res.exit_code == 2
@@ -363,7 +363,7 @@ def test_cli_bad_input_exits_2(workdir):
 
 
 def test_same_seed_gives_identical_results():
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     a, b = run_recorded("arch"), run_recorded("arch")
     assert [r["value"] for r in a.metrics_rows] == [r["value"] for r in b.metrics_rows]
@@ -373,7 +373,7 @@ def test_same_seed_gives_identical_results():
 def test_low_precision_run_measures_visibility_in_fp32():
     """Regression: with dtype=bf16 the visible changes (~0.06) fell under the 16-ulp bf16 tolerance (0.2-0.3),
     so every visibility matrix came out as the identity and all four checks failed."""
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     rec = run_recorded("arch", ["dtype=bf16"])
     assert rec.all_passed, [c.check for c in rec.checks_rows if not c.passed]

@@ -19,7 +19,7 @@ from tfmoe.components.chunked_attention import chunked_attention, naive_attentio
 from tfmoe.components.masks import causal_mask, combine_masks, padding_mask_from_lengths, visible_queries
 from tfmoe.components.references import reference_dtype, sdpa_forward
 from tfmoe.experiments.attn_check.checks import dropout
-from tfmoe.memory import peak_memory_bytes
+from tfmoe.rules.memory import peak_memory_bytes
 
 
 def qkv(B=2, H=3, Tq=5, Tk=5, Dh=4, dtype=torch.float64, seed=0):

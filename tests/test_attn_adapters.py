@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_attn_check import FAST, failed
 
-from tfmoe.errors import BadInput
-from tfmoe.testing import run_cli, run_recorded
+from tfmoe.api.testing import run_cli, run_recorded
+from tfmoe.contract.errors import BadInput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -62,7 +62,7 @@ def test_hugging_face_layers_pass(spec, extra, attn):
     weight_checks = {"row_sums", "causal_zero", "padding_zero"} & set(checks)
     if attn == "eager":
         assert "row_sums" in weight_checks
-    else:  # sdpa returns no weights: those checks are n/a rows (tfmoe.capabilities), never failed
+    else:  # sdpa returns no weights: those checks are n/a rows (tfmoe.rules.capabilities), never failed
         assert "row_sums" in weight_checks and all(checks[n].outcome == "n/a" for n in weight_checks)
         assert "attention_weights" in checks["row_sums"].detail
 

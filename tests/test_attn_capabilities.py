@@ -1,4 +1,4 @@
-"""The capability model in module mode (tfmoe.capabilities, issue 28): declarations are read, a declared lack of
+"""The capability model in module mode (tfmoe.rules.capabilities, issue 28): declarations are read, a declared lack of
 the run's own setting is exit 2, a lacking feature's checks are n/a (listed, never failed), an undeclared
 NotImplementedError is n/a too, other exceptions fail, precision is declared or detected, unused parameters are
 listed and a detached one fails, and the default run catches a layer that ignores its padding mask."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from tfmoe import capabilities as caps
-from tfmoe.errors import BadInput
-from tfmoe.testing import run_cli, run_recorded
+from tfmoe.api.testing import run_cli, run_recorded
+from tfmoe.contract.errors import BadInput
+from tfmoe.rules import capabilities as caps
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -226,9 +226,9 @@ def test_kernel_limits_are_refused_in_module_mode_too(override):
 def test_a_huge_layer_is_refused_naming_the_dominant_knob(override, monkeypatch):
     import re
 
-    from tfmoe import memory
+    from tfmoe.api.testing import compose
     from tfmoe.experiments import attn_check
-    from tfmoe.testing import compose
+    from tfmoe.rules import memory
 
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * 2**30)
     with pytest.raises(BadInput) as err:

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import run_cli, run_recorded
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments.attn_check.checks import shapes
-from tfmoe.testing import run_cli, run_recorded
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ def test_plain_fixture_base_passes():
 def test_mha_wrapper_written_differently_passes():
     checks, rec = battery("impl=buggy_attention:MHAWrapper")
     assert failed(checks) == set(), {n: checks[n].detail for n in failed(checks)}
-    # its forward takes no cache: listed as not applicable (tfmoe.capabilities), not faked, not failed
+    # its forward takes no cache: listed as not applicable (tfmoe.rules.capabilities), not faked, not failed
     assert checks["kv_cache_decode"].outcome == "n/a" and "kv_cache" in checks["kv_cache_decode"].detail
 
 
@@ -260,8 +260,8 @@ def test_settings_import_no_user_code_and_pick_the_battery():
     kernel battery's settings."""
     import sys
 
+    from tfmoe.api.testing import compose
     from tfmoe.experiments import attn_check
-    from tfmoe.testing import compose
 
     s = attn_check.settings(compose("attn-check", ["impl=i12_never_imported:Attn",
                                                    "chunked.impl=i12_never_imported_either:f"]))

@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tfmoe.errors import AdapterError, ContractError
+from tfmoe.api.testing import caught, run_cli, run_recorded
+from tfmoe.contract.errors import AdapterError, ContractError
 from tfmoe.experiments.attn_check import kernel_battery, kernel_judging
 from tfmoe.experiments.attn_check.kernel_judging import enter_kernel, kernel_fault
 from tfmoe.experiments.attn_check.kernels import Kernel
-from tfmoe.faults import is_raised
 from tfmoe.harness.store.notebook import load_run
-from tfmoe.testing import caught, run_cli, run_recorded
+from tfmoe.rules.faults import is_raised
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SMALL = ["cases.shapes=[[5,7,12],[7,5,8],[1,6,16]]", "kernel_checks.long_row=null"]  # test_attn_kernels.py's

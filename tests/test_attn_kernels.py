@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tfmoe.api.testing import run_cli, run_recorded
 from tfmoe.components.reference_attention import (
     causal_visibility,
     key_padding_visibility,
@@ -16,8 +17,7 @@ from tfmoe.components.reference_attention import (
     plain_attention,
     reference_attention,
 )
-from tfmoe.errors import BadInput
-from tfmoe.testing import run_cli, run_recorded
+from tfmoe.contract.errors import BadInput
 
 # A reduced matrix keeps a battery to ~1 s: Tq < Tk, Tq > Tk (so bottom-right alignment leaves rows empty),
 # decode-like Tq = 1, head dims 12 / 8 / 16 (one not a multiple of 8), MHA / GQA / MQA with Hq = 6.
@@ -193,11 +193,11 @@ def test_fp32_backward_may_recompute_the_weights_with_a_fast_exp():
     directly (the whole matrix takes ~30 s): SDPA passes, a doubled dq fails."""
     import buggy_kernels
 
+    from tfmoe.api.testing import compose, cpu_recorder
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.experiments.attn_check.kernel_cases import make_inputs
     from tfmoe.experiments.attn_check.kernel_judging import run_case
     from tfmoe.experiments.attn_check.kernels import Kernel, load_kernel
-    from tfmoe.registry import EXPERIMENTS
-    from tfmoe.testing import compose, cpu_recorder
 
     s = EXPERIMENTS["attn-check"].load().settings(compose("attn-check", ["kernel=torch:sdpa", "seed=4"])).battery
     i, case = next((i, c) for i, c in enumerate(s.cases) if (c.family, c.Tq, c.Tk, c.D, c.scale) == ("scale", 127, 128,
@@ -235,11 +235,11 @@ def test_fp32_forward_may_use_a_fast_exp():
     floor bounds a fast exp's error on the weights. Machine-independent: a kernel whose exp errs by that u in the
     worst direction (computed in fp64) passes that case and reaches a large share of the floor (0.38 of it); SDPA passes; SDPA computing in bf16
     inside fails."""
+    from tfmoe.api.testing import compose, cpu_recorder
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.experiments.attn_check.kernel_cases import make_inputs
     from tfmoe.experiments.attn_check.kernel_judging import fast_exp_atol, run_case
     from tfmoe.experiments.attn_check.kernels import Kernel, load_kernel
-    from tfmoe.registry import EXPERIMENTS
-    from tfmoe.testing import compose, cpu_recorder
 
     s = EXPERIMENTS["attn-check"].load().settings(compose("attn-check", ["kernel=torch:sdpa", "seed=26"])).battery
     i, case = next((i, c) for i, c in enumerate(s.cases) if (c.family, c.Tq, c.Tk, c.D, c.Hkv) == ("gqa", 257, 255,
@@ -389,9 +389,9 @@ def test_gradients_a_quarter_percent_large_are_seen_by_the_exact_probe_alone_in_
 def test_exact_gradient_probe_passes_correct_kernels_exactly_in_half_precision():
     """Every correct kernel here returns the probe's values exactly in fp16 and bf16 (err 0, not within a limit);
     in fp32 within the fast-exp allowance."""
+    from tfmoe.api.testing import cpu_recorder
     from tfmoe.experiments.attn_check.kernel_exact import run_exact_grad_probe
     from tfmoe.experiments.attn_check.kernels import load_kernel
-    from tfmoe.testing import cpu_recorder
 
     for spec in ("torch:sdpa", "torch:sdpa-math", "buggy_kernels:plain_kernel", "buggy_kernels:kernel_normalises_last"):
         kernel = load_kernel(spec, None, torch.device("cpu"))
@@ -772,8 +772,8 @@ def test_long_rows_pass_sdpa_in_fp16_and_catch_fp16_accumulation_only_there():
 
 
 def test_grad_factor_is_flashattentions_two():
-    from tfmoe.registry import EXPERIMENTS
-    from tfmoe.testing import compose
+    from tfmoe.api.testing import compose
+    from tfmoe.contract.registry import EXPERIMENTS
 
     s = EXPERIMENTS["attn-check"].load().settings(compose("attn-check", ["kernel=torch:sdpa"])).battery
     assert s.grad_factor == 2.0
@@ -928,9 +928,9 @@ def test_default_run_judges_a_square_only_kernel_without_gqa(kernel):
 def _long_row_probe(seed: int = 0):
     """The default matrix's long_rows case (Tq=2, Tk=2048, D=32, Hkv=6, v offset by 4), its inputs as the battery
     draws them, and the float64 reference's gradients."""
+    from tfmoe.api.testing import compose
     from tfmoe.experiments.attn_check import kernel_settings
     from tfmoe.experiments.attn_check.kernel_cases import make_inputs
-    from tfmoe.testing import compose
 
     s = kernel_settings(compose("attn-check", ["kernel=torch:sdpa"]))
     i = len(s.cases) - 1

@@ -27,9 +27,9 @@ from library_cases import (
 )
 from test_attn_check import failed
 
+from tfmoe.api.testing import run_recorded
 from tfmoe.components.references import Rope, rotate
-from tfmoe.errors import BadInput
-from tfmoe.testing import run_recorded
+from tfmoe.contract.errors import BadInput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -199,7 +199,7 @@ def test_x_transformers_release_outside_the_tested_one_exits_2(monkeypatch):
 def test_library_that_does_not_import_exits_2_with_one_line(tmp_path):
     """Where timm does not import (no torchvision, or a CUDA torchvision beside a CPU torch), impl=timm:... is bad
     input: exit 2, one line naming what to install, no traceback (the run is recorded with status error)."""
-    from tfmoe.testing import run_cli
+    from tfmoe.api.testing import run_cli
 
     if not import_problem("timm"):
         pytest.skip("timm imports here")

@@ -24,7 +24,7 @@ from tfmoe.components.block import (
 )
 from tfmoe.components.lm import TransformerStack, xavier_init_
 from tfmoe.components.norm_reference import plain_norm
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import block_stats as bs
 from tfmoe.experiments.block_stats import checks as bc
 from tfmoe.experiments.block_stats import plots as bp
@@ -36,7 +36,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def base_cfg():
-    from tfmoe.testing import compose
+    from tfmoe.api.testing import compose
 
     return compose("block-stats", ["d_model=32", "n_layers=3", "batch_size=2", "seq_len=8", "vocab_size=64"])
 
@@ -564,8 +564,8 @@ def test_sweep_plots_boundary_single_depth_and_foreign_frame():
 
 # ------------------------------------------------------------------------------------------- CLI
 def test_cli_end_to_end(tmp_path):
+    from tfmoe.api.testing import run_cli
     from tfmoe.harness.store.notebook import load_run
-    from tfmoe.testing import run_cli
 
     res = run_cli(["block-stats", "n_layers=2", "d_model=32", "seq_len=8", "lowp_dtypes=[bf16]"], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr
@@ -585,7 +585,7 @@ def test_cli_end_to_end(tmp_path):
 
 
 def test_cli_bad_input_exits_2(tmp_path):
-    from tfmoe.testing import run_cli
+    from tfmoe.api.testing import run_cli
 
     res = run_cli(["block-stats", "variants=[pre,sideways]"], tmp_path)
     assert res.exit_code == 2
@@ -593,8 +593,8 @@ def test_cli_bad_input_exits_2(tmp_path):
 
 
 def test_cli_planted_causality_bug_exits_1(tmp_path, monkeypatch):
+    from tfmoe.api.testing import run_cli
     from tfmoe.harness.store.notebook import load_run
-    from tfmoe.testing import run_cli
 
     monkeypatch.setattr(attention_mod, "combine_masks", lambda *a, **k: None)  # the causal mask is lost
     res = run_cli(["block-stats", "n_layers=1", "d_model=32", "seq_len=8", "lowp_dtypes=[]"], tmp_path)
@@ -607,7 +607,7 @@ def test_cli_planted_causality_bug_exits_1(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_cli_depth_sweep_writes_sweep_plots(tmp_path):
     """The documented `-m n_layers=...` sweep through the core's multirun: sweep.parquet + this module's plots."""
-    from tfmoe.testing import run_cli
+    from tfmoe.api.testing import run_cli
 
     res = run_cli(["block-stats", "-m", "n_layers=1,3", "d_model=16", "seq_len=4", "batch_size=2",
                    "lowp_dtypes=[]"], tmp_path)
@@ -626,7 +626,7 @@ def test_terminal_table_and_summary_show_mean_std_grad_per_stage_under_parquet_n
     metrics.parquet calls it resid2 (pre) / norm2 (post)."""
     from rich.console import Console
 
-    from tfmoe.testing import make_recorder
+    from tfmoe.api.testing import make_recorder
 
     cfg = cfg_with(base_cfg, lowp_dtypes=[])
     rec = make_recorder(cfg)
@@ -651,8 +651,8 @@ def test_terminal_table_and_summary_show_mean_std_grad_per_stage_under_parquet_n
 def test_each_planted_bug_fails_only_its_own_family(monkeypatch):
     """Blame audit (issue 11 item 9), whole runs: a bug of one family fails that family's checks and only the others
     the maths forces (an FFN that mixes tokens over the sequence also lets the future leak into the past)."""
+    from tfmoe.api.testing import run_recorded
     from tfmoe.components import block as block_mod
-    from tfmoe.testing import run_recorded
 
     def failed() -> set[str]:
         rec = run_recorded("block-stats", ["n_layers=2", "d_model=32", "seq_len=8", "batch_size=2", "lowp_dtypes=[]"])

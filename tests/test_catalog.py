@@ -16,9 +16,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.status import Status
 from tfmoe.harness.store import catalog, notebook, rundir
-from tfmoe.status import Status
 
 OLD = time.time() - 3600  # directories "written an hour ago": their mtimes are trusted (not racy)
 

@@ -1,4 +1,4 @@
-"""tfmoe.checks, the batteries as a Python API (issue 31): correct layers pass and planted ones fail with the table,
+"""tfmoe.api.checking, the batteries as a Python API (issue 31): correct layers pass and planted ones fail with the table,
 in every form a layer can be passed; bad settings are one BadSettings line like the CLI's exit 2; the config is the
 one Hydra composes; record= writes a run directory the notebook commands read."""
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import tfmoe
-from tfmoe import checks
 from tfmoe.adapters.torch_mha import TorchMHA
-from tfmoe.testing import caught, compose, run_cli
+from tfmoe.api import checking as checks
+from tfmoe.api.testing import caught, compose, run_cli
 
 SMALL_KERNEL = {"cases": {"shapes": [[5, 7, 8], [1, 9, 16]], "kv_heads": [6, 2]},
                 "kernel_checks": {"dropout_p": 0.0}}
@@ -137,7 +137,7 @@ def test_record_writes_a_run_the_notebook_commands_read(tmp_path: Path) -> None:
 
 PROBE = """
 import json, sys
-import tfmoe, tfmoe.checks, tfmoe.pytest_plugin
+import tfmoe, tfmoe.api.checking, tfmoe.api.pytest_plugin
 before = sorted({m.split(".")[0] for m in sys.modules})
 verdict = tfmoe.check_attention("tfmoe.components.attention:MultiHeadSelfAttention", checks=["sdpa"])
 after = sorted({m.split(".")[0] for m in sys.modules})
@@ -200,7 +200,7 @@ def test_the_api_benchmark_runs_to_its_end() -> None:
 
 @pytest.mark.parametrize("where", ["a_file", "a_file/below", "/proc/1/nope"])
 def test_a_record_place_that_cannot_be_written_is_bad_settings_before_running(tmp_path: Path, where: str) -> None:
-    from tfmoe.checks import BadSettings
+    from tfmoe.api.checking import BadSettings
 
     (tmp_path / "a_file").write_text("x")
     record = tmp_path / where if not where.startswith("/") else Path(where)
@@ -212,8 +212,8 @@ def test_a_record_place_that_cannot_be_written_is_bad_settings_before_running(tm
 def test_a_record_refused_while_writing_is_bad_settings_with_the_verdict(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The disk refuses the run directory after the battery ran: BadSettings, and the verdict's table is in it."""
-    from tfmoe import checks
-    from tfmoe.checks import BadSettings
+    from tfmoe.api import checking as checks
+    from tfmoe.api.checking import BadSettings
 
     def refused(*args, **kwargs):
         raise OSError(28, "No space left on device", str(tmp_path / "rec"))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from tfmoe.api.testing import launched, run_cli
 from tfmoe.harness.store import notebook, rundir
-from tfmoe.testing import launched, run_cli
 
 
 def _sql(root: Path, query: str) -> list[dict]:

@@ -1,4 +1,4 @@
-"""One verdict (issue 31): the same case through the CLI (in-process, `tfmoe.testing.run_cli`, a real run directory)
+"""One verdict (issue 31): the same case through the CLI (in-process, `tfmoe.api.testing.run_cli`, a real run directory)
 and through the Python API gives the same checks, in the same order, with the same outcome, observed value, limit
 and detail (bit-identical on CPU: one implementation, one seed), and the same one line for bad input (exit 2 /
 BadSettings).
@@ -23,9 +23,9 @@ import buggy_moe
 import pytest
 import torch.nn as nn
 
-from tfmoe import checks
+from tfmoe.api import checking as checks
+from tfmoe.api.testing import caught, run_cli
 from tfmoe.harness.store.notebook import load_run
-from tfmoe.testing import caught, run_cli
 
 # small matrices, so one case costs seconds through both paths (the API's quick profile is tested elsewhere)
 KERNEL = {"cases": {"shapes": [[5, 7, 8], [1, 9, 16], [9, 1, 8]], "kv_heads": [6, 2]},

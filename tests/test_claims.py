@@ -14,11 +14,11 @@ import pytest
 import torch
 from claims_counterexamples import AlwaysOnExpert, DenseMoE, SelfOnlyAttention
 
+from tfmoe.api.testing import run_cli, run_recorded
+from tfmoe.contract.registry import EXPERIMENTS
 from tfmoe.experiments.block_stats import checks as bc
 from tfmoe.experiments.complexity import checks as cxc
 from tfmoe.harness.launching import claims
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.testing import run_cli, run_recorded
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,11 +15,11 @@ import pandas as pd
 import pytest
 import torch
 
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import launched, run_cli
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.registry import EXPERIMENTS
 from tfmoe.harness.method import failures
 from tfmoe.harness.store import notebook, rundir
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.testing import launched, run_cli
 
 TFMOE = [sys.executable, "-m", "tfmoe.cli"]
 

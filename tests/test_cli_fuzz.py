@@ -27,8 +27,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from tfmoe.registry import EXPERIMENTS  # noqa: E402
-from tfmoe.testing import compose, run_cli  # noqa: E402
+from tfmoe.api.testing import compose, run_cli  # noqa: E402
+from tfmoe.contract.registry import EXPERIMENTS  # noqa: E402
 
 LONG = "TFMOE_FUZZ_EXAMPLES" in os.environ
 EXAMPLES = int(os.environ.get("TFMOE_FUZZ_EXAMPLES", "40"))

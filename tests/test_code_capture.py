@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tfmoe.api.testing import launched, run_cli
 from tfmoe.harness.store import code_capture
-from tfmoe.testing import launched, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,14 +10,14 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
+from tfmoe.api.testing import run_recorded
 from tfmoe.components import complexity_model as cm
 from tfmoe.components.block import TransformerBlock
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import complexity as cx
 from tfmoe.experiments.complexity import checks as cxc
 from tfmoe.experiments.complexity import measure as cxm
-from tfmoe.memory import peak_memory_bytes
-from tfmoe.testing import run_recorded
+from tfmoe.rules.memory import peak_memory_bytes
 
 SMALL = cm.BlockShape(B=2, T=16, D=32, H=4)
 
@@ -222,7 +222,7 @@ def test_score_and_kv_bytes():
 
 def test_kv_bytes_per_token_do_not_depend_on_B():
     """Regression (issue 11 item 6): the run divided the per-token KV bytes by B (halved at B=2)."""
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     rec = run_recorded("complexity", [*QUICK, "B=2"])
     m = pd.DataFrame(rec.metrics_rows).set_index("name")["value"]
@@ -380,7 +380,7 @@ def test_timings_plausibility():
 
 
 def test_time_fn_uses_benchmark_timer_on_both_clocks():
-    from tfmoe.recorder import Recorder
+    from tfmoe.contract.recorder import Recorder
 
     rec = Recorder(OmegaConf.create({}), torch.device("cpu"), torch.float32, seed=0)
     a = torch.randn(128, 128)
@@ -440,7 +440,7 @@ QUICK = ["T=32", "D=16", "n_heads=2", "min_run_time=0.002", "warmup=0", "peak_ma
 
 
 def test_run_records_every_name_with_T_and_D():
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     rec = run_recorded("complexity", QUICK)
     assert rec.all_passed, [c for c in rec.checks_rows if not c.passed]
@@ -468,7 +468,7 @@ def test_run_records_every_name_with_T_and_D():
 def test_run_warns_on_implausible_timings_but_passes(monkeypatch):
     """Planted timings: a matmul peak 1000x too slow (as when the peak's threads wait for a busy core) makes every
     component run at an impossible fraction of it: recorded, noted, printed, and no check fails."""
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     monkeypatch.setattr(cxm, "peak_matmul_flops", lambda *a, **k: (1e6, 1e6, 1e6))
     rec = run_recorded("complexity", QUICK)
@@ -490,7 +490,7 @@ def test_run_warns_on_implausible_timings_but_passes(monkeypatch):
 
 
 def test_a_trustworthy_sweep_panel_carries_no_mark():
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     rec = run_recorded("complexity", QUICK)
     rows = [r for r in rec.metrics_rows if r["name"] != "timings_plausible"]
@@ -514,7 +514,7 @@ def test_rerun_advice_never_asks_for_what_is_already_set(threads, cpus, load, sa
 @pytest.mark.parametrize("dtype,extra", [("bf16", []), ("fp64", ["B=2"])])
 def test_run_activation_bytes_match_in_low_and_high_precision(dtype, extra):
     """The reviewer's failing runs, tiny: bf16 at the default B=1 and fp64 (never downcast to fp32)."""
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     rec = run_recorded("complexity", ["T=8", "D=16", *QUICK[2:], f"dtype={dtype}", *extra])
     failed = [c for c in rec.checks_rows if not c.passed]
@@ -522,8 +522,8 @@ def test_run_activation_bytes_match_in_low_and_high_precision(dtype, extra):
 
 
 def test_cli_exit_codes(tmp_path):
+    from tfmoe.api.testing import run_cli
     from tfmoe.harness.store.notebook import load_run
-    from tfmoe.testing import run_cli
 
     ok = run_cli(["complexity", *QUICK], tmp_path)
     assert ok.exit_code == 0, ok.stdout + ok.stderr
@@ -537,7 +537,7 @@ def test_cli_exit_codes(tmp_path):
 
 @pytest.mark.slow
 def test_cli_multirun_writes_sweep_plot(tmp_path):
-    from tfmoe.testing import run_cli
+    from tfmoe.api.testing import run_cli
 
     res = run_cli(["complexity", "-m", "T=16,32", "D=16,32", *QUICK[2:]], tmp_path)
     assert res.exit_code == 0, res.stdout + res.stderr

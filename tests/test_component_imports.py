@@ -70,7 +70,7 @@ def test_cycle_check_fails_on_the_old_lazy_import(planted):
 
 def experiment_packages() -> list[str]:
     """Every experiment's package, from the registry (one package per experiment, issue 21)."""
-    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.contract.registry import EXPERIMENTS
 
     return sorted(f"tfmoe.experiments.{e.module}" for e in EXPERIMENTS.values())
 
@@ -113,4 +113,4 @@ def test_find_cycle_boundaries():
     assert find_cycle({}) is None
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert component_imports("import os\nfrom tfmoe.recorder import Recorder\n") == set()
+    assert component_imports("import os\nfrom tfmoe.contract.recorder import Recorder\n") == set()

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from tfmoe.api.testing import launched, run_cli
 from tfmoe.harness.method import conclusions
-from tfmoe.testing import launched, run_cli
 
 
 def test_conclude_appends_never_rewrites_and_lists_three_headings(fake_experiment) -> None:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import run_cli
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.registry import EXPERIMENTS
 from tfmoe.harness.launching.launch import CONFIG_FORMS, config_dir, validate_overrides
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.testing import run_cli
 
 # Per experiment, each key with the forms its config file documents in its comments (besides the default),
 # as one sweep override per key: the CLI's validation types every swept value (one Hydra compose per experiment).

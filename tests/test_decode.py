@@ -10,14 +10,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tfmoe.api.testing import check_passed, cpu_recorder
 from tfmoe.components import sampling, sampling_reference
 from tfmoe.components.attention import KVCache
 from tfmoe.components.lm import TinyCausalLM
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import decode
 from tfmoe.experiments.decode import cache_checks, sampling_checks
 from tfmoe.experiments.decode import lm as decode_lm
-from tfmoe.testing import check_passed, cpu_recorder
 
 SMALL = ["d_model=32", "n_heads=4", "n_layers=1", "train_steps=60", "batch_size=8", "block_size=32", "lr=1e-2",
          "max_new_tokens=20", "check_tokens=16", "chi2_draws=4000", "timing_lengths=[8,24]", "timing_repeats=1",
@@ -30,7 +30,7 @@ passed = check_passed
 
 @pytest.fixture(scope="module")
 def base_cfg():
-    from tfmoe.testing import compose
+    from tfmoe.api.testing import compose
 
     return compose("decode", SMALL)
 
@@ -503,8 +503,8 @@ def test_missing_corpus_file_is_bad_input(tmp_path):
 
 # --------------------------------------------------------------------------------------------- CLI
 def test_cli_end_to_end(workdir):
+    from tfmoe.api.testing import run_cli
     from tfmoe.harness.store.notebook import load_run
-    from tfmoe.testing import run_cli
 
     res = run_cli(["decode", *SMALL], workdir)
     assert res.exit_code == 0, res.stdout + res.stderr
@@ -517,14 +517,14 @@ def test_cli_end_to_end(workdir):
 
 
 def test_cli_bad_input_exits_2(workdir):
-    from tfmoe.testing import run_cli
+    from tfmoe.api.testing import run_cli
 
     res = run_cli(["decode", *SMALL, "top_k=0"], workdir)
     assert res.exit_code == 2 and "top_k" in res.stderr + res.stdout
 
 
 def test_cli_untrained_model_fails_the_training_check(workdir):
-    from tfmoe.testing import run_cli
+    from tfmoe.api.testing import run_cli
 
     res = run_cli(["decode", *SMALL, "train_steps=0", "timing_lengths=[]"], workdir)
     assert res.exit_code == 1
@@ -535,7 +535,7 @@ def test_cli_untrained_model_fails_the_training_check(workdir):
 
 
 def test_same_seed_gives_identical_results():
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     args = [*SMALL, "train_steps=15", "timing_lengths=[]", "chi2_draws=500"]
     a, b = run_recorded("decode", args), run_recorded("decode", args)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from tfmoe.api.testing import run_cli, run_recorded
+from tfmoe.contract.registry import EXPERIMENTS
 from tfmoe.harness.method import diagnosis
 from tfmoe.harness.method.diagnosis import checks_mapping, diagnose
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.testing import run_cli, run_recorded
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["chunked.probe_T=256", "chunked.probe_block_size=16", "chunked.timing_repeats=1", "dropout_samples=20000",
@@ -81,9 +81,9 @@ def test_catalogue_reads_check_names_the_batteries_record() -> None:
 @pytest.mark.parametrize("bug", ["SoftmaxOverTokens", *(pytest.param(b, marks=pytest.mark.slow) for b in (
     "NotRenormalised", "ArgminRouting", "FirstComeCapacity"))])
 def test_route_layer_planted_bug_is_named(bug: str) -> None:
+    from tfmoe.api.testing import compose, make_recorder
     from tfmoe.experiments import route_sim
     from tfmoe.experiments.route_sim import layer as route_layer
-    from tfmoe.testing import compose, make_recorder
 
     cfg = compose("route-sim", ["steps=0", f"impl=buggy_moe:{bug}", "layer.seq=8"])
     rec = make_recorder(cfg)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe.registry import EXPERIMENTS
+from tfmoe.contract.registry import EXPERIMENTS
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -202,7 +202,7 @@ def substitute(argv: tuple[str, ...], nb: Notebook, named: dict[str, str]) -> li
 # ------------------------------------------------------------------------------------------ running
 def _cli(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, str, str]:
     """`tfmoe ARGV` in-process (typer's CliRunner), with ``env`` set for the call."""
-    from tfmoe.testing import run_cli
+    from tfmoe.api.testing import run_cli
 
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -344,7 +344,7 @@ def write_files(docs: list[Doc], cwd: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ fixtures
 def make_notebook(cwd: Path) -> Notebook:
-    from tfmoe.testing import launched
+    from tfmoe.api.testing import launched
 
     exp = EXPERIMENTS["shift-labels"]
     old = os.getcwd()
@@ -554,7 +554,7 @@ def test_every_documented_slurm_command_runs(cmd: Command, real_notebook: Notebo
 def test_validate_only_checks_a_single_run_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """TFMOE_VALIDATE_ONLY=1: a good command says it is valid and runs nothing; a bad setting is refused up front
     with nothing written, as a plain single run refuses it before its directory exists (issue 24)."""
-    from tfmoe.testing import run_cli
+    from tfmoe.api.testing import run_cli
 
     monkeypatch.setenv("TFMOE_VALIDATE_ONLY", "1")
     good = run_cli(["complexity", "-m", "T=128,512", "D=256"], tmp_path)

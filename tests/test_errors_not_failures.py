@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tfmoe.adapters.transformers_support import SUPPORTED
-from tfmoe.errors import AdapterError, ContractError
-from tfmoe.faults import is_raised, raised_detail, tfmoe_fault
+from tfmoe.api.testing import caught, run_cli
+from tfmoe.contract.errors import AdapterError, ContractError
 from tfmoe.harness.method.diagnosis import common_exception, diagnose
 from tfmoe.harness.store.notebook import load_run
-from tfmoe.testing import caught, run_cli
+from tfmoe.rules.faults import is_raised, raised_detail, tfmoe_fault
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SMALL = ["d_model=16", "n_heads=4", "T=6", "chunked.probe_T=256", "chunked.probe_block_size=16",
@@ -148,7 +148,7 @@ def test_hf_llama_on_the_older_mask_builder_signature_passes(monkeypatch):
                     position_ids=position_ids)
 
     monkeypatch.setattr(masking_utils, "create_causal_mask", create_causal_mask)
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     rec = run_recorded("attn-check", ["impl=hf:llama", *SMALL, "checks=[masks,sdpa]"])
     assert rec.checks_rows and all(c.passed for c in rec.checks_rows), [(c.check, c.detail) for c in rec.checks_rows]

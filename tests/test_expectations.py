@@ -9,13 +9,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import launched, run_cli
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.registry import EXPERIMENTS
+from tfmoe.contract.status import Status
 from tfmoe.harness.method import declared_metrics, expectations, failures
 from tfmoe.harness.method.expectations import judge, parse, parse_one
 from tfmoe.harness.store import notebook
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.status import Status
-from tfmoe.testing import launched, run_cli
 
 
 def rows(*values: float, step: bool = False, **tags):
@@ -168,7 +168,7 @@ def test_failed_check_outranks_a_missed_expectation(fake) -> None:
     assert code == 1
     data = notebook.load_run(dirs[-1])
     assert data.run["status"] == "failed" and not bool(data.expectations.iloc[0]["held"])  # judged all the same
-    from tfmoe.status import worst_exit_code
+    from tfmoe.contract.status import worst_exit_code
 
     assert worst_exit_code([0, 4]) == 4 and worst_exit_code([4, 1]) == 1 and worst_exit_code([4, 2]) == 2
 
@@ -283,7 +283,7 @@ def test_unknown_tag_value_exits_2_before_anything_runs(workdir: Path) -> None:
 ])
 def test_tag_values_cover_every_value_a_real_run_records(experiment: str, overrides: list[str]) -> None:
     """tag_values(settings) must never refuse a value the run records (no false refusal)."""
-    from tfmoe.testing import compose, run_recorded
+    from tfmoe.api.testing import compose, run_recorded
 
     module = EXPERIMENTS[experiment].load()
     known = module.tag_values(module.settings(compose(experiment, overrides)))

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import launched, run_cli
+from tfmoe.contract.errors import BadInput
 from tfmoe.harness.launching import launch
 from tfmoe.harness.reading import export_mlflow
-from tfmoe.testing import launched, run_cli
 
 
 def test_metric_names_fold_tags_into_allowed_characters() -> None:
@@ -280,7 +280,7 @@ def test_concurrent_exports_into_a_new_and_an_existing_store_make_one_mlflow_run
 
 
 def _export_every_run_whole(names: list[str]) -> None:
-    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.contract.registry import EXPERIMENTS
 
     dirs = [d for name in names for d in launched(EXPERIMENTS[name], [])[1]]
     uri = f"sqlite:///{Path.cwd() / 'mlflow.db'}"
@@ -317,7 +317,7 @@ def test_tokenizes_default_run_exports_whole(workdir: Path) -> None:
 def test_every_experiments_default_run_exports_whole(workdir: Path) -> None:
     """`tfmoe all`'s runs (each experiment's defaults), then `tfmoe export mlflow`: all FINISHED with every metric."""
     pytest.importorskip("mlflow")
-    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.contract.registry import EXPERIMENTS
 
     _export_every_run_whole(list(EXPERIMENTS))
 

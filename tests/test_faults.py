@@ -15,8 +15,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tfmoe.api.testing import launched, run_cli
 from tfmoe.harness.store import notebook, rundir
-from tfmoe.testing import launched, run_cli
 
 TFMOE = [sys.executable, "-m", "tfmoe.cli"]
 LONG_ROUTE_SIM = ["route-sim", "steps=1000000", "strategies=[none]", "flush_every_s=0.3"]
@@ -144,7 +144,7 @@ def test_effective_status_running_lost_and_other_hosts(fake_experiment) -> None:
 
 
 def test_worst_exit_code_ranks_signals() -> None:
-    from tfmoe.status import worst_exit_code
+    from tfmoe.contract.status import worst_exit_code
 
     assert worst_exit_code([0, 143, 1]) == 143
     assert worst_exit_code([143, 130]) == 130
@@ -154,7 +154,7 @@ def test_worst_exit_code_ranks_signals() -> None:
 
 
 def test_bad_flush_interval_is_bad_input(fake_experiment) -> None:
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
     from tfmoe.harness.launching import launch
 
     with pytest.raises(BadInput, match="flush_every_s=0"):  # refused before the run directory (exit 2 in the CLI)
@@ -213,7 +213,7 @@ def test_a_signal_inside_the_run_is_recorded_and_stops_the_sweep(fake_experiment
     the steps so far are written, status interrupted, the error names the signal, the in-process sweep stops."""
     import signal as signal_module
 
-    from tfmoe.errors import Terminated
+    from tfmoe.contract.errors import Terminated
     from tfmoe.harness.launching import launch
 
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
@@ -237,7 +237,7 @@ def test_a_system_exit_inside_the_run_is_never_recorded_ok(fake_experiment) -> N
 
 def test_read_run_state_agrees_with_read_run_row_ok_lost_and_corrupt(fake_experiment, tmp_path: Path) -> None:
     """The fast state read (big sweeps' exit code and outcome) gives the same state as the full row, lost included."""
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     code, dirs = launched(fake_experiment, [])
     run_dir = dirs[-1]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe.testing import run_cli
+from tfmoe.api.testing import run_cli
 
 TFMOE = [sys.executable, "-m", "tfmoe.cli"]
 ROUTE = ["route-sim", "steps=6", "train_tokens=64"]
@@ -146,9 +146,9 @@ def test_plots_and_the_status_rewrite_both_refused_end_as_the_record_says(small_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tfmoe.contract.recorder import Recorder
+    from tfmoe.contract.status import Status
     from tfmoe.harness.store.notebook import RunWriter
-    from tfmoe.recorder import Recorder
-    from tfmoe.status import Status
 
     run_dir = small_fs / "runs" / "fake" / "20260101T000000Z-aaaaaaaa"
     writer = RunWriter(run_dir=run_dir, run_id=run_dir.name, experiment="fake", seed=0, argv=[], overrides=[],
@@ -305,7 +305,7 @@ def test_a_sweep_jobs_hydra_records_refused_stop_the_sweep_in_one_line(small_fs:
 def test_disk_problem_names_only_file_system_refusals() -> None:
     import errno
 
-    from tfmoe.errors import disk_problem
+    from tfmoe.contract.errors import disk_problem
 
     full = OSError(errno.ENOSPC, "No space left on device", "/runs/x/run.parquet")
     assert disk_problem(full) == ("cannot write /runs/x/run.parquet: No space left on device (errno ENOSPC): free "
@@ -322,7 +322,7 @@ def test_disk_problem_names_only_file_system_refusals() -> None:
 
 def test_disk_problem_ends_on_an_exception_chain_that_loops() -> None:
     """An exception re-raised while handling itself chains back to itself: the walk must end (it hung a run, F-130)."""
-    from tfmoe.errors import AdapterError, disk_problem
+    from tfmoe.contract.errors import AdapterError, disk_problem
 
     first, second = AdapterError("the mask builder wants block_table"), RuntimeError("while handling it")
     first.__context__, second.__context__ = second, first

@@ -130,7 +130,7 @@ FAKE_MAIN = """
 import sys
 sys.path.insert(0, {tests!r})
 import fake_experiment
-from tfmoe import registry
+from tfmoe.contract import registry
 registry.EXPERIMENTS["fake"] = registry.Experiment("fake", "fake", "fake", "a test experiment")
 sys.modules["tfmoe.experiments.fake"] = fake_experiment
 from tfmoe.cli import main

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tfmoe import finite
-from tfmoe.errors import BadInput
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.testing import compose, cpu_recorder, run_cli, run_recorded
+from tfmoe.api.testing import compose, cpu_recorder, run_cli, run_recorded
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.registry import EXPERIMENTS
+from tfmoe.rules import finite
 
 
 def _times_inf(cls: type) -> Callable[[pytest.MonkeyPatch], None]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tfmoe.errors import BadInput
-from tfmoe.testing import run_recorded
+from tfmoe.api.testing import run_recorded
+from tfmoe.contract.errors import BadInput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

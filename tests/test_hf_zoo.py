@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_attn_check import FAST, failed
 
+from tfmoe.api.testing import run_cli, run_recorded
 from tfmoe.components.references import Rope, rotate, sdpa_attention, visibility
-from tfmoe.errors import BadInput
-from tfmoe.testing import run_cli, run_recorded
+from tfmoe.contract.errors import BadInput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SMALL = ["d_model=16", "n_heads=4", "T=6", *FAST]

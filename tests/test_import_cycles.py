@@ -65,7 +65,7 @@ def package_sources() -> dict[str, str]:
 
 def test_tfmoe_has_no_import_cycle() -> None:
     graph = import_graph(package_sources())
-    assert {"tfmoe.cli", "tfmoe.registry", "tfmoe.harness.store.notebook", "tfmoe.experiments.attn_check"} <= set(graph)
+    assert {"tfmoe.cli", "tfmoe.contract.registry", "tfmoe.harness.store.notebook", "tfmoe.experiments.attn_check"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
 

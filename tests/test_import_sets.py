@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tfmoe.contract.status import Status
 from tfmoe.harness.store import notebook, rundir
-from tfmoe.status import Status
 
 HEAVY = ("pandas", "pyarrow", "numpy", "hydra", "omegaconf", "torch", "duckdb")
 NO_CONFIG_NO_TORCH = ("hydra", "omegaconf", "torch")  # composes no config, builds no tensor
@@ -113,7 +113,7 @@ def test_runs_imports_no_pandas_pyarrow_or_hydra(lab: Path, args: list[str]) -> 
 
 def test_import_guard_names_a_forbidden_import_put_back(lab: Path) -> None:
     # planted: the catalog's listing imports pandas again (as it did before issue 23)
-    plant = ("import tfmoe.harness.store.catalog as c\n_listing = c.listing\n"
+    plant = ("import tfmoe.harness.store.catalog as c, tfmoe.harness.store.kept_views as kv\n_listing = c.listing\n"
              "def listing(*a, **k):\n    import pandas\n    return _listing(*a, **k)\nc.listing = listing")
     with pytest.raises(AssertionError, match=r"imported .*pandas"):
         assert_imports_none_of(["runs", "--last", "5"], lab, HEAVY, plant=plant)
@@ -196,7 +196,7 @@ def test_sql_over_kept_views_imports_no_pyarrow(finished_lab: Path, query: str) 
 
 def test_import_guard_names_pyarrow_when_the_views_are_not_kept(finished_lab: Path) -> None:
     # planted: the catalog keeps no view file (as before issue 23's last step), so each query builds them with pyarrow
-    plant = "import tfmoe.harness.store.catalog as c\nc._on_disk = lambda conn: False"
+    plant = "import tfmoe.harness.store.catalog as c, tfmoe.harness.store.kept_views as kv\nkv._on_disk = lambda conn: False"
     with pytest.raises(AssertionError, match=r"imported .*pyarrow"):
         assert_imports_none_of(["sql", "SELECT run_id FROM runs"], finished_lab, SQL_FROM_KEPT_VIEWS, plant=plant)
 
@@ -213,17 +213,17 @@ def _lab_with_a_new_run(cwd: Path) -> Path:
     return cwd
 
 
-SAY_EXTENDED = """import tfmoe.harness.store.catalog as c
-real = c._extensible
+SAY_EXTENDED = """import tfmoe.harness.store.catalog as c, tfmoe.harness.store.kept_views as kv
+real = kv._extensible
 def spy(*args):
     found = real(*args)
     print("extended", args[2]) if found is not None else None
     return found
-c._extensible = spy"""  # prints each view extended, not built (stdlib only: the import set stays the command's)
+kv._extensible = spy"""  # prints each view extended, not built (stdlib only: the import set stays the command's)
 
 
 def test_sql_right_after_a_new_run_extends_the_views_without_pandas(tmp_path: Path) -> None:
-    from tfmoe.harness.store import catalog
+    from tfmoe.harness.store import catalog, kept_views
 
     out = assert_imports_none_of(["sql", EVERY_VIEW, "--format", "csv"], _lab_with_a_new_run(tmp_path),
                                  SQL_WITHOUT_PANDAS, plant=SAY_EXTENDED)
@@ -234,12 +234,12 @@ def test_sql_right_after_a_new_run_extends_the_views_without_pandas(tmp_path: Pa
 
     newest = max((tmp_path / "runs" / catalog.VIEWS_DIR).glob("metrics-*.parquet"),
                  key=lambda f: int(f.stem.rsplit("-", 1)[1]))  # the one before stays a minute (STALE_VIEW_S)
-    assert int(pq.read_schema(newest).metadata[catalog.VIEW_RUNS_KEY]) == 3  # the extended view: 3 runs
+    assert int(pq.read_schema(newest).metadata[kept_views.VIEW_RUNS_KEY]) == 3  # the extended view: 3 runs
 
 
 def test_import_guard_names_pandas_put_back_into_extending_a_view(tmp_path: Path) -> None:
     # planted: the kept view read with pq.read_table, whose pyarrow.dataset imports pandas (0.25 s)
-    plant = ("import tfmoe.harness.store.catalog as c, pyarrow.parquet as pq\n"
-             "c._read_kept = lambda p: None if p.suffix == '.empty' else pq.read_table(p)")
+    plant = ("import tfmoe.harness.store.catalog as c, tfmoe.harness.store.kept_views as kv, pyarrow.parquet as pq\n"
+             "kv._read_kept = lambda p: None if p.suffix == '.empty' else pq.read_table(p)")
     with pytest.raises(AssertionError, match=r"imported .*pandas"):
         assert_imports_none_of(["sql", EVERY_VIEW], _lab_with_a_new_run(tmp_path), SQL_WITHOUT_PANDAS, plant=plant)

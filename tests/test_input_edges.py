@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe.testing import run_cli
+from tfmoe.api.testing import run_cli
 
 
 def _nothing_written(cwd: Path) -> None:
@@ -83,9 +83,9 @@ def test_route_sim_refuses_a_course_case_that_cannot_fit_in_memory(workdir: Path
 def test_route_sim_guard_boundary_and_the_device_check() -> None:
     """The guard refuses above MEMORY_FRACTION of what is available and passes at it; run() checks the run's own
     device the same way (a CUDA run's memory is not the host's)."""
-    from tfmoe.errors import BadInput
+    from tfmoe.api.testing import compose
+    from tfmoe.contract.errors import BadInput
     from tfmoe.experiments import route_sim
-    from tfmoe.testing import compose
 
     s = route_sim.settings(compose("route-sim", ["tokens=100000"]))
     need = route_sim.estimated_course_bytes(s, "fp32")
@@ -100,10 +100,10 @@ def test_route_sim_guard_boundary_and_the_device_check() -> None:
 def test_route_sim_estimate_against_the_measured_peak(extra: list[str], one_torch_thread) -> None:
     """The estimate is 1.0-1.5x of the course case's real peak (torch.profiler's allocation events) at 20,000
     tokens: never under what a run allocates, never so far over that a run that fits is refused."""
+    from tfmoe.api.testing import compose, make_recorder
     from tfmoe.experiments import route_sim
     from tfmoe.experiments.route_sim import course
-    from tfmoe.memory import peak_memory_bytes
-    from tfmoe.testing import compose, make_recorder
+    from tfmoe.rules.memory import peak_memory_bytes
 
     cfg = compose("route-sim", ["tokens=20000", "steps=0", *extra])
     s = route_sim.settings(cfg)
@@ -171,7 +171,7 @@ def test_each_bad_input_is_one_line_and_its_suggested_fix_is_accepted(workdir: P
 
 
 def test_seed_bounds_are_those_a_run_can_record(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tfmoe.runtime import MAX_SEED
+    from tfmoe.contract.runtime import MAX_SEED
 
     monkeypatch.setenv("TFMOE_VALIDATE_ONLY", "1")
     assert run_cli(["shift-labels", f"seed={MAX_SEED}"], workdir).exit_code == 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe.testing import run_cli
+from tfmoe.api.testing import run_cli
 
 
 def _dirs(root: Path) -> list[Path]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from io_faults import Fault, IOFaults, count, plans
 
-from tfmoe.testing import run_cli
+from tfmoe.api.testing import run_cli
 
 RUN = ["fake", "flush_every_s=null"]
 

@@ -19,14 +19,14 @@ def test_the_drawing_has_every_part_and_the_rooms_import_one_way() -> None:
     pairs = layout_graph.edges()
     parts = {p for pair in pairs for p in pair}
     experiments = {p.name for p in (REPO / "src" / "tfmoe" / "experiments").iterdir() if (p / "__init__.py").exists()}
-    assert {f"experiments/{e}" for e in experiments} | {"toolkit", "components", "adapters", "cli", "registry",
+    assert {f"experiments/{e}" for e in experiments} | {"rules", "contract", "api", "components", "adapters", "cli", "registry",
                                                         "harness/store", "harness/method", "harness/reading",
                                                         "harness/launching"} <= parts
     rooms = ["harness/store", "harness/method", "harness/reading", "harness/launching"]
     for a, b in pairs:
         if a in rooms and b in rooms:
             assert rooms.index(a) > rooms.index(b), (a, b)  # store <- method <- reading <- launching
-        assert not (a.startswith(("experiments/", "components", "adapters", "toolkit")) and b.startswith("harness"))
+        assert not (a.startswith(("experiments/", "components", "adapters", "rules", "contract")) and b.startswith("harness"))
 
 
 def test_a_new_import_makes_the_drawing_stale(tmp_path: Path) -> None:
@@ -48,5 +48,5 @@ def test_part_of_boundaries() -> None:
     assert layout_graph.part_of("tfmoe.experiments.route_sim.layer") == "experiments/route_sim"
     assert layout_graph.part_of("tfmoe.experiments.attn_check.checks.masks") == "experiments/attn_check"
     assert layout_graph.part_of("tfmoe.harness.store.notebook") == "harness/store"
-    assert layout_graph.part_of("tfmoe.recorder") == "toolkit" and layout_graph.part_of("tfmoe") == "toolkit"
-    assert layout_graph.part_of("tfmoe.cli") == "cli" and layout_graph.part_of("tfmoe.registry") == "registry"
+    assert layout_graph.part_of("tfmoe.contract.recorder") == "contract" and layout_graph.part_of("tfmoe") == "package"
+    assert layout_graph.part_of("tfmoe.cli") == "cli" and layout_graph.part_of("tfmoe.contract.registry") == "registry"

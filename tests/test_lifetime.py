@@ -1,4 +1,4 @@
-"""Every process tfmoe starts ends with it (tfmoe/lifetime.py): the kernel's parent-death signal on every child,
+"""Every process tfmoe starts ends with it (tfmoe/contract/lifetime.py): the kernel's parent-death signal on every child,
 the workers' watch on their owner, the ranks' beats that name a rank that stops answering, and a watchdog on the
 launcher itself. The SIGKILL, SIGSTOP tests run real expert-parallel launches (torch.distributed.run, gloo)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tfmoe import lifetime
+from tfmoe.contract import lifetime
 from tfmoe.experiments.route_sim import ep_launch
 
 MARK = "TFMOE_TEST_MARK"  # inherited by every descendant: how the tests find them after their parent is gone
@@ -52,7 +52,7 @@ def _gone_within(mark: str, seconds: float) -> list[str]:
 # ------------------------------------------------------------------------------------------ the ties themselves
 PARENT = """
 import subprocess, sys, time
-from tfmoe import lifetime
+from tfmoe.contract import lifetime
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=lifetime.tied_preexec(),
                          start_new_session=True)
 print(child.pid, flush=True)
@@ -76,7 +76,7 @@ def test_a_worker_whose_owner_has_gone_ends_itself(tmp_path: Path) -> None:
     owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     token = lifetime.owner_token(owner.pid)
     assert lifetime.owner_alive(token)
-    code = ("import time; from tfmoe import lifetime; lifetime.watch_owner(); print('up', flush=True); "
+    code = ("import time; from tfmoe.contract import lifetime; lifetime.watch_owner(); print('up', flush=True); "
             "time.sleep(120)")
     env = {**os.environ, lifetime.OWNER_ENV: token, lifetime.BEATS_ENV: str(tmp_path), "RANK": "1"}
     worker = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import tfmoe
-from tfmoe import checks
 from tfmoe.adapters.causal_lm import CausalLMAdapter, LMOutput
+from tfmoe.api import checking as checks
+from tfmoe.api.testing import run_cli
 from tfmoe.experiments.lm_battery import lm_labels, positions
 from tfmoe.harness.store.notebook import load_run
-from tfmoe.testing import run_cli
 
 QUICK = {"profile": "quick"}
 pytest_plugins = ["pytester"]
@@ -207,9 +207,9 @@ def test_the_tfmoe_model_marker_and_fixture(pytester: pytest.Pytester) -> None:
         def test_fixture(tfmoe_check):
             assert tfmoe_check.check_model(planted_models.RotaryObjectCache, experiments=["arch"]).passed
     """)
-    installed = any(ep.value == "tfmoe.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+    installed = any(ep.value == "tfmoe.api.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
     # in a subprocess: an inline run leaves modules behind that break later tests of the session (pandas indexes)
-    result = pytester.runpytest_subprocess(*([] if installed else ["-p", "tfmoe.pytest_plugin"]),
+    result = pytester.runpytest_subprocess(*([] if installed else ["-p", "tfmoe.api.pytest_plugin"]),
                                            "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, failed=1)
     out = result.stdout.str()

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tfmoe.api.testing import launched, run_cli
 from tfmoe.harness.store.lockfile import canonical, lock_path, parse_lock, public, read_lock, version_drift
-from tfmoe.testing import launched, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "requirements.lock"
@@ -78,7 +78,7 @@ def test_check_lock_exits_1_naming_the_package_for_a_lock_this_venv_does_not_mat
 
 
 def _real_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.contract.registry import EXPERIMENTS
 
     monkeypatch.chdir(tmp_path)
     code, (run_dir,) = launched(EXPERIMENTS["shift-labels"], ["threads=1"])

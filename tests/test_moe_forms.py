@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import compose, make_recorder
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import route_sim
 from tfmoe.experiments.route_sim import layer as route_layer
-from tfmoe.testing import compose, make_recorder
 
 HERE = Path(__file__).resolve().parent
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from test_route_layer import battery, failed, metric, not_applicable
 
-from tfmoe.errors import BadInput
-from tfmoe.testing import run_cli
+from tfmoe.api.testing import run_cli
+from tfmoe.contract.errors import BadInput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

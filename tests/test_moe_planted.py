@@ -10,9 +10,9 @@ import pytest
 import torch.nn as nn
 from planted_moe import PLANTED, Planted
 
+from tfmoe.api.testing import compose, make_recorder
 from tfmoe.experiments import route_sim
 from tfmoe.experiments.route_sim import layer as route_layer
-from tfmoe.testing import compose, make_recorder
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -147,7 +147,7 @@ def test_own_expert_layout_through_the_hook_passes_and_without_it_runs_as_a_blac
 
 # ----------------------------------------------------- declared lacks and NotImplementedError (rules 1-3)
 def test_declared_lack_makes_the_check_not_applicable_and_refuses_that_dtype():
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     rec = default_battery("buggy_moe:NoHalfDeclared")
     for name in ("finite.fp16", "finite.bf16"):
@@ -192,14 +192,14 @@ def test_undeclared_not_implemented_error_is_not_applicable_never_a_failure():
     (["layer.router_dtype=half", "lacks=7"], "lacks=7 is not a list"),
 ])
 def test_bad_declarations_one_line(overrides, message):
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     with pytest.raises(BadInput, match=message):
         default_battery_with("buggy_moe:Correct", *overrides)
 
 
 def test_refusal_through_the_cli_exit_2_one_line(tmp_path):
-    from tfmoe.testing import run_cli
+    from tfmoe.api.testing import run_cli
 
     res = run_cli(["route-sim", "impl=buggy_moe:NoHalfDeclared", "dtype=bf16"], tmp_path)
     assert res.exit_code == 2, res.stdout + res.stderr

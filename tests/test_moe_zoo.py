@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_route_layer import battery, failed
 
-from tfmoe.paths import CHECKOUT_ROOT
+from tfmoe.contract.paths import CHECKOUT_ROOT
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -59,7 +59,7 @@ def test_representative_newly_vetted_blocks_pass(model_type):
 
 def test_a_refused_block_exits_2_naming_its_semantic():
     from tfmoe.adapters.moe_hf import REFUSED
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     z = zoo()
     assert "phimoe" in REFUSED and {b.model_type for b in z.enumerate_blocks()} >= {"phimoe"}

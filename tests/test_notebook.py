@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 import torch
 
-from tfmoe import runtime
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import launched
+from tfmoe.contract import runtime
+from tfmoe.contract.errors import BadInput
 from tfmoe.harness.launching import launch
 from tfmoe.harness.store import notebook, rundir
-from tfmoe.testing import launched
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32, torch.bool]
 
@@ -190,7 +190,7 @@ def test_integer_tags_missing_in_some_rows_stay_integers(tmp_path: Path) -> None
 
 def test_device_peak_survives_resets_inside_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """A check that resets CUDA's peak counter must not hide the run's earlier, higher peak (CUDA simulated)."""
-    from tfmoe import recorder
+    from tfmoe.contract import recorder
 
     state = {"peak": 0}
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
@@ -303,7 +303,7 @@ def _tables_from_frames(run_dir: Path, fmt: str) -> dict[str, str]:
     (json: ``to_dict("records")`` dumped as show dumps it; md: one row per DataFrame row)."""
     import json
 
-    from tfmoe.tables import from_frame
+    from tfmoe.contract.tables import from_frame
 
     frames = {key: rundir.read_parquet(run_dir / name) for key, name in rundir.TABLE_FILES.items()}
     frames["tensors"] = frames["tensors"].drop(columns=["values"])

@@ -1,6 +1,6 @@
 """Every notebook command on every experiment's runs (issue 24, item 1), generated from the registry.
 
-For each experiment in ``tfmoe.registry.EXPERIMENTS``: one run of its config and a 2-job sweep over a key of its own
+For each experiment in ``tfmoe.contract.registry.EXPERIMENTS``: one run of its config and a 2-job sweep over a key of its own
 (both with the experiment's QUICK size overrides in the default suite; the true default config in a `slow` test).
 On those runs: ``show`` (every format), ``diff`` (the two sweep jobs; a run against itself), ``export mlflow``
 (one tmp sqlite store), ``sql`` (each view), ``failures add`` (a tmp file), ``conclude`` and, slow-marked (each
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.testing import CliResult, run_cli
+from tfmoe.api.testing import CliResult, run_cli
+from tfmoe.contract.registry import EXPERIMENTS
 
 
 @dataclass(frozen=True)
@@ -210,18 +210,18 @@ def _sql_prints_every_column_as_pandas_did(runs_root: Path) -> None:
 def test_sql_views_extended_run_by_run_print_as_rebuilt(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every experiment's runs copied one at a time, oldest first, into a new runs root: after each, every view
     prints what a catalog built afresh prints (test_sql_extended_views.rebuilt), and each view was extended from
-    its kept file (catalog.view's Extension) rather than rebuilt at least once for every experiment's runs."""
+    its kept file (kept_views.view's Extension) rather than rebuilt at least once for every experiment's runs."""
     import shutil
 
     from test_sql_extended_views import VIEWS, printed, rebuilt
 
     from tfmoe.harness.reading import sql
-    from tfmoe.harness.store import catalog
+    from tfmoe.harness.store import catalog, kept_views
     from tfmoe.harness.store.notebook import read_run_row
 
     monkeypatch.setattr(catalog, "RACY_S", 0.0)
     extended: list[tuple[str, str]] = []  # (experiment of the run just copied, catalog view extended)
-    real = catalog._extensible
+    real = kept_views._extensible
     copying = [""]
 
     def spy(conn: object, runs_root: Path, view: str, *args: object) -> object:
@@ -230,7 +230,7 @@ def test_sql_views_extended_run_by_run_print_as_rebuilt(root: Path, monkeypatch:
             extended.append((copying[0], view))
         return found
 
-    monkeypatch.setattr(catalog, "_extensible", spy)
+    monkeypatch.setattr(kept_views, "_extensible", spy)
     runs = sorted((read_run_row(d)["started_at"], str(d.relative_to(build(name, root).cwd / "runs")), d, name)
                   for name in NAMES for d in _all_runs(build(name, root)))
     target = root / "extended" / "runs"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tfmoe.api.testing import run_cli
 from tfmoe.harness.store import rundir
-from tfmoe.testing import run_cli
 
 QUICK = ["n_heads=2", "min_run_time=0.002", "warmup=0", "peak_matmul_n=64", "n_layers=2", "vocab=100"]
 
@@ -156,7 +156,7 @@ def failed_run(workdir: Path) -> Path:
 
 
 def test_check_test_nodes_accepts_real_nodes_and_prose_and_refuses_missing_ones(workdir: Path) -> None:
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
     from tfmoe.harness.method.failures import check_test_nodes
 
     (workdir / "tests").mkdir()
@@ -275,7 +275,7 @@ def settled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_run_without_run_parquet_is_listed_unreadable_not_dropped(fake_experiment, settled) -> None:
-    from tfmoe.testing import launched
+    from tfmoe.api.testing import launched
 
     _, (gone,) = launched(fake_experiment, [])
     _, (kept,) = launched(fake_experiment, ["seed=1"])
@@ -297,8 +297,8 @@ def test_a_run_without_run_parquet_is_listed_unreadable_not_dropped(fake_experim
 
 
 def test_a_missing_config_is_named_and_never_counted_as_a_difference(fake_experiment, capsys) -> None:
+    from tfmoe.api.testing import launched
     from tfmoe.harness.launching.launch import replay
-    from tfmoe.testing import launched
 
     _, (a,) = launched(fake_experiment, [])
     _, (b,) = launched(fake_experiment, [])
@@ -316,8 +316,8 @@ def test_a_missing_config_is_named_and_never_counted_as_a_difference(fake_experi
 
 
 def test_replay_of_an_interrupted_original_says_so(fake_experiment, capsys) -> None:
+    from tfmoe.api.testing import launched
     from tfmoe.harness.launching.launch import replay
-    from tfmoe.testing import launched
 
     with pytest.raises(KeyboardInterrupt):
         launched(fake_experiment, ["mode=interrupt"])
@@ -339,7 +339,7 @@ def test_replay_of_an_interrupted_original_says_so(fake_experiment, capsys) -> N
 
 def test_export_warns_about_each_run_it_skipped_and_exits_1(fake_experiment, settled, tmp_path: Path) -> None:
     pytest.importorskip("mlflow")
-    from tfmoe.testing import launched
+    from tfmoe.api.testing import launched
 
     _, (gone,) = launched(fake_experiment, [])
     _, (kept,) = launched(fake_experiment, ["seed=1"])
@@ -354,7 +354,7 @@ def test_export_warns_about_each_run_it_skipped_and_exits_1(fake_experiment, set
 def test_a_metric_that_only_scales_with_a_changed_coefficient_is_not_the_headline(fake_experiment) -> None:
     """aux_loss_coef 0.01 -> 0.1 headlined balance_loss +900 % (the loss includes its coefficient): such rows are
     marked `scales with the config` and the headline is left to the changes that are not."""
-    from tfmoe.testing import launched
+    from tfmoe.api.testing import launched
 
     _, (a,) = launched(fake_experiment, ["coef=0.01"])
     _, (b,) = launched(fake_experiment, ["coef=0.1"])
@@ -390,7 +390,7 @@ def test_the_headline_ranks_series_by_where_they_end() -> None:
 
 def test_show_fits_a_sensible_width_when_not_a_terminal(fake_experiment, monkeypatch) -> None:
     """`show RUN > file` wrote lines up to 2,799 characters; now 120 wide unless --full-width (or COLUMNS)."""
-    from tfmoe.testing import launched
+    from tfmoe.api.testing import launched
 
     _, (run,) = launched(fake_experiment, ["mode=fail_check"])
     checks = rundir.read_parquet(run / "checks.parquet")

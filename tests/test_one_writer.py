@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe.errors import BadInput
-from tfmoe.safe_text import shown_text, typed_text
-from tfmoe.testing import launched, run_cli
+from tfmoe.api.testing import launched, run_cli
+from tfmoe.contract.errors import BadInput
+from tfmoe.rules.safe_text import shown_text, typed_text
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402

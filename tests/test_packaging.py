@@ -107,7 +107,7 @@ def test_the_wheel_holds_what_the_code_loads(dists: dict[str, Path]) -> None:
     # the console script and the pytest plugin's entry point
     with zipfile.ZipFile(dists["wheel"]) as z:
         entry = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert "tfmoe = tfmoe.cli:main" in entry and "tfmoe = tfmoe.pytest_plugin" in entry
+    assert "tfmoe = tfmoe.cli:main" in entry and "tfmoe = tfmoe.api.pytest_plugin" in entry
     # and nothing of the checkout's own: tests, runs, caches
     assert [n for n in names if n.startswith(("tests/", "runs/")) or "__pycache__" in n or n.endswith(".pyc")] == []
 

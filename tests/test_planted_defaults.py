@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from test_attn_check import BLAME
 
+from tfmoe.api.testing import run_recorded
 from tfmoe.experiments.attn_check.module_battery import CHECK_GROUPS
-from tfmoe.testing import run_recorded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,7 +12,7 @@ import pytest
 import torch  # noqa: F401  pytester's inline runs drop the modules they import; torch cannot load twice
 
 import tfmoe
-import tfmoe.checks  # noqa: F401  the batteries too stay loaded across inline runs
+import tfmoe.api.checking  # noqa: F401  the batteries too stay loaded across inline runs
 
 pytest_plugins = ["pytester"]
 
@@ -20,9 +20,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 
 
 def plugin_args() -> list[str]:
-    """-p tfmoe.pytest_plugin unless the installed distribution's pytest11 entry point already loads it."""
-    installed = any(ep.value == "tfmoe.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
-    return [] if installed else ["-p", "tfmoe.pytest_plugin"]
+    """-p tfmoe.api.pytest_plugin unless the installed distribution's pytest11 entry point already loads it."""
+    installed = any(ep.value == "tfmoe.api.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+    return [] if installed else ["-p", "tfmoe.api.pytest_plugin"]
 
 
 def copy_examples(pytester: pytest.Pytester) -> Path:

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 import tfmoe
-from tfmoe import checks
+from tfmoe.api import checking as checks
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 PLANTED = ("/ math.sqrt(self.d_head)", "/ math.sqrt(D)")  # scale by d_model, not d_head
 
 
 def plugin_args() -> list[str]:
-    installed = any(ep.value == "tfmoe.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
-    return [] if installed else ["-p", "tfmoe.pytest_plugin"]
+    installed = any(ep.value == "tfmoe.api.pytest_plugin" for ep in importlib.metadata.entry_points(group="pytest11"))
+    return [] if installed else ["-p", "tfmoe.api.pytest_plugin"]
 
 
 def tree(root: Path) -> dict[str, str]:

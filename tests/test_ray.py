@@ -11,8 +11,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tfmoe.api.testing import run_cli
 from tfmoe.harness.store import notebook
-from tfmoe.testing import run_cli
 
 
 def test_ray_launcher_runs_a_sweep_on_a_local_ray(tmp_path: Path) -> None:

@@ -19,11 +19,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import compose, make_recorder, run_cli
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import route_sim
 from tfmoe.experiments.route_sim import ep_launch
 from tfmoe.experiments.route_sim import expert_parallel as ep
-from tfmoe.testing import compose, make_recorder, run_cli
 
 TESTS = Path(__file__).resolve().parent
 CHECKS = {"output", "grad_input", "grad_router", "grad_experts", "a2a_bytes", "loads", "drops", "step_time"}

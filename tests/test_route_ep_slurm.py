@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import compose, run_cli
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import route_sim
 from tfmoe.experiments.route_sim import ep_slurm
-from tfmoe.testing import compose, run_cli
 
 # what srun sets in each task of `srun -n 2` (read on scripts/slurm-up.sh's node), task 1
 TASK1 = {"SLURM_JOB_ID": "21", "SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_PROCID": "1",

@@ -18,12 +18,12 @@ from planted_moe import (
 )
 
 from tfmoe.adapters import moe_layers
+from tfmoe.api.testing import compose, make_recorder, run_cli
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import route_sim
 from tfmoe.experiments.route_sim import layer as route_layer
-from tfmoe.testing import compose, make_recorder, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 COURSE_TOY_MOE = REPO.parent / "shared" / "course" / "toy_moe.py"
@@ -52,7 +52,7 @@ def failed(rec) -> set[str]:
 
 def not_applicable(rec) -> set[str]:
     """Checks not defined for the design (notes) and checks made n/a by a declaration or a NotImplementedError
-    (rows with applicable=False, tfmoe.capabilities)."""
+    (rows with applicable=False, tfmoe.rules.capabilities)."""
     return {n.removeprefix("n/a: layer.").split(" (")[0] for n in rec.notes if n.startswith("n/a: layer.")} | {
         c.check.removeprefix("layer.") for c in rec.checks_rows if not c.applicable}
 

@@ -21,15 +21,15 @@ import torch.nn.functional as F
 from conftest import sigint_default
 from omegaconf import OmegaConf
 
+from tfmoe.api.testing import compose, make_recorder, run_cli
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as moe_ref
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import route_sim as rs
 from tfmoe.experiments.route_sim import checks as route_checks
 from tfmoe.experiments.route_sim import course as route_course
 from tfmoe.experiments.route_sim import plots as route_plots
 from tfmoe.experiments.route_sim import training as route_training
-from tfmoe.testing import compose, make_recorder, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["steps=6", "train_tokens=64", "strategies=[none,aux_loss,z_loss,noisy_topk,aux_free]"]
@@ -117,7 +117,7 @@ def test_router_learns_from_the_task_loss_at_top_1():
 
 def test_top_1_run_passes_the_layer_battery_and_the_course_case():
     """The layer battery's reference for the package's own layer follows the same rule (raw weight at k=1)."""
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     rec = run_recorded("route-sim", ["top_k=1", "steps=0"])
     assert rec.all_passed, [(c.check, c.detail) for c in rec.checks_rows if not c.passed]
@@ -619,8 +619,8 @@ def test_interrupt_keeps_steps_done_so_far(small_cfg):
 
 def test_thread_count_restored_after_interrupt():
     """route-sim runs on conf's `threads: 1`; the runner restores torch's thread count even after Ctrl-C."""
-    from tfmoe.runtime import torch_threads
-    from tfmoe.testing import compose
+    from tfmoe.api.testing import compose
+    from tfmoe.contract.runtime import torch_threads
 
     assert compose("route-sim").threads == 1
     before = torch.get_num_threads()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tfmoe.api.testing import run_recorded
 from tfmoe.components.lm import TinyCausalLM
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import shift_labels as sl
 from tfmoe.experiments.shift_labels import batch as slb
 from tfmoe.experiments.shift_labels import checks as slc
-from tfmoe.testing import run_recorded
 
 SEQS = [[1, 3, 4, 5, 2], [1, 5, 7, 2], [1, 6, 2]]  # BOS 我 爱 猫 EOS / BOS 猫 睡 EOS / BOS 狗 EOS
 PAD, IGN = 0, -100
@@ -182,7 +182,7 @@ def test_summary_names_losses_and_logits() -> None:
     the per-token losses (the README said Δ = 0); both quantities are named now, in the terminal and summary.md."""
     from rich.console import Console
 
-    from tfmoe.testing import compose, make_recorder
+    from tfmoe.api.testing import compose, make_recorder
 
     cfg = compose("shift-labels", ["model.n_layers=1"])
     rec = make_recorder(cfg)
@@ -198,7 +198,7 @@ def test_summary_names_losses_and_logits() -> None:
 def test_settings_touch_no_device() -> None:
     """settings() runs for every job of a sweep before any starts: a device this machine lacks is no error there;
     the sequences are encoded once, there."""
-    from tfmoe.testing import compose
+    from tfmoe.api.testing import compose
 
     s = sl.settings(compose("shift-labels", ["device=cuda:7", "dtype=bf16"]))
     assert s.vocab[s.pad_id] == "PAD" and s.sequences[2] == (1, 6, 2) and s.texts is None and s.tokenizer_ids == ()
@@ -211,7 +211,7 @@ def test_per_position_table_is_whole_when_redirected_at_80_columns() -> None:
 
     from rich.console import Console
 
-    from tfmoe.testing import compose, make_recorder
+    from tfmoe.api.testing import compose, make_recorder
 
     cfg = compose("shift-labels", ["model.n_layers=1"])
     rec = make_recorder(cfg)

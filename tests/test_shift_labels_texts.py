@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tfmoe.api.testing import check_passed, run_cli, run_recorded
 from tfmoe.experiments.shift_labels.batch import encode_texts
-from tfmoe.testing import check_passed, run_cli, run_recorded
 
 
 def test_cl100k_splits_cat_into_three_byte_tokens_o200k_keeps_it_whole() -> None:
@@ -51,7 +51,7 @@ def test_bad_texts_exit_2_with_the_fix(workdir: Path, args: list[str], needle: s
     (["猫", 3], "non-empty list of strings"),
 ])
 def test_malformed_texts_are_refused(texts, needle: str) -> None:
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     with pytest.raises(BadInput, match=re.escape(needle)):
         encode_texts(texts, "chars", "PAD")

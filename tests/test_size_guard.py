@@ -13,11 +13,11 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from tfmoe import memory
-from tfmoe.errors import BadInput
-from tfmoe.memory import Knob
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.testing import compose, run_cli
+from tfmoe.api.testing import compose, run_cli
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.registry import EXPERIMENTS
+from tfmoe.rules import memory
+from tfmoe.rules.memory import Knob
 
 HUGE = 10**12
 AVAILABLE = 16 * 2**30  # what the host is said to have free, in every case

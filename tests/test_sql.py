@@ -11,10 +11,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import launched, run_cli
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.status import Status
 from tfmoe.harness.reading import sql
-from tfmoe.status import Status
-from tfmoe.testing import launched, run_cli
 
 
 def _frame(runs_root: Path, query: str) -> pd.DataFrame:
@@ -216,8 +216,8 @@ def test_with_run_parquet_unreadable_the_advice_is_hydras_recorded_command_line(
     assert shown.exit_code == 2 and shown.stderr.count("\n") == 1 and "run.parquet" in shown.stderr
     (advised,) = re.findall(r"`(tfmoe [^`]+)`", shown.stderr)
     assert advised == "tfmoe fake seed=2 mode=fail_check", shown.stderr
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.harness.store.notebook import load_run
-    from tfmoe.registry import EXPERIMENTS
 
     # what `tfmoe fake …` runs (the CLI's experiment commands are made when tfmoe.cli is first imported, before
     # this test registered `fake`)
@@ -324,10 +324,10 @@ def test_kept_view_files_of_older_generations_are_dropped(tmp_path: Path, monkey
     are deleted once STALE_VIEW_S old (0 here), so the folder holds one file per view, not one per change."""
     from test_catalog import age, make_run
 
-    from tfmoe.harness.store import catalog
+    from tfmoe.harness.store import catalog, kept_views
 
     monkeypatch.setattr(catalog, "RACY_S", 0.0)
-    monkeypatch.setattr(catalog, "STALE_VIEW_S", 0.0)
+    monkeypatch.setattr(kept_views, "STALE_VIEW_S", 0.0)
     root = tmp_path / "runs"
     make_run(root, "fake/20260101T000000Z-aaaaaaaa")
     age(root)
@@ -416,7 +416,7 @@ def test_a_running_runs_rows_are_read_now_and_no_file_view_is_kept(tmp_path: Pat
 def test_a_damaged_or_vanished_kept_view_file_is_built_again(two_runs: list[Path], damage: str) -> None:
     """The kept view files are a cache: one cut in half (or deleted between the lookup and DuckDB's read, as a
     concurrent cleaner might) is dropped and the view built now, the same rows, no traceback."""
-    from tfmoe.harness.store import catalog
+    from tfmoe.harness.store import catalog, kept_views
 
     query = "SELECT r.run_id, r.status, count(*) AS n FROM runs r JOIN metrics m USING (run_id) GROUP BY ALL ORDER BY 1"
     expected = _frame(Path("runs"), query)
@@ -427,7 +427,7 @@ def test_a_damaged_or_vanished_kept_view_file_is_built_again(two_runs: list[Path
             _truncate(f)
         pd.testing.assert_frame_equal(_frame(Path("runs"), query), expected)
     else:
-        real_view = catalog.view
+        real_view = kept_views.view
 
         def view_then_vanish(*args: object, **kwargs: object) -> object:
             kept = real_view(*args, **kwargs)
@@ -437,7 +437,7 @@ def test_a_damaged_or_vanished_kept_view_file_is_built_again(two_runs: list[Path
 
         import unittest.mock
 
-        with unittest.mock.patch.object(catalog, "view", view_then_vanish):
+        with unittest.mock.patch.object(kept_views, "view", view_then_vanish):
             pd.testing.assert_frame_equal(_frame(Path("runs"), query), expected)
     r = run_cli(["sql", query, "--format", "csv"], Path.cwd())
     assert r.exit_code == 0 and r.stderr == "" and r.stdout.count("\n") == 3, r.stdout + r.stderr

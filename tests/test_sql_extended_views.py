@@ -1,4 +1,4 @@
-"""`tfmoe sql`'s kept views, extended by the runs changed after them (catalog.view's Extension) instead of rebuilt.
+"""`tfmoe sql`'s kept views, extended by the runs changed after them (kept_views.view's Extension) instead of rebuilt.
 
 The reference is always a catalog and views built afresh from the directories (``rebuilt``): the text `tfmoe sql`
 prints for ``SELECT * FROM view`` with no ORDER BY (the view's own row and column order, as a user sees it) must be
@@ -16,10 +16,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tfmoe.contract.status import Status
 from tfmoe.harness.reading import sql
 from tfmoe.harness.reading.sql_output import csv_text
-from tfmoe.harness.store import catalog, notebook, rundir
-from tfmoe.status import Status
+from tfmoe.harness.store import catalog, kept_views, notebook, rundir
 
 VIEWS = ("runs", "metrics", "checks", "timings")
 
@@ -81,7 +81,7 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def extended(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The views (catalog names: run, metrics, checks, timings) each query extended rather than built."""
     got: list[str] = []
-    real = catalog._extensible
+    real = kept_views._extensible
 
     def spy(conn: object, root: Path, name: str, *args: object) -> object:
         found = real(conn, root, name, *args)
@@ -89,7 +89,7 @@ def extended(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             got.append(name)
         return found
 
-    monkeypatch.setattr(catalog, "_extensible", spy)
+    monkeypatch.setattr(kept_views, "_extensible", spy)
     return got
 
 
@@ -100,7 +100,7 @@ def same_as_rebuilt(root: Path) -> None:
 
 def test_runs_added_after_the_kept_views_extend_them_and_print_as_rebuilt(root: Path, extended: list[str],
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(catalog, "STALE_VIEW_S", 0.0)  # the files an extension replaced are deleted at once
+    monkeypatch.setattr(kept_views, "STALE_VIEW_S", 0.0)  # the files an extension replaced are deleted at once
     run_at(root, "fake/a", 1)
     run_at(root, "fake/b", 2)
     same_as_rebuilt(root)
@@ -217,7 +217,7 @@ PLANTED = {  # the change, the rule taken away, the planted stand-in
 def test_planted_without_its_rule_an_extended_view_differs_from_a_rebuilt_one(
         root: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
     make_change, rule, planted = PLANTED[change]
-    monkeypatch.setattr(sql if rule.startswith("sql.") else catalog, rule.removeprefix("sql."), planted)
+    monkeypatch.setattr(sql if rule.startswith("sql.") else kept_views, rule.removeprefix("sql."), planted)
     make_change(root)
     assert printed(root, "runs") != rebuilt(root, "runs")
 
@@ -281,14 +281,14 @@ def test_a_kept_view_that_vanishes_before_its_rows_are_read_is_built_from_every_
     run_at(root, "fake/a", 1)
     assert printed(root, "runs") == rebuilt(root, "runs")
     run_at(root, "fake/b", 2)
-    real, calls = catalog._read_kept, []
+    real, calls = kept_views._read_kept, []
 
     def vanished(path: Path) -> object:
         calls.append(path.name)
         path.unlink()
         return real(path)
 
-    monkeypatch.setattr(catalog, "_read_kept", vanished)
+    monkeypatch.setattr(kept_views, "_read_kept", vanished)
     assert printed(root, "runs") == rebuilt(root, "runs")
     assert len(calls) == 1 and calls[0].startswith("run-")
 
@@ -305,7 +305,7 @@ def test_a_kept_view_that_vanishes_before_its_rows_are_read_is_built_from_every_
     ([3, 5], 5, -1, False),  # a kept file that did not count its runs
 ])
 def test_only_appended(versions: list[int | None], gen: int, held: int, expected: bool) -> None:
-    assert catalog._only_appended(versions, gen, held) is expected
+    assert kept_views._only_appended(versions, gen, held) is expected
 
 
 def test_a_new_runs_metrics_in_another_column_order_or_with_a_new_tag_extend_the_view(
@@ -355,5 +355,5 @@ def test_fit_takes_the_kept_columns_in_any_order_and_new_ones_only_where_a_rebui
 ])
 def test_replaced_at_end(versions: list[int | None], spelt: list[str], kept: list[str], expected: int | None) -> None:
     held = 2 if len(kept) != 3 else 3
-    assert catalog._replaced_at_end(versions, 5, held, spelt, lambda _: kept, Path("kept.parquet")) == expected
-    assert catalog._replaced_at_end(versions, 5, held, spelt, None, Path("kept.parquet")) is None  # no paths kept
+    assert kept_views._replaced_at_end(versions, 5, held, spelt, lambda _: kept, Path("kept.parquet")) == expected
+    assert kept_views._replaced_at_end(versions, 5, held, spelt, None, Path("kept.parquet")) is None  # no paths kept

@@ -12,9 +12,9 @@ import duckdb
 import pytest
 from sql_pandas_oracle import pandas_texts, tfmoe_texts
 
+from tfmoe.api.testing import launched
 from tfmoe.harness.reading import sql
 from tfmoe.harness.reading.sql_output import deduplicate, json_float
-from tfmoe.testing import launched
 
 # One SELECT list per case: every DuckDB type, with NULLs, empty results, repeated names, special floats and
 # strings (quotes, commas, slashes, control characters, non-ASCII), mixed precisions in one column.

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe.errors import BadInput
+from tfmoe.api.testing import run_cli
+from tfmoe.contract.errors import BadInput
 from tfmoe.harness.reading import sql
-from tfmoe.testing import run_cli
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

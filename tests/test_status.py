@@ -1,4 +1,4 @@
-"""tfmoe.status: one status type with each status's exit code and the worst-of order of exit codes."""
+"""tfmoe.contract.status: one status type with each status's exit code and the worst-of order of exit codes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tfmoe.status import WORST_FIRST, Status, exit_code_for, signal_exit_code, worst_exit_code
-from tfmoe.testing import run_cli
+from tfmoe.api.testing import run_cli
+from tfmoe.contract.status import WORST_FIRST, Status, exit_code_for, signal_exit_code, worst_exit_code
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

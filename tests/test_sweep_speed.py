@@ -129,8 +129,8 @@ TRICKY = ["yes", "Off", "1e3", "0x1F", "null", "~", "a: b", "- x", "#hash", "it'
 def test_libyaml_saves_are_byte_identical_to_omegaconfs() -> None:
     """The .hydra/*.yaml of a sweep's jobs (config.yaml, hydra.yaml, overrides.yaml) written through libyaml are
     the bytes OmegaConf.to_yaml writes, for every experiment's config and for awkward strings."""
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.harness.launching.sweep_speed import omegaconf_yaml
-    from tfmoe.registry import EXPERIMENTS
 
     runner.register_resolvers()
     GlobalHydra.instance().clear()

@@ -7,7 +7,7 @@ import math
 import pytest
 from rich.console import Console
 
-from tfmoe.tables import Rows, cell
+from tfmoe.contract.tables import Rows, cell
 
 
 def render(rows: Rows, width: int = 80) -> str:

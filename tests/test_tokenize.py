@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tfmoe import tokenizers_lab as lab
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 from tfmoe.experiments import tokenize as tk
 from tfmoe.experiments.tokenize import checks as tk_checks
 from tfmoe.experiments.tokenize import measures
 from tfmoe.experiments.tokenize import samples as tokenize_input
+from tfmoe.experiments.tokenize import tokenizers_lab as lab
 
 CORPUS = tokenize_input.shipped_corpus()
 
@@ -47,7 +47,7 @@ def trained(texts):
 
 
 def recorder(overrides=None):
-    from tfmoe.testing import compose, make_recorder
+    from tfmoe.api.testing import compose, make_recorder
 
     return make_recorder(compose("tokenize", overrides or []))
 
@@ -291,7 +291,7 @@ def test_premium_is_a_ratio_of_totals_not_a_mean_of_ratios():
     ("train.categories=[1]", "train.categories"),
 ])
 def test_settings_refuse_bad_config(override, message):
-    from tfmoe.testing import compose
+    from tfmoe.api.testing import compose
 
     with pytest.raises(BadInput, match=message):
         tk.settings(compose("tokenize", [override]))
@@ -299,7 +299,7 @@ def test_settings_refuse_bad_config(override, message):
 
 def test_settings_read_no_input_and_touch_no_device():
     """settings() runs before any job of a sweep: the input file and the device are run()'s business."""
-    from tfmoe.testing import compose
+    from tfmoe.api.testing import compose
 
     s = tk.settings(compose("tokenize", ["input=/no/such/file.txt", "device=cuda:7", "tokenizers=[bytes]"]))
     assert s.input == "/no/such/file.txt" and s.tokenizers == ("bytes",) and s.show >= 0
@@ -475,7 +475,7 @@ def test_sweep_plots_picks_the_swept_key():
 
 # ------------------------------------------------------------------------------------- whole run
 def test_default_run_metrics_contract_and_reproducibility(corpus):
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     rec = run_recorded("tokenize")
     assert rec.checks_rows and rec.all_passed, [c for c in rec.checks_rows if not c.passed]
@@ -499,7 +499,7 @@ def test_default_run_metrics_contract_and_reproducibility(corpus):
 
 
 def test_training_only_on_english_shows_unk_and_a_higher_premium():
-    from tfmoe.testing import run_recorded
+    from tfmoe.api.testing import run_recorded
 
     rec = run_recorded("tokenize", ["train.categories=[en]", "tokenizers=[bpe,wordpiece]", "extras=[]"])
     m = {(r["name"], r["tokenizer"], r.get("category")): r["value"] for r in rec.metrics_rows
@@ -510,8 +510,8 @@ def test_training_only_on_english_shows_unk_and_a_higher_premium():
 
 
 def test_cli_end_to_end_and_bad_input_exit_codes(tmp_path):
+    from tfmoe.api.testing import run_cli
     from tfmoe.harness.store.notebook import load_run
-    from tfmoe.testing import run_cli
 
     user = tmp_path / "mine.txt"
     user.write_text("我爱猫\n\nI love cats 😀\n" + "1" * 5000 + "\nx = [i ** 2 for i in range(9)]\n", encoding="utf-8")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from tfmoe.errors import BadInput
-from tfmoe.validate import require_int, require_number
+from tfmoe.contract.errors import BadInput
+from tfmoe.rules.validate import require_int, require_number
 
 CFG = OmegaConf.create({"n": 3, "zero": 0, "flag": True, "x": 0.5, "neg": -1.0, "inf": float("inf"),
                         "s": "abc", "nested": {"k": 4}})

@@ -1,7 +1,7 @@
 """tfmoe's batteries in your own test suite: copy this file beside your layer and run `pytest`.
 
 The plugin (markers, the `tfmoe_check` fixture, --tfmoe-profile, --tfmoe-record) loads itself once tfmoe is
-installed; from a checkout that is not installed, run `pytest -p tfmoe.pytest_plugin`.
+installed; from a checkout that is not installed, run `pytest -p tfmoe.api.pytest_plugin`.
 """
 
 from __future__ import annotations

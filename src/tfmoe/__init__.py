@@ -28,11 +28,11 @@ def __getattr__(name: str):  # lazy: keep `import tfmoe` (and the CLI) free of t
 
         return getattr(notebook, name)
     if name in _CHECKS:
-        from tfmoe import checks
+        from tfmoe.api import checking as checks
 
         return getattr(checks, name)
     if name == "BadInput":
-        from tfmoe.errors import BadInput
+        from tfmoe.contract.errors import BadInput
 
         return BadInput
     raise AttributeError(name)

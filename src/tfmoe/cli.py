@@ -18,9 +18,9 @@ import typer
 from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # typer vendors click
 from typer.core import TyperGroup
 
-from tfmoe.errors import BadInput, Terminated, raise_terminated
-from tfmoe.registry import EXPERIMENTS, Experiment
-from tfmoe.status import Status, worst_exit_code
+from tfmoe.contract.errors import BadInput, Terminated, raise_terminated
+from tfmoe.contract.registry import EXPERIMENTS, Experiment
+from tfmoe.contract.status import Status, worst_exit_code
 
 
 class OneLineErrors(TyperGroup):

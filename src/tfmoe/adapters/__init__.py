@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from tfmoe.adapters.base import AttentionAdapter, ContractError, copy_linear, seeded
 from tfmoe.components.references import Projections, Rope
-from tfmoe.errors import BadInput
-from tfmoe.user_code import load_object
+from tfmoe.contract.errors import BadInput
+from tfmoe.rules.user_code import load_object
 
 if TYPE_CHECKING:
     from tfmoe.adapters.moe_layers import LayerSizes, LayerUnderTest

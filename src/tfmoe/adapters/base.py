@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from tfmoe.components.references import Projections
-from tfmoe.errors import BadInput, ContractError
+from tfmoe.contract.errors import BadInput, ContractError
 
 
 class AttentionAdapter(ABC):
@@ -49,7 +49,7 @@ class AttentionAdapter(ABC):
     supports_gqa: bool = True
     notes: tuple[str, ...] = ()  # what the adapter wants said in the run's notes
     # A shipped adapter names the distribution it drives and the releases it is tested on: an exception raised
-    # inside tfmoe or that library is then tfmoe's error (crashed, exit 3), never the layer's (tfmoe.faults).
+    # inside tfmoe or that library is then tfmoe's error (crashed, exit 3), never the layer's (tfmoe.rules.faults).
     library: str | None = None
     supported: str = ""
 

@@ -10,7 +10,7 @@ where there is no target; the model shifts them itself, as HF's models do.
 
 What the signature lacks is *detected* (no ``attention_mask`` parameter: ``padding_mask``; no past parameter:
 ``kv_cache``; no ``position_ids``: ``position_ids``, the model then derives positions itself; no ``labels``:
-``loss``), and a class may declare more with ``tfmoe_lacks``; both go through :mod:`tfmoe.capabilities`.
+``loss``), and a class may declare more with ``tfmoe_lacks``; both go through :mod:`tfmoe.rules.capabilities`.
 
 **Inputs** (:func:`load_model`): ``pkg.mod:Class`` (built with no arguments), a zero-argument factory, an
 ``nn.Module`` instance, a :class:`CausalLMAdapter` (class or instance) for another layout, or ``hf:<model_type>``
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tfmoe import capabilities as caps
-from tfmoe.errors import BadInput, ContractError
+from tfmoe.contract.errors import BadInput, ContractError
+from tfmoe.rules import capabilities as caps
 
 PAST_NAMES = ("cache", "past_key_values", "past")  # the names a forward may give its cache parameter
 MODEL_FEATURES = ("padding_mask", "kv_cache", "position_ids", "loss", "batch_invariant_routing", "fp16", "bf16")
@@ -235,7 +235,7 @@ class ModelUnderTest:
 def load_model(spec: str, seed: int, device: torch.device, dtype: torch.dtype,
                config_lacks: Any = None) -> ModelUnderTest:
     """The model ``impl=spec`` names, built on ``device`` in ``dtype`` (BadInput, one line, for anything unusable)."""
-    from tfmoe.user_code import load_object
+    from tfmoe.rules.user_code import load_object
 
     adapter: CausalLMAdapter
     if spec.startswith("hf:"):
@@ -265,7 +265,7 @@ def load_model(spec: str, seed: int, device: torch.device, dtype: torch.dtype,
     except BadInput:
         raise
     except Exception as exc:
-        from tfmoe.faults import tfmoe_fault
+        from tfmoe.rules.faults import tfmoe_fault
 
         err = tfmoe_fault(exc, adapter.spec, adapter.library)
         if err is not None:
@@ -289,7 +289,7 @@ def load_model(spec: str, seed: int, device: torch.device, dtype: torch.dtype,
     try:
         vocab = mut.forward(probe).logits.shape[-1]
     except Exception as exc:
-        from tfmoe.faults import raised_detail, tfmoe_fault
+        from tfmoe.rules.faults import raised_detail, tfmoe_fault
 
         err = tfmoe_fault(exc, adapter.spec, adapter.library)
         if err is not None:

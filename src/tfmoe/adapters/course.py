@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, seeded
 from tfmoe.components.references import Projections, fused_projections
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 
 def _accepts(sig: inspect.Signature, name: str) -> bool:
@@ -25,7 +25,7 @@ class CourseInterface(AttentionAdapter):
     supports_gqa = False
 
     def __init__(self, cls: Callable[..., nn.Module], spec: str):
-        if not inspect.isclass(cls):  # a factory(d_model, n_heads, causal=[, dropout=]) -> module (tfmoe.checks)
+        if not inspect.isclass(cls):  # a factory(d_model, n_heads, causal=[, dropout=]) -> module (tfmoe.api.checking)
             self._init_factory(cls, spec)
             return
         init_sig = inspect.signature(cls.__init__)

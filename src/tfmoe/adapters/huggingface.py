@@ -46,7 +46,7 @@ from tfmoe.adapters.transformers_support import (
     require_transformers,
 )
 from tfmoe.components.references import Projections, Rope
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj")

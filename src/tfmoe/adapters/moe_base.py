@@ -22,7 +22,7 @@ of :mod:`tfmoe.components.moe_reference` does that from the declared semantics):
 6. ``reference_weights(module)``: the layer's weights in float64 as a :class:`~tfmoe.components.moe_reference.
    LayerWeights` (router (E, D), experts, shared expert), so the reference never calls the layer.
 
-Optional declarations (read by :func:`tfmoe.capabilities.declared`, with the config's ``lacks`` and
+Optional declarations (read by :func:`tfmoe.rules.capabilities.declared`, with the config's ``lacks`` and
 ``layer.router_dtype`` / ``layer.expert_dtype``): ``lacks`` (features the layer lacks: ``fp16``, ``bf16`` make their
 ``finite.<dtype>`` check n/a and a run in that dtype exit 2), ``half_precision_unsupported`` (why fp16/bf16 copies
 cannot run: lacking both, with that reason), ``router_dtype`` (the precision the layer computes its combine weights
@@ -54,7 +54,7 @@ from tfmoe.adapters.moe_layers import (
     reference_expert,
 )
 from tfmoe.components import moe_reference as ref
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ class AdaptedLayer(LayerUnderTest):
         self.adapter, self.sizes, self.label = adapter, sizes, adapter.spec
         self.declared = adapter.semantics(sizes, seq)
         self.semantics = self.declared.routing(sizes.top_k, seq)
-        # the declared router precision is applied by the battery (tfmoe.capabilities), as any declaration
+        # the declared router precision is applied by the battery (tfmoe.rules.capabilities), as any declaration
         self.half_precision_unsupported = adapter.half_precision_unsupported
         self.exposes_probs = type(adapter).router_probs is not MoEAdapter.router_probs
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tfmoe.components.expert_parallel import CollectiveLayout
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 FAIRSCALE_VERSION = "0.4.13"
 DEEPSPEED_VERSION = "0.19.8"

@@ -34,7 +34,7 @@ import torch.nn as nn
 from tfmoe.adapters.moe_layers import Captured, LayerSizes, LayerUnderTest, dense_from_topk, forward_capturing
 from tfmoe.adapters.transformers_support import require_transformers
 from tfmoe.components import moe_reference as ref
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 
 @dataclass(frozen=True)

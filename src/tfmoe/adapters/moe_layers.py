@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
-from tfmoe.errors import BadInput
-from tfmoe.user_code import load_object
+from tfmoe.contract.errors import BadInput
+from tfmoe.rules.user_code import load_object
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ class LayerUnderTest:
     @property
     def declaring(self) -> tuple[object, ...]:
         """The objects whose declarations (``lacks`` / ``tfmoe_lacks``, ``router_dtype`` / ``expert_dtype``, with or
-        without ``tfmoe_``) :func:`tfmoe.capabilities.declared` reads: a user's class or adapter; none for the
+        without ``tfmoe_``) :func:`tfmoe.rules.capabilities.declared` reads: a user's class or adapter; none for the
         package's own layer and transformers' blocks."""
         return ()
 
@@ -359,7 +359,7 @@ def load_class(spec: str) -> Any:
     """'pkg.module:Class' -> the class (or a factory with its signature). The current directory is importable, as with ``python -m``."""
     obj = load_object(spec, "impl", bad_form=f"impl={spec!r} is not 'pkg.module:Class' nor 'hf:<model type>': "
                       "write e.g. impl=my_moe:ToyMoE or impl=hf:mixtral")
-    factory = callable(obj) and not inspect.isclass(obj) and not isinstance(obj, nn.Module)  # tfmoe.checks
+    factory = callable(obj) and not inspect.isclass(obj) and not isinstance(obj, nn.Module)  # tfmoe.api.checking
     if not (inspect.isclass(obj) and issubclass(obj, nn.Module)) and not factory:
         raise BadInput(f"impl={spec!r} is {type(obj).__name__}, not a torch.nn.Module subclass or a factory: point "
                        f"impl at a class in the course's ToyMoE interface: {INTERFACE}")

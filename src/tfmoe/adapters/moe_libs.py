@@ -31,7 +31,7 @@ from tfmoe.adapters.base import seeded
 from tfmoe.adapters.moe_base import MoEAdapter, MoESemantics
 from tfmoe.adapters.moe_layers import Filler, LayerSizes, stacked_fill
 from tfmoe.components import moe_reference as ref
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 EXTRA = "pip install -e '.[moe-libs]'"
 MIN_EXPERT_CAPACITY = 4  # both libraries' constant of that name

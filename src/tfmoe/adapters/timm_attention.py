@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, require_tested_release, seeded
 from tfmoe.components.references import Projections
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 SUPPORTED = "timm 1.0.31 (the `timm` extra) and a torchvision built for the installed torch"
 VARIANTS = {"attention": True, "attention-unfused": False}  # spec -> fused_attn
@@ -40,7 +40,7 @@ def require_timm() -> Any:
 
 
 class TimmAttention(AttentionAdapter):
-    library = "timm"  # an exception inside it is the adapter's error, not the layer's (tfmoe.faults)
+    library = "timm"  # an exception inside it is the adapter's error, not the layer's (tfmoe.rules.faults)
     supported = "==1.0.31"
     returns_weights = False
     takes_dropout = True

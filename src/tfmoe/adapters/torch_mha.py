@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, seeded
 from tfmoe.components.references import Projections
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 
 class TorchMHA(AttentionAdapter):

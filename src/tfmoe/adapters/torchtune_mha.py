@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, require_tested_release, seeded
 from tfmoe.components.references import Projections, Rope
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 SUPPORTED = "torchtune 0.6.1 with torchao 0.11.0 (the `torchtune` extra)"
 VARIANTS = {"mha": True, "mha-nope": False}  # spec -> RoPE on
@@ -35,7 +35,7 @@ def require_torchtune() -> Any:
 
 
 class TorchtuneMHA(AttentionAdapter):
-    library = "torchtune"  # an exception inside it is the adapter's error, not the layer's (tfmoe.faults)
+    library = "torchtune"  # an exception inside it is the adapter's error, not the layer's (tfmoe.rules.faults)
     supported = "==0.6.1"
     returns_weights = False
     takes_dropout = True

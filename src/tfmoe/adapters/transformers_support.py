@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from tfmoe.errors import AdapterError, BadInput
+from tfmoe.contract.errors import AdapterError, BadInput
 
 # 5.13.0: the oldest release where every hf adapter passes its tests (the attention adapter's pass from 5.0.0;
 # route-sim's MoE blocks fail on 5.12.1: their routers' outputs and attributes differ).

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from tfmoe.adapters.base import AttentionAdapter, checked_output, copy_linear, require_tested_release, seeded
 from tfmoe.components.references import Projections, Rope
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 TESTED = "2.31.10"
 SUPPORTED = f"=={TESTED}"
@@ -48,7 +48,7 @@ def query_order(n_heads: int, n_kv_heads: int, device: torch.device | None = Non
 
 
 class XTransformersAttention(AttentionAdapter):
-    library = "x_transformers"  # an exception inside it is the adapter's error, not the layer's (tfmoe.faults)
+    library = "x_transformers"  # an exception inside it is the adapter's error, not the layer's (tfmoe.rules.faults)
     supported = "==2.31.10"
     takes_dropout = True
 

@@ -38,12 +38,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from tfmoe import capabilities as caps
 from tfmoe.adapters.causal_lm import CausalLMAdapter, LMOutput, ModelUnderTest, load_model
-from tfmoe.errors import BadInput
-from tfmoe.faults import raised_detail, tfmoe_fault
-from tfmoe.recorder import Recorder, within
-from tfmoe.tables import Rows
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder, within
+from tfmoe.contract.tables import Rows
+from tfmoe.rules import capabilities as caps
+from tfmoe.rules.faults import raised_detail, tfmoe_fault
 
 PREFIX = "lm."
 OWN_SPEC = "tfmoe:TinyCausalLM"  # decode's own trained LM, run through the same battery (batched generation)

@@ -27,11 +27,12 @@ import torch.nn as nn
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
-from tfmoe import finite, memory
 from tfmoe.components.attention import MultiHeadSelfAttention
 from tfmoe.components.encdec import DecoderOnly, EncoderDecoder, EncoderOnly
 from tfmoe.components.positions import RoPESelfAttention, sinusoidal_positions
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments import lm_battery
 from tfmoe.experiments.arch.checks import (
     check_cross_weights,
@@ -55,16 +56,15 @@ from tfmoe.experiments.arch.trace import (
     trace_shapes,
 )
 from tfmoe.experiments.lm_battery import lm_settings
-from tfmoe.memory import (
+from tfmoe.rules import finite, memory
+from tfmoe.rules.memory import (
     DTYPE_BYTES,
     Knob,
     available_memory_bytes,
     block_activation_elements,
     block_params,
 )
-from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
-from tfmoe.validate import require_int, require_number
+from tfmoe.rules.validate import require_int, require_number
 
 
 def settings(cfg: DictConfig) -> Settings:

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from tfmoe.components.attention import MultiHeadCrossAttention
+from tfmoe.contract.recorder import Recorder
 from tfmoe.experiments.arch.trace import TraceRow, fmt_shapes
-from tfmoe.recorder import Recorder
 
 
 def dtype_eps(dtype: torch.dtype) -> float:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from matplotlib.figure import Figure
 
-from tfmoe.recorder import Recorder
+from tfmoe.contract.recorder import Recorder
 
 
 class ModelShape(Protocol):

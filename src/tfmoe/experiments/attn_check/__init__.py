@@ -36,15 +36,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tfmoe import capabilities
-from tfmoe.capabilities import declared, precision_name
 from tfmoe.components.reference_attention import CAUSAL_ALIGNS
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
 from tfmoe.experiments.attn_check.checks import GROUPS
 from tfmoe.experiments.attn_check.kernel_cases import MASKS, ROW_KINDS, build_cases
 from tfmoe.experiments.attn_check.settings import KernelSettings, ModuleSettings, Settings
-from tfmoe.recorder import Recorder
-from tfmoe.validate import require_int, require_number
+from tfmoe.rules import capabilities
+from tfmoe.rules.capabilities import declared, precision_name
+from tfmoe.rules.validate import require_int, require_number
 
 MODES = ("full", "chunked")
 FULLY_MASKED_POLICIES = (*capabilities.FULLY_MASKED_POLICIES, *capabilities.POLICY_ALIASES)
@@ -82,7 +82,7 @@ def layer_bytes(z: dict[str, int], itemsize: int) -> int:
 def refuse_oversized_layer(cfg: DictConfig, B: int, T: int, d_model: int, n_heads: int) -> None:
     """Exit 2 before anything is built (or a per-row list is made) when a full run cannot fit, naming the knob that
     dominates the estimate and a value of it that fits."""
-    from tfmoe import memory
+    from tfmoe.rules import memory
 
     if cfg.get("mode") != "full":
         return
@@ -210,7 +210,7 @@ def module_settings(cfg: DictConfig) -> ModuleSettings:
 
 
 def config_lacks(cfg: DictConfig) -> tuple[str, ...]:
-    """The config's ``lacks=[...]``, validated against tfmoe.capabilities.FEATURES (shared by both batteries)."""
+    """The config's ``lacks=[...]``, validated against tfmoe.rules.capabilities.FEATURES (shared by both batteries)."""
     value = _list(OmegaConf.select(cfg, "lacks", default=None))
     return tuple(sorted(declared(config_lacks=[] if value is None else value).lacks))
 
@@ -283,7 +283,7 @@ def _policy_name(p: Any) -> Any:  # Hydra's grammar reads the bare word nan as a
 
 
 def _policies(value: Any, key: str) -> tuple[str, ...]:
-    """One kind's policies: a name or a list of names (tfmoe.capabilities.FULLY_MASKED_POLICIES, the same
+    """One kind's policies: a name or a list of names (tfmoe.rules.capabilities.FULLY_MASKED_POLICIES, the same
     vocabulary as module mode's fully_masked_policy; uniform = mean_of_v)."""
     value = _list(value)
     names = [_policy_name(p) for p in value] if isinstance(value, list) else [_policy_name(value)]

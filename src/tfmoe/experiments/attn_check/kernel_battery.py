@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tfmoe import capabilities
-from tfmoe.errors import AdapterError, BadInput
+from tfmoe.contract.errors import AdapterError, BadInput
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.attn_check.kernel_cases import (
     ADDITIVE,
     FAMILIES,
@@ -38,9 +39,8 @@ from tfmoe.experiments.attn_check.kernel_judging import (
 )
 from tfmoe.experiments.attn_check.kernel_weights import run_weights_probe
 from tfmoe.experiments.attn_check.kernels import Kernel, load_kernel
-from tfmoe.memory import available_memory_bytes
-from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
+from tfmoe.rules import capabilities
+from tfmoe.rules.memory import available_memory_bytes
 
 if TYPE_CHECKING:
     from tfmoe.experiments.attn_check.settings import KernelSettings
@@ -59,7 +59,7 @@ DTYPE_FEATURES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: 
 
 
 def case_features(case: Case, Hq: int) -> list[str]:
-    """The capabilities (tfmoe.capabilities.FEATURES) a case's forward needs."""
+    """The capabilities (tfmoe.rules.capabilities.FEATURES) a case's forward needs."""
     needs = ["gqa"] if case.Hkv != Hq else []
     if case.Tq != case.Tk:
         needs.append("unequal_lengths")
@@ -79,7 +79,7 @@ def case_features(case: Case, Hq: int) -> list[str]:
 def kernel_declarations(s: KernelSettings, kernel: Kernel, dtype: torch.dtype) -> capabilities.Declared:
     """What the kernel function declares it lacks (``tfmoe_lacks``), the config's ``lacks``, and
     ``kernel_checks.backward=false`` read as a declared lack of ``backward``; a declared lack of the run's
-    dtype is the one main setting of kernel mode: exit 2 (tfmoe.capabilities rule 1)."""
+    dtype is the one main setting of kernel mode: exit 2 (tfmoe.rules.capabilities rule 1)."""
     config = [*s.lacks, *(() if s.backward else ("backward",))]
     decl = capabilities.declared(kernel.fn, config_lacks=config)
     if dtype in DTYPE_FEATURES:
@@ -113,7 +113,7 @@ def record_family(rec: Recorder, family: str, outcomes: list[Outcome], reason_bl
     Returns the family's verdict: pass | fail | n/a | not judged (every case blocked by a prerequisite).
 
     A family whose failed cases all raised (the user's kernel's exceptions) records observed None and the
-    exception as the whole detail, ``raised <Type>: <message>`` (:func:`tfmoe.faults.is_raised`), the cases in a
+    exception as the whole detail, ``raised <Type>: <message>`` (:func:`tfmoe.rules.faults.is_raised`), the cases in a
     note: the diagnosis never reads it as a measurement, and when every failed family raised the one exception the
     verdict says so once, first. A measured failure leads over raised cases."""
     name = f"kernel_{family}"
@@ -182,7 +182,7 @@ def run_kernel_battery(s: KernelSettings, rec: Recorder) -> None:
     On CPU with ``threads`` unset it runs on one intra-op thread: its tensors are at most a few MB, and on a
     shared 2-core machine OpenMP's hand-offs cost more than the maths (the default matrix took 215 s wall /
     55 s CPU on 2 threads vs 30 s / 7 s on 1 at load 15: benchmarks/bench_attn_kernels.py)."""
-    from tfmoe.runtime import torch_threads
+    from tfmoe.contract.runtime import torch_threads
 
     one = rec.device.type == "cpu" and s.threads is None
     if one:
@@ -308,7 +308,7 @@ def _run_battery(s: KernelSettings, rec: Recorder) -> None:
 
 def _detect_lacks(family: str, outs: list[Outcome], decl: capabilities.Declared, rec: Recorder
                   ) -> capabilities.Declared:
-    """Capabilities detected from what the kernel raised (tfmoe.capabilities rule 3, read once for the matrix):
+    """Capabilities detected from what the kernel raised (tfmoe.rules.capabilities rule 3, read once for the matrix):
     NotImplementedError on every scale case with Tq != Tk while a Tq = Tk case ran is a lack of
     ``unequal_lengths``; on every gqa case with Tq = Tk, a lack of ``gqa``. Later cases needing a detected lack are
     n/a without a call, and each family gets substitutes (:func:`_substitutes`)."""

@@ -26,9 +26,9 @@ from statistics import NormalDist
 
 import torch
 
-from tfmoe.capabilities import not_implemented_detail
 from tfmoe.components.comparison import judge
 from tfmoe.components.reference_attention import kv_head_index, reference_attention
+from tfmoe.contract.recorder import Recorder
 from tfmoe.experiments.attn_check.kernel_cases import Case, CaseInputs
 from tfmoe.experiments.attn_check.kernel_judging import (
     Outcome,
@@ -38,7 +38,7 @@ from tfmoe.experiments.attn_check.kernel_judging import (
     raised_outcome,
 )
 from tfmoe.experiments.attn_check.kernels import Kernel
-from tfmoe.recorder import Recorder
+from tfmoe.rules.capabilities import not_implemented_detail
 
 FALSE_ALARM = 1e-6  # probability that a correct kernel fails the keep-rate test in one run
 

@@ -37,6 +37,7 @@ import math
 import torch
 
 from tfmoe.components.reference_attention import kv_head_index, reference_attention
+from tfmoe.contract.recorder import Recorder
 from tfmoe.experiments.attn_check.kernel_cases import Case, CaseInputs
 from tfmoe.experiments.attn_check.kernel_judging import (
     Outcome,
@@ -48,7 +49,6 @@ from tfmoe.experiments.attn_check.kernel_judging import (
     raised_outcome,
 )
 from tfmoe.experiments.attn_check.kernels import Kernel
-from tfmoe.recorder import Recorder
 
 TQ, TK, D = 8, 4, 16  # P = 1/4 and scale = 1/√16 = 1/4: powers of two
 CAP = 2 ** 8  # bf16's significant bits: an absolute term sum of at most 2^8 grid units is exact in any order

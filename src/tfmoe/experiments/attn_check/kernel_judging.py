@@ -1,14 +1,14 @@
 """One case of the kernel battery: run the kernel, the fp64 reference and the plain same-dtype implementation,
 and judge the forward (and then dq, dk, dv) by FlashAttention's rule.
 
-Whose fault an exception is (:func:`kernel_fault`, module mode's rule of :mod:`tfmoe.faults` for kernels): a
+Whose fault an exception is (:func:`kernel_fault`, module mode's rule of :mod:`tfmoe.rules.faults` for kernels): a
 built-in kernel (``torch:*``, ``tfmoe:chunked``) is tfmoe's own code, so anything it raises but
 NotImplementedError is tfmoe's error (its wrapper, or the arguments the battery built: torch's frames are
 passed over, so torch refusing them points at tfmoe's frame); a user's kernel is at fault for what it raises
 itself, for what torch or native code raises under it, and for returning what SDPA's signature forbids
 (ContractError); an exception whose innermost non-torch frame is inside tfmoe below the user's kernel, or
 anywhere in the battery outside the kernel's call, is tfmoe's. tfmoe's error crashes the run (exit 3); the
-user's fails the case with :func:`~tfmoe.faults.raised_detail` leading."""
+user's fails the case with :func:`~tfmoe.rules.faults.raised_detail` leading."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from tfmoe.capabilities import fully_masked_accepts
 from tfmoe.components.comparison import Comparison, classify_rows, judge, max_abs_err
 from tfmoe.components.reference_attention import (
     causal_visibility,
@@ -27,11 +26,12 @@ from tfmoe.components.reference_attention import (
     plain_attention,
     reference_attention,
 )
-from tfmoe.errors import AdapterError, ContractError
+from tfmoe.contract.errors import AdapterError, ContractError
+from tfmoe.contract.recorder import Recorder
 from tfmoe.experiments.attn_check.kernel_cases import Case, CaseInputs
 from tfmoe.experiments.attn_check.kernels import BUILTINS, Kernel
-from tfmoe.faults import culprit_frame, is_tfmoe_frame, raised_detail
-from tfmoe.recorder import Recorder
+from tfmoe.rules.capabilities import fully_masked_accepts
+from tfmoe.rules.faults import culprit_frame, is_tfmoe_frame, raised_detail
 
 _HERE = Path(__file__).resolve()
 

@@ -20,6 +20,7 @@ import math
 import torch
 
 from tfmoe.components.reference_attention import plain_attention, reference_attention
+from tfmoe.contract.recorder import Recorder
 from tfmoe.experiments.attn_check.kernel_cases import Case, CaseInputs
 from tfmoe.experiments.attn_check.kernel_judging import (
     Outcome,
@@ -28,7 +29,6 @@ from tfmoe.experiments.attn_check.kernel_judging import (
     raised_outcome,
 )
 from tfmoe.experiments.attn_check.kernels import Kernel
-from tfmoe.recorder import Recorder
 
 
 def one_hot_chunks(B: int, Hkv: int, Tk: int, D: int, device: torch.device, dtype: torch.dtype):
@@ -70,7 +70,7 @@ def run_weights_probe(kernel: Kernel, case: Case, inp: CaseInputs, dtype: torch.
             got, tail = read_weights(lambda q, k, v: call_kernel(kernel, inp, q, k, v), inp.q, inp.k,
                                      inp.seen)
     except NotImplementedError as exc:
-        from tfmoe.capabilities import not_implemented_detail
+        from tfmoe.rules.capabilities import not_implemented_detail
 
         return Outcome(case, "n/a", f"{case.label()}: weights probe: {not_implemented_detail(exc)}"), None
     except Exception as exc:  # the user's kernel raised: this case fails; tfmoe's error crashes the run

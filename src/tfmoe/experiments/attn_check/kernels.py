@@ -13,8 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tfmoe.components.reference_attention import CAUSAL_ALIGNS
-from tfmoe.errors import BadInput
-from tfmoe.user_code import load_object
+from tfmoe.contract.errors import BadInput
+from tfmoe.rules.user_code import load_object
 
 SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",

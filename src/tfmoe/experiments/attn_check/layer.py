@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 
 from tfmoe.adapters import AttentionAdapter
-from tfmoe.capabilities import Declared
 from tfmoe.components.comparison import COARSER, Comparison, compare
 from tfmoe.components.references import (
     Projections,
@@ -27,9 +26,10 @@ from tfmoe.components.references import (
     sdpa_attention,
     visibility,
 )
-from tfmoe.errors import BadInput, ContractError
-from tfmoe.faults import tfmoe_fault
-from tfmoe.recorder import Recorder
+from tfmoe.contract.errors import BadInput, ContractError
+from tfmoe.contract.recorder import Recorder
+from tfmoe.rules.capabilities import Declared
+from tfmoe.rules.faults import tfmoe_fault
 
 if TYPE_CHECKING:
     from tfmoe.experiments.attn_check.settings import ModuleSettings
@@ -50,7 +50,7 @@ class LayerUnderTest:
     device: torch.device
     dtype: torch.dtype
     chunked_fn: Callable[..., torch.Tensor]
-    declared: Declared  # what the layer declares it lacks and computes in (tfmoe.capabilities)
+    declared: Declared  # what the layer declares it lacks and computes in (tfmoe.rules.capabilities)
     # the main forward, written by the shapes check (which always runs first); None if the layer raised there
     out: torch.Tensor | None = None
     attn: torch.Tensor | None = None  # also None when the layer returns no weights
@@ -75,7 +75,7 @@ class LayerUnderTest:
             if fault is not None:
                 raise fault from exc
             # the user's adapter or layer could not be built for these settings: bad input, one line, as the course
-            # interface says it (an adapter refuses a setting on purpose by raising tfmoe.errors.BadInput; F-199)
+            # interface says it (an adapter refuses a setting on purpose by raising tfmoe.contract.errors.BadInput; F-199)
             message = " ".join(str(exc).split())
             raise BadInput(f"impl={adapter.spec}: building the layer (d_model={s.d_model}, n_heads={s.n_heads}, "
                            f"n_kv_heads={s.n_kv_heads}, causal={s.causal}) raised {type(exc).__name__}"

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tfmoe import capabilities as caps
 from tfmoe.adapters import AttentionAdapter, load_adapter
 from tfmoe.components.chunked_attention import naive_attention_bytes
 from tfmoe.components.references import reference_dtype
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.attn_check.checks import (
     GROUPS,
     chunked,
@@ -35,11 +36,10 @@ from tfmoe.experiments.attn_check.checks import (
 from tfmoe.experiments.attn_check.checks.chunked import gib
 from tfmoe.experiments.attn_check.heatmap import attention_heatmap
 from tfmoe.experiments.attn_check.layer import LayerUnderTest
-from tfmoe.faults import raised_detail, tfmoe_fault
-from tfmoe.memory import available_memory_bytes
-from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
-from tfmoe.user_code import load_object
+from tfmoe.rules import capabilities as caps
+from tfmoe.rules.faults import raised_detail, tfmoe_fault
+from tfmoe.rules.memory import available_memory_bytes
+from tfmoe.rules.user_code import load_object
 
 if TYPE_CHECKING:
     from tfmoe.experiments.attn_check.settings import ModuleSettings
@@ -62,7 +62,7 @@ def refuse_if_too_big(s: ModuleSettings, device: torch.device, dtype: torch.dtyp
 
 READS_MAIN_FORWARD = ("masks", "sdpa")  # the groups that judge the shapes check's forward instead of calling the layer
 
-# What each module-mode check needs beyond the main case (tfmoe.capabilities.FEATURES): a feature the layer declares
+# What each module-mode check needs beyond the main case (tfmoe.rules.capabilities.FEATURES): a feature the layer declares
 # it lacks makes the check not applicable (listed, never failed). fully_masked_rows also needs left_padding when causal.
 CHECK_NEEDS: dict[str, tuple[str, ...]] = {
     "row_sums": ("attention_weights",),
@@ -140,8 +140,8 @@ def guarded(rec: Recorder, names: list[str], run: Callable[[], None],
             adapter: AttentionAdapter | None = None) -> Exception | None:
     """Run one group of checks unless a prerequisite fails (``blocked``: then a note says which check to fix
     first). If the user's code raises, the group's not-yet-recorded checks fail with the exception (its type and
-    whole message lead the detail); if tfmoe or the shipped ``adapter`` is at fault (:mod:`tfmoe.faults`), the
-    run crashes with an :class:`~tfmoe.errors.AdapterError` instead and the layer is not blamed."""
+    whole message lead the detail); if tfmoe or the shipped ``adapter`` is at fault (:mod:`tfmoe.rules.faults`), the
+    run crashes with an :class:`~tfmoe.contract.errors.AdapterError` instead and the layer is not blamed."""
     if blocked:
         rec.note(f"{', '.join(names)} not judged: {blocked}")
         return None
@@ -170,7 +170,7 @@ def not_applicable(rec: Recorder, names: list[str], detail: str) -> None:
 def fail_raised(rec: Recorder, names: list[str], exc: Exception,
                 evidence: Callable[[], dict[str, torch.Tensor]] = dict) -> None:
     """The checks ``names`` fail with the user's exception: observed None, the detail led by its type and message.
-    An undeclared NotImplementedError makes them not applicable instead (tfmoe.capabilities, rule 3)."""
+    An undeclared NotImplementedError makes them not applicable instead (tfmoe.rules.capabilities, rule 3)."""
     if isinstance(exc, NotImplementedError):
         detail = caps.not_implemented_detail(exc)
         not_applicable(rec, names, detail)

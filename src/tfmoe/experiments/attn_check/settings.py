@@ -37,8 +37,8 @@ class ModuleSettings:
     hf_attn_implementation: str  # eager | sdpa
     fully_masked_policy: str  # one of FULLY_MASKED_POLICIES
     padded_query_policy: str = "any"  # one of PADDED_QUERY_POLICIES: what padded query rows must give
-    lacks: tuple[str, ...] = ()  # the config's lacks=[...] (tfmoe.capabilities.FEATURES)
-    compute_dtype: str | None = None  # the config's compute_dtype (a tfmoe.capabilities.PRECISIONS name)
+    lacks: tuple[str, ...] = ()  # the config's lacks=[...] (tfmoe.rules.capabilities.FEATURES)
+    compute_dtype: str | None = None  # the config's compute_dtype (a tfmoe.rules.capabilities.PRECISIONS name)
     lengths_given: bool = False  # lengths= was set (else the default padding, dropped for a layer without padding)
 
     @property
@@ -61,7 +61,7 @@ class KernelSettings:
     module_keys_set: bool  # impl= is set too (kernel mode ignores the module-mode keys: a note says so)
     threads: int | None  # the harness's intra-op threads key: None -> the battery runs on 1 thread on CPU
     dropout_seeds: int = 2  # torch seeds of the dropout family's probe
-    lacks: tuple[str, ...] = ()  # the config's top-level lacks=[...] (tfmoe.capabilities), read in kernel mode too
+    lacks: tuple[str, ...] = ()  # the config's top-level lacks=[...] (tfmoe.rules.capabilities), read in kernel mode too
 
 
 @dataclass(frozen=True)

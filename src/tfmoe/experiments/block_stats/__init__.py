@@ -29,9 +29,10 @@ from collections.abc import Sequence
 import torch
 from omegaconf import DictConfig, ListConfig
 
-from tfmoe import memory
 from tfmoe.components.block import make_norm
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.block_stats.checks import (
     DTYPE_NAMES,
     check_attention_mixes_tokens,
@@ -58,16 +59,15 @@ from tfmoe.experiments.block_stats.stacks import (
     parse_variant,
     residual_var_slope,
 )
-from tfmoe.memory import (
+from tfmoe.rules import memory
+from tfmoe.rules.memory import (
     DTYPE_BYTES,
     Knob,
     available_memory_bytes,
     block_activation_elements,
     block_params,
 )
-from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
-from tfmoe.validate import require_int
+from tfmoe.rules.validate import require_int
 
 __all__ = ["Settings", "run", "settings", "sweep_plots", "tag_values"]
 

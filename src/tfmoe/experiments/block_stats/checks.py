@@ -20,8 +20,8 @@ import torch.nn as nn
 from tfmoe.components.block import TransformerBlock
 from tfmoe.components.lm import TransformerStack
 from tfmoe.components.norm_reference import norm_deviation, plain_norm
+from tfmoe.contract.recorder import Recorder, within
 from tfmoe.experiments.block_stats.stacks import StackStats
-from tfmoe.recorder import Recorder, within
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 

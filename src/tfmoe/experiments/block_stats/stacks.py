@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tfmoe.components.block import TransformerBlock
 from tfmoe.components.lm import TransformerStack, xavier_init_
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 STAGES = ("input", "norm1", "attn_out", "resid1", "norm2", "ffn_out", "resid2")
 STATS = ("mean", "std", "rms", "max_abs", "grad_norm")

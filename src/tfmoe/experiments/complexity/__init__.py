@@ -20,10 +20,11 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from tfmoe import memory
 from tfmoe.components import complexity_model as cm
 from tfmoe.components.attention import KVCache
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.runtime import check_threads
 from tfmoe.experiments.complexity import measure
 from tfmoe.experiments.complexity.checks import (
     PLAUSIBLE_PEAK_FRACTION,
@@ -43,10 +44,9 @@ from tfmoe.experiments.complexity.checks import (
 from tfmoe.experiments.complexity.measure import STATS
 from tfmoe.experiments.complexity.report import groups_figure, summary_markdown, sweep_plots, terminal_rows
 from tfmoe.experiments.complexity.settings import Settings
-from tfmoe.memory import Knob, available_memory_bytes, peak_memory_bytes
-from tfmoe.recorder import Recorder
-from tfmoe.runtime import check_threads
-from tfmoe.validate import require_int, require_number
+from tfmoe.rules import memory
+from tfmoe.rules.memory import Knob, available_memory_bytes, peak_memory_bytes
+from tfmoe.rules.validate import require_int, require_number
 
 __all__ = ["Settings", "run", "settings", "sweep_plots", "tag_values"]
 

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tfmoe.components import complexity_model as cm
 from tfmoe.components.block import TransformerBlock
-from tfmoe.recorder import Recorder
+from tfmoe.contract.recorder import Recorder
 
 STATS = ("median", "best", "cpu")  # wall-clock median, wall-clock best-of, process-CPU-clock median
 # Components timed one at a time per group, on the inputs they take in the block's own forward.

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from tfmoe.components import complexity_model as cm
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.complexity.checks import PLAUSIBLE_PEAK_FRACTION
 from tfmoe.experiments.complexity.measure import TIMED
-from tfmoe.tables import Rows
 
 
 def _attn_sq(f: dict[str, int]) -> int:

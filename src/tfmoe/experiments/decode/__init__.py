@@ -30,10 +30,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, ListConfig
 
-from tfmoe import finite, memory
 from tfmoe.components import sampling
 from tfmoe.components.lm import TinyCausalLM
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
 from tfmoe.experiments import lm_battery
 from tfmoe.experiments.decode import cache_checks, sampling_checks
 from tfmoe.experiments.decode.lm import (
@@ -47,15 +47,15 @@ from tfmoe.experiments.decode.lm import (
 from tfmoe.experiments.decode.report import continuations_rows, loss_figure, summarize, timing_figure
 from tfmoe.experiments.decode.settings import Settings
 from tfmoe.experiments.lm_battery import lm_settings
-from tfmoe.memory import (
+from tfmoe.rules import finite, memory
+from tfmoe.rules.memory import (
     DTYPE_BYTES,
     Knob,
     available_memory_bytes,
     block_activation_elements,
     block_params,
 )
-from tfmoe.recorder import Recorder
-from tfmoe.validate import require_int, require_number
+from tfmoe.rules.validate import require_int, require_number
 
 
 def settings(cfg: DictConfig) -> Settings:

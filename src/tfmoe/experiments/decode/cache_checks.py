@@ -13,8 +13,8 @@ from tfmoe.components import sampling
 from tfmoe.components.attention import KVCache
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.components.sampling_reference import cache_bytes_formula
+from tfmoe.contract.recorder import Recorder
 from tfmoe.experiments.decode.sampling_checks import mismatches
-from tfmoe.recorder import Recorder
 
 if TYPE_CHECKING:
     from tfmoe.experiments.decode.settings import Settings

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tfmoe.components.lm import TinyCausalLM
-from tfmoe.errors import BadInput
-from tfmoe.recorder import Recorder
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
 
 if TYPE_CHECKING:
     from tfmoe.experiments.decode.settings import Settings

@@ -1,5 +1,5 @@
 """decode's report: the continuations and timing tables (terminal and summary.md from one
-:class:`tfmoe.tables.Rows`), summary.md, and the figures (training loss; KV-cache timing)."""
+:class:`tfmoe.contract.tables.Rows`), summary.md, and the figures (training loss; KV-cache timing)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from matplotlib.figure import Figure
 
 from tfmoe.components import sampling
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.decode.lm import CharVocab
-from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
 
 if TYPE_CHECKING:
     from tfmoe.experiments.decode.settings import Settings

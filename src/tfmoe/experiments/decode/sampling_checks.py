@@ -12,7 +12,7 @@ import torch
 from tfmoe.components import sampling
 from tfmoe.components import sampling_reference as ref
 from tfmoe.components.lm import TinyCausalLM
-from tfmoe.recorder import Recorder
+from tfmoe.contract.recorder import Recorder
 
 if TYPE_CHECKING:
     from tfmoe.experiments.decode.settings import Settings

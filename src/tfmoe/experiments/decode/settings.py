@@ -37,6 +37,6 @@ class Settings:
     logit_tol_eps: float
     timing_lengths: tuple[int, ...]
     timing_repeats: int
-    expect_divergence: bool = False  # a stress test: training must go non-finite (tfmoe.finite)
+    expect_divergence: bool = False  # a stress test: training must go non-finite (tfmoe.rules.finite)
     lm: Any = None  # impl=...: the model battery's settings (tfmoe.experiments.lm_battery.LMSettings), else None
     own_lm: Any = None  # without impl: the battery's settings for the trained tiny LM's batched generation

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from tfmoe import capabilities, finite, memory
 from tfmoe.adapters.moe_layers import LayerSizes
 from tfmoe.components import moe
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
 from tfmoe.experiments.route_sim import course as route_course
 from tfmoe.experiments.route_sim import ep_slurm as route_ep_slurm
 from tfmoe.experiments.route_sim import expert_parallel as route_ep
@@ -42,9 +42,9 @@ from tfmoe.experiments.route_sim.ep_slurm import check_tasks  # ep_size=W across
 from tfmoe.experiments.route_sim.plots import sweep_plots, training_plots
 from tfmoe.experiments.route_sim.settings import LayerSettings, Settings
 from tfmoe.experiments.route_sim.training import StrategyTrace
-from tfmoe.memory import Knob
-from tfmoe.recorder import Recorder
-from tfmoe.validate import require_int, require_number
+from tfmoe.rules import capabilities, finite, memory
+from tfmoe.rules.memory import Knob
+from tfmoe.rules.validate import require_int, require_number
 
 COEF_FIX = "pass a coefficient >= 0 (0 switches it off)"
 
@@ -219,7 +219,7 @@ def run(s: Settings, rec: Recorder) -> None:
     """The layer battery; then, for the package's own layer, the course case and the training simulation."""
     import torch
 
-    from tfmoe.memory import available_memory_bytes
+    from tfmoe.rules.memory import available_memory_bytes
 
     if s.ep.size > 1:  # expert parallelism: W ranks under torch.distributed.run (route_sim/expert_parallel.py)
         route_ep.run_ep(s, rec)

@@ -11,7 +11,7 @@ import torch
 
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
-from tfmoe.recorder import Recorder
+from tfmoe.contract.recorder import Recorder
 
 
 def recorded(rec: Recorder, name: str, strategy: str | None = None, step: int | None = None) -> float:

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tfmoe import finite
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.route_sim import checks
 from tfmoe.experiments.route_sim.plots import course_plot
-from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
+from tfmoe.rules import finite
 
 if TYPE_CHECKING:
     from tfmoe.experiments.route_sim.settings import Settings

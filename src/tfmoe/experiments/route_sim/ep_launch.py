@@ -38,10 +38,10 @@ def launch(spec: dict[str, Any], world: int, worker_cmd: list[str] | None = None
     """Run the workers (torch.distributed.run, ``world`` processes) on ``spec``; rank 0's gathered records.
     RankFailed naming the rank when a worker fails or stops answering (no beat for ``spec["timeout_s"]``), or when
     the launcher itself stops answering; every process stopped (SIGTERM, then SIGKILL) when this one is interrupted
-    or the run exceeds its bound, and every process dies with this one (tfmoe.lifetime). ``worker_cmd``,
+    or the run exceeds its bound, and every process dies with this one (tfmoe.contract.lifetime). ``worker_cmd``,
     ``worker_env`` and ``explain`` (stderr, exit code, world -> one line) replace the launcher, its environment and
     its error summary: under SLURM, rank 0's worker alone (route_sim/ep_slurm.py)."""
-    from tfmoe import lifetime
+    from tfmoe.contract import lifetime
     from tfmoe.experiments.route_sim.ep_worker import RESULT_MARK, SPEC_ENV
 
     cmd = worker_cmd or [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
@@ -85,7 +85,7 @@ def watch(proc: subprocess.Popen, name: str, world: int, timeout_s: float, bound
     the launcher has been stopped for ``timeout_s``, or past ``bound``."""
     import psutil
 
-    from tfmoe import lifetime
+    from tfmoe.contract import lifetime
 
     start, stopped_since, first_beat = time.monotonic(), None, None
     while True:
@@ -125,7 +125,7 @@ def silent_rank(beats: str, timeout_s: float, world: int, started: float, local:
     """After the launcher failed: a rank whose beats stopped well before the others' (stopped or frozen while its
     peers waited for it in a collective), or that never beat at all (wall clock ``started``: the launch), named as
     the cause instead of the peer that timed out. Only the ranks started here (``local``) are judged."""
-    from tfmoe import lifetime
+    from tfmoe.contract import lifetime
 
     seen = {rank: age for rank, (age, _pid, _started) in lifetime.beats_of(beats).items()}
     if not seen:
@@ -171,7 +171,7 @@ def registered_workers(beats: str | None) -> list[Any]:
     """The worker processes that registered their beat under ``beats`` and still run."""
     import psutil
 
-    from tfmoe import lifetime
+    from tfmoe.contract import lifetime
 
     found = []
     for _rank, (_age, pid, started) in (lifetime.beats_of(beats).items() if beats else []):

@@ -102,7 +102,7 @@ def slurm_step(env: Mapping[str, str] | None = None) -> SlurmStep | None:
 def check_world(ep_size: int, n_experts: int, tokens: int, step: SlurmStep | None = None) -> bool:
     """Whether the ranks are this SLURM step's tasks; BadInput (one line, a fix that is accepted) when the step's
     task count differs from ep_size."""
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     step = slurm_step() if step is None else step
     if step is None:
@@ -120,7 +120,7 @@ def check_world(ep_size: int, n_experts: int, tokens: int, step: SlurmStep | Non
 def check_tasks(s: Any, tasks: int) -> None:
     """A sweep's job under ``hydra/launcher=submitit_slurm`` with ``tasks`` tasks (tasks_per_node x nodes), checked
     before anything is submitted: its ep_size must be that count (each task is one rank)."""
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     if s.ep.size != tasks:
         fixes = [f"pass ep_size={tasks}"] if s.n_experts % tasks == 0 and s.tokens % tasks == 0 else []
@@ -168,8 +168,8 @@ def serve_peer(cfg: Any, settings_of: Callable[[Any], Any]) -> int | None:
     """In a non-zero task of a multi-task SLURM step running route-sim: serve as this task's rank of task 0's run
     and return the exit code (no run directory: task 0 writes it). None in every other process. ``settings_of``
     is the recipe's own ``settings`` (a part never imports its recipe)."""
-    from tfmoe.errors import BadInput, Terminated
-    from tfmoe.status import Status, signal_exit_code
+    from tfmoe.contract.errors import BadInput, Terminated
+    from tfmoe.contract.status import Status, signal_exit_code
 
     step = slurm_step()
     if step is None or step.rank == 0:
@@ -184,7 +184,7 @@ def serve_peer(cfg: Any, settings_of: Callable[[Any], Any]) -> int | None:
     from tfmoe.experiments.route_sim.ep_launch import STARTUP_S, how_ended, stop
 
     bound = STARTUP_S + s.ep.timeout_s * (s.ep.steps + 4)  # as task 0 bounds its worker (one layer)
-    from tfmoe import lifetime
+    from tfmoe.contract import lifetime
 
     env = {**worker_env(step, s.ep.timeout_s), lifetime.OWNER_ENV: lifetime.owner_token()}
     proc = subprocess.Popen(WORKER_CMD, env=env, start_new_session=True, preexec_fn=lifetime.tied_preexec())
@@ -269,7 +269,7 @@ def first_failure(store: Any, world: int, mine: str, grace_s: float = REPORT_GRA
 
 def main() -> int:
     """One rank: env:// rendezvous, the spec from rank 0, ep_worker.run_rank; rank 0 prints the records."""
-    from tfmoe import lifetime
+    from tfmoe.contract import lifetime
 
     lifetime.die_with_parent()  # the task's tfmoe starts it: it ends with that process
     lifetime.watch_owner()

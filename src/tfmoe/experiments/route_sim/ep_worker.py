@@ -15,8 +15,8 @@ Every collective has the spec's timeout: a dead peer ends this rank with an erro
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # a worker: tied to tfmoe's lifetime before anything else (tfmoe.lifetime)
-    from tfmoe import lifetime as _lifetime
+if __name__ == "__main__":  # a worker: tied to tfmoe's lifetime before anything else (tfmoe.contract.lifetime)
+    from tfmoe.contract import lifetime as _lifetime
 
     _lifetime.die_with_parent()
     _lifetime.watch_owner()
@@ -89,7 +89,7 @@ def load_class(spec: str) -> Any:
         from tfmoe.adapters import moe_ep_libs
 
         return getattr(moe_ep_libs, moe_ep_libs.LIBS[spec])
-    from tfmoe.user_code import load_object
+    from tfmoe.rules.user_code import load_object
 
     return load_object(spec, "ep_impl")
 

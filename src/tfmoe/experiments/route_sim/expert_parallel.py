@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from tfmoe.components import moe_reference as ref
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.route_sim import ep_slurm
 from tfmoe.experiments.route_sim.ep_launch import RankFailed, launch  # noqa: F401  (RankFailed: re-exported)
-from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
 
 PREFIX = "ep."
 STEP_FACTOR = 2.0  # step time vs slowest compute + fastest All-to-All (a shared 2-core CPU's scheduling noise)
@@ -428,7 +428,7 @@ def spec_for(s: Any, seed: int, dtype: str, impls: list[str],
 
 def run_ep(s: Any, rec: Recorder) -> None:
     """route-sim with ep_size >= 2: launch, judge, record; the summary names the layer and the rank table."""
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     dtype = {torch.float32: "fp32", torch.float64: "fp64"}.get(rec.dtype)
     if dtype is None:
@@ -439,7 +439,7 @@ def run_ep(s: Any, rec: Recorder) -> None:
 
         check_lib(impl, s.tokens // s.ep.size, s.n_experts, s.top_k, s.capacity_factor, dtype)  # exit 2 first
     elif impl != "own":
-        from tfmoe.user_code import load_object
+        from tfmoe.rules.user_code import load_object
 
         load_object(impl, "ep_impl")  # bad input (exit 2) here, before any worker starts
     noisy = impl == "own" and s.steps > 0 and "noisy_topk" in s.strategies  # its forward judged under the noise
@@ -584,9 +584,9 @@ def ep_settings(cfg: Any, n_experts: int, tokens: int) -> Any:
     """The ``ep_*`` keys, validated before anything starts (bad input: one line, exit 2)."""
     from omegaconf import ListConfig, OmegaConf
 
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
     from tfmoe.experiments.route_sim.settings import EPSettings
-    from tfmoe.validate import require_int, require_number
+    from tfmoe.rules.validate import require_int, require_number
 
     size = require_int(cfg, "ep_size", 1)
     under_slurm = ep_slurm.check_world(size, n_experts, tokens)  # the ranks are a SLURM step's tasks

@@ -38,7 +38,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tfmoe import capabilities as caps
 from tfmoe.adapters import load_layer
 from tfmoe.adapters.moe_layers import (
     EXPERT_HOOK,
@@ -52,12 +51,13 @@ from tfmoe.adapters.moe_layers import (
 )
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.route_sim.checks import check_cv_maxvio, check_loads_sum
 from tfmoe.experiments.route_sim.settings import LayerSettings
-from tfmoe.faults import RAISED, tfmoe_fault
-from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
+from tfmoe.rules import capabilities as caps
+from tfmoe.rules.faults import RAISED, tfmoe_fault
 
 PREFIX = "layer."
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -627,7 +627,7 @@ ROUTING_CHECKS = ("output_vs_reference", "routing_selection", "routing_weights",
 def build_layer(lut: LayerUnderTest, rec: Recorder) -> nn.Module:
     """The layer under test, built from the run's seed. tfmoe's or a shipped adapter's exception is tfmoe's fault
     (crashed); the user's layer or adapter failing to build for these sizes is bad input, one line (an adapter
-    refuses a setting on purpose by raising tfmoe.errors.BadInput), never a crash blamed on tfmoe (F-199)."""
+    refuses a setting on purpose by raising tfmoe.contract.errors.BadInput), never a crash blamed on tfmoe (F-199)."""
     try:
         return lut.build(rec.seed).to(rec.device, rec.dtype)
     except BadInput:
@@ -903,7 +903,7 @@ def note_opaque_experts(rec: Recorder, lut: LayerUnderTest, weights: ref.LayerWe
 
 
 def declarations(p: LayerSettings, lut: LayerUnderTest) -> caps.Declared:
-    """Everything the layer declares about itself (:mod:`tfmoe.capabilities`): ``lacks`` / ``tfmoe_lacks`` and
+    """Everything the layer declares about itself (:mod:`tfmoe.rules.capabilities`): ``lacks`` / ``tfmoe_lacks`` and
     ``router_dtype`` / ``expert_dtype`` on the adapter or the course-interface class, the config's ``lacks`` and
     ``layer.router_dtype`` / ``layer.expert_dtype`` (which win), and ``half_precision_unsupported`` (lacks fp16
     and bf16)."""

@@ -15,7 +15,7 @@ class LayerSettings:
     sizes: LayerSizes
     batch: int
     seq: int
-    lacks: tuple[str, ...] = ()  # config `lacks`: features the layer declares it lacks (tfmoe.capabilities)
+    lacks: tuple[str, ...] = ()  # config `lacks`: features the layer declares it lacks (tfmoe.rules.capabilities)
     router_dtype: str | None = None  # config `layer.router_dtype`: the precision its combine weights carry
     expert_dtype: str | None = None  # config `layer.expert_dtype`: the precision its experts compute in
     mixing: str | None = None  # config `layer.mixing`: where the combine weight is applied (route_sim.layer.MIXING)
@@ -56,5 +56,5 @@ class Settings:
     z_loss_coef: float
     bias_update_rate: float
     layer: LayerSettings  # the layer battery's
-    expect_divergence: bool = False  # a stress test: the training simulation must go non-finite (tfmoe.finite)
+    expect_divergence: bool = False  # a stress test: the training simulation must go non-finite (tfmoe.rules.finite)
     ep: EPSettings = EPSettings()  # expert parallelism (ep_size)

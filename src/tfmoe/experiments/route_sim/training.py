@@ -15,12 +15,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tfmoe import finite
 from tfmoe.components import moe
 from tfmoe.components import moe_reference as ref
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.route_sim import checks
-from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
+from tfmoe.rules import finite
 
 if TYPE_CHECKING:
     from tfmoe.experiments.route_sim.settings import Settings

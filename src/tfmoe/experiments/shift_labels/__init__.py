@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from tfmoe import finite, memory
 from tfmoe.components.lm import TinyCausalLM
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments import lm_battery
 from tfmoe.experiments.lm_battery import lm_settings
 from tfmoe.experiments.shift_labels import batch as batching
@@ -29,16 +30,15 @@ from tfmoe.experiments.shift_labels.checks import (
     padding_invariance,
 )
 from tfmoe.experiments.shift_labels.settings import Settings
-from tfmoe.memory import (
+from tfmoe.rules import finite, memory
+from tfmoe.rules.memory import (
     DTYPE_BYTES,
     Knob,
     available_memory_bytes,
     block_activation_elements,
     block_params,
 )
-from tfmoe.recorder import Recorder
-from tfmoe.tables import Rows
-from tfmoe.validate import require_int
+from tfmoe.rules.validate import require_int
 
 FINITE_QUANTITIES = ("loss", "loss_manual_fp64", "sequence_loss", "padding_invariance_max_abs",
                      "padding_invariance_logits_max_abs", "left_right_max_abs")

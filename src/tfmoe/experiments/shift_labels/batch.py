@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tfmoe.components.lm import TinyCausalLM
 from tfmoe.components.positions import position_ids_from_mask
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 PAD_SIDES = ("right", "left")
 
@@ -98,7 +98,7 @@ class TextEncoding:
 def encode_texts(texts: Any, tokenizer: Any, pad_token: str) -> TextEncoding:
     """Raw sentences through one of tokenize's real tokenizers, onto a compact vocabulary of the pieces they use
     (the tiny LM needs no 100k-row embedding): each text becomes [BOS] + its tokens + [EOS]."""
-    from tfmoe.tokenizers_lab import BUILTIN_NAMES, load_tokenizer
+    from tfmoe.experiments.tokenize.tokenizers_lab import BUILTIN_NAMES, load_tokenizer
 
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise BadInput(f"texts={texts!r} must be a non-empty list of strings, e.g. texts=[\"我爱猫\",\"猫\"]")

@@ -23,8 +23,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from tfmoe import tokenizers_lab as lab
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import Recorder
+from tfmoe.experiments.tokenize import tokenizers_lab as lab
 from tfmoe.experiments.tokenize.checks import check_counts, check_reference_bpe, check_round_trips
 from tfmoe.experiments.tokenize.measures import (
     PI_DIGITS,
@@ -43,7 +44,6 @@ from tfmoe.experiments.tokenize.report import (
 )
 from tfmoe.experiments.tokenize.samples import read_samples
 from tfmoe.experiments.tokenize.settings import Settings
-from tfmoe.recorder import Recorder
 
 
 def _categories(value: Any, key: str) -> tuple[str, ...] | None:

@@ -1,13 +1,13 @@
 """tokenize's checks: the recorded counts against an independent count (the library's own single-text call, or for
 bytes / chars a count from first principles), lossless round trips, and cl100k/o200k ids against the independent
-plain-Python BPE of :func:`tfmoe.tokenizers_lab.reference_openai_encode`."""
+plain-Python BPE of :func:`tfmoe.experiments.tokenize.tokenizers_lab.reference_openai_encode`."""
 
 from __future__ import annotations
 
-from tfmoe import tokenizers_lab as lab
+from tfmoe.contract.recorder import Recorder
+from tfmoe.experiments.tokenize import tokenizers_lab as lab
 from tfmoe.experiments.tokenize.measures import Encoded
 from tfmoe.experiments.tokenize.samples import Sample
-from tfmoe.recorder import Recorder
 
 
 def utf8_length(text: str) -> int:

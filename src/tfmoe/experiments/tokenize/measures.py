@@ -9,9 +9,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tfmoe import tokenizers_lab as lab
+from tfmoe.contract.recorder import Recorder
+from tfmoe.experiments.tokenize import tokenizers_lab as lab
 from tfmoe.experiments.tokenize.samples import Sample
-from tfmoe.recorder import Recorder
 
 ALL = "all"
 # Tokenizers whose pre-tokenizer splits digit runs into groups of at most this many digits (\p{N}{1,3}).

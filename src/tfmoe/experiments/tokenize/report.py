@@ -1,13 +1,13 @@
-"""tokenize's report: the tokens-per-category table (terminal and summary.md from one :class:`tfmoe.tables.Rows`),
+"""tokenize's report: the tokens-per-category table (terminal and summary.md from one :class:`tfmoe.contract.tables.Rows`),
 the pieces of the first samples, the figures, and the sweep plot of the premium."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.tokenize.measures import ALL, Encoded
 from tfmoe.experiments.tokenize.samples import Sample
-from tfmoe.tables import Rows
 
 if TYPE_CHECKING:
     from tfmoe.experiments.tokenize.settings import Settings

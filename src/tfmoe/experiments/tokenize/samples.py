@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 CORPUS_FILE = "corpus_parallel.tsv"
 CATEGORY_RE = re.compile(r"^([A-Za-z][A-Za-z0-9_-]{0,31})\t(.*)$", re.DOTALL)

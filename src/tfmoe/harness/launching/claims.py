@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from tfmoe.errors import BadInput
-from tfmoe.status import Status
-from tfmoe.tables import Rows
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.status import Status
+from tfmoe.contract.tables import Rows
 
 VERDICT_STYLES = {"holds": "green", "falsified": "red", "not judged": "yellow"}
 
@@ -144,9 +144,9 @@ def run_all(runs_root: Path, only: list[str] | None = None) -> int:
     """Run each claim's experiment; print claim -> verdict -> run id. 0 when every claim holds, else 1."""
     from rich.console import Console
 
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.harness.launching.launch import run_experiment
     from tfmoe.harness.store.rundir import read_parquet
-    from tfmoe.registry import EXPERIMENTS
 
     chosen = [c for c in CLAIMS if not only or c.key in only]
     unknown = sorted(set(only or []) - {c.key for c in CLAIMS})

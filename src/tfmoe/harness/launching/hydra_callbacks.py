@@ -33,7 +33,7 @@ def _write_or_say(sweep_dir: Path, experiment: str) -> bool:
     was not written (and UNWRITTEN_SWEEPS), not a traceback through Hydra."""
     import sys
 
-    from tfmoe.errors import disk_problem
+    from tfmoe.contract.errors import disk_problem
 
     table_written = False
     try:

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tfmoe.errors import BadInput, Terminated
-from tfmoe.paths import CHECKOUT_ROOT
-from tfmoe.registry import EXPERIMENTS, Experiment
-from tfmoe.status import Status, worst_exit_code
+from tfmoe.contract.errors import BadInput, Terminated
+from tfmoe.contract.paths import CHECKOUT_ROOT
+from tfmoe.contract.registry import EXPERIMENTS, Experiment
+from tfmoe.contract.status import Status, worst_exit_code
 
 # Hydra's own error path (a bad config, a launcher that lost a job) is bad input: exit 2
 EXIT_FROM_HYDRA = Status.ERROR.exit_code
@@ -63,7 +63,7 @@ def check_config_flags(exp: Experiment, flags: list[str]) -> None:
     """Refuse Hydra's flags that choose another primary config: each subcommand composes its own
     (conf/<config>.yaml), which is what its overrides are validated against (Hydra would print a multi-line error
     for a name it cannot find, and run another experiment's config under this command for one it can)."""
-    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.contract.registry import EXPERIMENTS
 
     for i, flag in enumerate(flags):
         name = flag.split("=", 1)[0]
@@ -385,8 +385,14 @@ def job_settings(module: Any, cfg: Any, devices: bool = True) -> Any:
     tensor size limit and flush interval (runtime.py), then the experiment's own ``settings(cfg)``. BadInput on the
     first problem. ``devices=False`` (a sweep's jobs, which may run on another machine: a SLURM node's GPU) leaves
     device and dtype to the job."""
+    from tfmoe.contract.runtime import (
+        check_seed,
+        check_tensor_max_numel,
+        check_threads,
+        resolve_device,
+        resolve_dtype,
+    )
     from tfmoe.harness.launching.runner import check_flush_every
-    from tfmoe.runtime import check_seed, check_tensor_max_numel, check_threads, resolve_device, resolve_dtype
 
     check_seed(cfg)
     if devices:
@@ -753,7 +759,7 @@ def said_launcher_error(exc: Exception) -> LauncherFailed | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from tfmoe.errors import disk_problem
+    from tfmoe.contract.errors import disk_problem
 
     said = disk_problem(exc)  # the file system refused Hydra's directories or files: bad input, exit 2
     if said is None and isinstance(exc, (HydraException, OmegaConfBaseException)):

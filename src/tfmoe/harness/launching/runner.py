@@ -23,9 +23,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from tfmoe.errors import BadInput, Terminated, disk_problem
-from tfmoe.registry import EXPERIMENTS
-from tfmoe.runtime import (
+from tfmoe.contract.errors import BadInput, Terminated, disk_problem
+from tfmoe.contract.registry import EXPERIMENTS
+from tfmoe.contract.runtime import (
     MAX_SEED,
     check_seed,
     check_tensor_max_numel,
@@ -35,7 +35,7 @@ from tfmoe.runtime import (
     seed_everything,
     torch_threads,
 )
-from tfmoe.status import Status
+from tfmoe.contract.status import Status
 
 log = logging.getLogger("tfmoe")
 
@@ -158,7 +158,7 @@ def watch_the_launcher() -> None:
 
 
 def signal_exit(signum: int) -> int:
-    from tfmoe.status import signal_exit_code
+    from tfmoe.contract.status import signal_exit_code
 
     return signal_exit_code(signum)
 
@@ -485,8 +485,8 @@ def _recordable_seed(seed: Any) -> bool:
 def _execute(cfg: DictConfig, exp: Any, writer: Any, err: Any, run_dir: Path) -> int:
     from rich.markup import escape
 
+    from tfmoe.contract.recorder import Recorder, device_peak, forget_device_peak
     from tfmoe.harness.store.notebook import device_name, environment
-    from tfmoe.recorder import Recorder, device_peak, forget_device_peak
 
     rec = None
     status, code, error = Status.OK, Status.OK.exit_code, None

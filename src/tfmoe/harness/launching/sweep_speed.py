@@ -186,7 +186,7 @@ def faster_job_records() -> Callable[[], None]:
     taken: list[str | None] = []
 
     def save_config(cfg: Any, filename: str, output_dir: Path) -> None:  # hydra.core.utils._save_config
-        from tfmoe.errors import disk_problem
+        from tfmoe.contract.errors import disk_problem
         from tfmoe.harness.launching.runner import JobNotStarted
 
         try:

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 from tfmoe.harness.store.notebook import resolve_run
 from tfmoe.harness.store.rundir import read_table, records, utcnow, write_parquet, write_text
-from tfmoe.safe_text import shown_text, typed_text
+from tfmoe.rules.safe_text import shown_text, typed_text
 
 CONCLUSIONS_FILE = "conclusions.parquet"
 KINDS = {"proven": "Proven (a check or a number from this run)", "inferred": "Inferred (not shown by this run alone)",

@@ -19,8 +19,8 @@ import ast
 import functools
 from pathlib import Path
 
-from tfmoe.errors import BadInput
-from tfmoe.paths import PACKAGE_ROOT
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.paths import PACKAGE_ROOT
 
 DECLARED: dict[str, dict[str, tuple[str, ...]]] = {
     "tokenize": {
@@ -223,7 +223,7 @@ def literal_measured(module: str) -> frozenset[str]:
 
 def measured_for(experiment: str) -> frozenset[str]:
     """The metric names of ``experiment`` that measure the machine (``MEASURED`` and literal ``measured=True``)."""
-    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.contract.registry import EXPERIMENTS
 
     exp = EXPERIMENTS.get(experiment)
     return MEASURED.get(experiment, frozenset()) | (literal_measured(exp.module) if exp else frozenset())
@@ -231,7 +231,7 @@ def measured_for(experiment: str) -> frozenset[str]:
 
 def declared_for(experiment: str) -> dict[str, tuple[str, ...] | None]:
     """The metric names (and their tags; None = not validated) ``experiment`` records; BadInput when none."""
-    from tfmoe.registry import EXPERIMENTS
+    from tfmoe.contract.registry import EXPERIMENTS
 
     declared: dict[str, tuple[str, ...] | None] = dict(DECLARED.get(experiment, {}))
     exp = EXPERIMENTS.get(experiment)

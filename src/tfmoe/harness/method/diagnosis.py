@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tfmoe.faults import is_raised
+from tfmoe.rules.faults import is_raised
 
 Checks = Mapping[str, Mapping[str, Any]]  # check -> {passed, observed, threshold, detail}
 

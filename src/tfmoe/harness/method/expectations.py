@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 from tfmoe.harness.store.rundir import is_missing
 
 AGGREGATES = ("max", "min", "mean", "first", "last")

@@ -9,11 +9,11 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.status import Status
 from tfmoe.harness.store.notebook import RunData, load_run, read_run_row, resolve_run
-from tfmoe.safe_text import shown_text as run_text
-from tfmoe.safe_text import typed_text
-from tfmoe.status import Status
+from tfmoe.rules.safe_text import shown_text as run_text
+from tfmoe.rules.safe_text import typed_text
 
 HEADER = ("# Failures log\n\nReal failures met while running experiments: phenomenon, hypothesis, evidence, fix and the "
           "regression test that now guards it. Append-only (`tfmoe failures add RUN`).\n")

@@ -33,10 +33,10 @@ from typing import Any
 
 import pandas as pd
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.status import Status
 from tfmoe.harness.store.notebook import effective_status, load_run, present, resolve_run
 from tfmoe.harness.store.rundir import RUN_FILE, read_parquet
-from tfmoe.status import Status
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 # MLflow's run status for each finished tfmoe status (unexpected: every check passed, a prediction missed);
@@ -204,15 +204,10 @@ def open_client(client_cls: Any, tracking_uri: str) -> Any:
     empty), holding no run, is moved aside (said on stderr) and created again."""
     import os
 
-    from tfmoe.harness.store.rundir import utcnow
-
     db = Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else None
     if db is not None and db.name and db.parent.is_dir():
         if db.is_file() and half_created(db):
-            aside = db.with_name(f"{db.name}.half-created-{utcnow():%Y%m%dT%H%M%SZ}")
-            os.replace(db, aside)
-            print(f"{db} was left half-created by an earlier export and holds no run: moved to {aside}, created "
-                  "again", file=sys.stderr)
+            _move_aside(db)
         if not db.exists():
             import uuid
 
@@ -224,9 +219,40 @@ def open_client(client_cls: Any, tracking_uri: str) -> Any:
     return client_cls(tracking_uri=tracking_uri)
 
 
-def half_created(db: Path) -> bool:
+def _verified_client(client_cls: Any, tracking_uri: str) -> Any:
+    client = open_client(client_cls, tracking_uri)
+    client.search_experiments(max_results=1)  # MLflow opens a store lazily: verify its schema now
+    return client
+
+
+def _forget_engine(uri: str) -> None:
+    """Close and drop the SQLAlchemy engine MLflow's sqlite store keeps for ``uri`` (one per URI, per process): its
+    pool would keep the moved file open."""
+    try:
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+    except ImportError:
+        return
+    engine = getattr(SqlAlchemyStore, "_engine_map", {}).pop(uri, None)
+    if engine is not None:
+        engine.dispose()
+
+
+def _move_aside(db: Path) -> None:
+    import os
+
+    from tfmoe.harness.store.rundir import utcnow
+
+    aside = db.with_name(f"{db.name}.half-created-{utcnow():%Y%m%dT%H%M%SZ}")
+    _forget_engine(f"sqlite:///{db}")
+    os.replace(db, aside)
+    print(f"{db} was left half-created by an earlier export and holds no run: moved to {aside}, created again",
+          file=sys.stderr)
+
+
+def half_created(db: Path, migrated_or_not: bool = False) -> bool:
     """Whether a sqlite file is an MLflow store whose creation stopped part-way (no schema version, a migration's
-    temporary table, or nothing at all) and holds no run."""
+    temporary table, or nothing at all) and holds no run; with ``migrated_or_not`` (a store MLflow refused to
+    open), any store that holds no run and no experiment but the default one."""
     import sqlite3
 
     try:
@@ -235,6 +261,9 @@ def half_created(db: Path) -> bool:
             tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if "runs" in tables and conn.execute("SELECT count(*) FROM runs").fetchone()[0]:
                 return False
+            if migrated_or_not:
+                return not ("experiments" in tables and conn.execute(
+                    "SELECT count(*) FROM experiments WHERE experiment_id != 0").fetchone()[0])
             versioned = "alembic_version" in tables and conn.execute(
                 "SELECT count(*) FROM alembic_version").fetchone()[0] > 0
         finally:
@@ -245,9 +274,9 @@ def half_created(db: Path) -> bool:
 
 
 def one_line(exc: BaseException, where: str | None = None) -> str:
-    """An MLflow or SQLAlchemy error in one line: a refused write as :func:`tfmoe.errors.disk_problem` says it, else
+    """An MLflow or SQLAlchemy error in one line: a refused write as :func:`tfmoe.contract.errors.disk_problem` says it, else
     the message without SQLAlchemy's statement dump and link."""
-    from tfmoe.errors import disk_problem
+    from tfmoe.contract.errors import disk_problem
 
     said = disk_problem(exc, where)
     if said is not None:  # the store, not a run directory, is where the space or device is wanting
@@ -261,11 +290,14 @@ class Exporter:
         mlflow, client_cls = _mlflow()
         self.mlflow = mlflow
         try:
-            self.client = open_client(client_cls, tracking_uri)
-            self.client.search_experiments(max_results=1)  # MLflow opens a store lazily: verify its schema now
+            self.client = _verified_client(client_cls, tracking_uri)
         except Exception as exc:  # its schema not created (a refused write, a store of another version): one line
-            raise BadInput(f"cannot open MLflow tracking store {tracking_uri!r}: {one_line(exc, tracking_uri)}; a store an export "
-                           "left half-created is completed by the next `tfmoe export mlflow`") from None
+            db = Path(tracking_uri.removeprefix("sqlite:///")) if tracking_uri.startswith("sqlite:///") else None
+            if db is None or not db.is_file() or not half_created(db, migrated_or_not=True):
+                raise BadInput(f"cannot open MLflow tracking store {tracking_uri!r}: {one_line(exc, tracking_uri)}; a store "
+                               "an export left half-created is completed by the next `tfmoe export mlflow`") from None
+            _move_aside(db)  # a store MLflow refuses (a migration cut short) that holds nothing: made again
+            self.client = _verified_client(client_cls, tracking_uri)
         self.artifact_root = _tracking_store(tracking_uri)
         self.experiments: dict[str, str] = {}
         self.known: dict[str, dict[str, str]] = {}  # experiment id -> tfmoe.run_id -> MLflow run id

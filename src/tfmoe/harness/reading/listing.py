@@ -12,9 +12,9 @@ from typing import Any
 
 from rich.console import Console
 
+from tfmoe.contract.status import Status
+from tfmoe.contract.tables import Rows, print_rows
 from tfmoe.harness.store import catalog
-from tfmoe.status import Status
-from tfmoe.tables import Rows, print_rows
 
 console = Console(highlight=False)
 

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.status import Status, exit_code_for, worst_exit_code
+from tfmoe.contract.tables import Rows, cell, from_frame, print_rows
 from tfmoe.harness.store.notebook import (
     RunData,
     load_run,
@@ -27,8 +29,6 @@ from tfmoe.harness.store.rundir import (
     is_missing,
     read_parquet,
 )
-from tfmoe.status import Status, exit_code_for, worst_exit_code
-from tfmoe.tables import Rows, cell, from_frame, print_rows
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -714,7 +714,7 @@ def diff(ref_a: str, ref_b: str, runs_root: Path, all_rows: bool, force: bool, f
 def complete_sweep(sweep_dir: Path) -> int:
     """`tfmoe sweep-complete DIR`: write sweep.parquet (and sweep plots) for a sweep whose launching process died,
     print its jobs, and return the exit code the sweep would have had (a job not started counts as interrupted)."""
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
     from tfmoe.harness.store.rundir import RUN_FILE
     from tfmoe.harness.store.sweeps import has_unstarted_jobs, sweep_experiment, write_sweep_outputs
 

@@ -2,7 +2,7 @@
 
 Views: ``runs`` (one row per run: run.parquet's columns, ``path``, ``checks_passed``, ``checks_total``), and
 ``metrics``, ``checks``, ``timings`` (each file's rows with the ``run_id`` of its run; experiments' different tag
-columns lined up by name). The catalog keeps each view as one parquet file that DuckDB reads itself (catalog.view:
+columns lined up by name). The catalog keeps each view as one parquet file that DuckDB reads itself (kept_views.view:
 extended by the rows of runs added since, where that gives the table a rebuild would (the Extensions here), else
 rebuilt from the runs' cached tables; a view over runs still running is built at each query, their rows read from
 their files now), so a query over 10,000 runs imports neither pandas nor pyarrow.
@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.status import Status
 from tfmoe.harness.reading.sql_output import Result, csv_text, json_records, table_rows
 from tfmoe.harness.store.rundir import TABLE_FILES, int64_array, string_array, with_applicable
-from tfmoe.status import Status
 
 FILE_VIEWS = ("metrics", "checks", "timings")
 EMPTY_COLUMNS = {
@@ -266,7 +266,7 @@ def _kept_run_paths(kept: Path) -> list[str]:
 
 
 def _runs_extension() -> Any:
-    from tfmoe.harness.store.catalog import Extension
+    from tfmoe.harness.store.kept_views import Extension
 
     return Extension(tables=_runs_tables, paths=_kept_run_paths)
 
@@ -288,7 +288,7 @@ def _statuses_now(runs_root: Path, unreadable: list[tuple[str, Path, str]],
     view's: ``unreadable`` ones (the catalog's, with why), and ``running`` ones that died (``lost``,
     effective_status)."""
     root = Path(runs_root)
-    spelt = lambda rel: f"{root}/{rel}"  # noqa: E731 (as catalog.arrow_tables spells the view's paths)
+    spelt = lambda rel: f"{root}/{rel}"  # noqa: E731 (as kept_views.arrow_tables spells the view's paths)
     fixed: dict[str, tuple[str, Any]] = {spelt(path.relative_to(root)): (Status.UNREADABLE.value, why)
                                          for _, path, why in unreadable}
     if running:
@@ -337,7 +337,7 @@ def _file_parts(view: str, cached: list[Any]) -> list[Any]:
 
 
 def _file_rows(view: str) -> Any:
-    """The builder of a file view (catalog.view): every run's ``view`` rows with its run_id; None when no run has
+    """The builder of a file view (kept_views.view): every run's ``view`` rows with its run_id; None when no run has
     a row."""
     def build(cached: list[Any]) -> Any:
         tables = _file_parts(view, cached)
@@ -347,9 +347,9 @@ def _file_rows(view: str) -> Any:
 
 
 def _file_extension(view: str) -> Any:
-    """How a kept file view takes the rows of runs added since (catalog.Extension): theirs, where they fit; kept
+    """How a kept file view takes the rows of runs added since (kept_views.Extension): theirs, where they fit; kept
     as empty, their rows alone are the view."""
-    from tfmoe.harness.store.catalog import Extension
+    from tfmoe.harness.store.kept_views import Extension
 
     def tables(schema: Any, cached: list[Any], replaced: int) -> list[Any] | None:
         if schema is None:
@@ -400,8 +400,8 @@ def _connection() -> Any:
 
 def connect(runs_root: Path, query: str, con: Any = None) -> Any:
     """An in-memory DuckDB (``con``, or a new one) with the views the query names, read from the catalog's kept
-    views (catalog.view), then sandboxed."""
-    from tfmoe.harness.store import catalog
+    views (kept_views.view), then sandboxed."""
+    from tfmoe.harness.store import catalog, kept_views
 
     con = con if con is not None else _connection()
     conn = catalog.open_catalog(Path(runs_root)) if Path(runs_root).is_dir() else None
@@ -409,11 +409,11 @@ def connect(runs_root: Path, query: str, con: Any = None) -> Any:
         if conn is None:
             _create_view(con, "runs", "SELECT * FROM {source}", runs_schema().empty_table(), None)
         else:
-            kept = catalog.view(conn, runs_root, "run", _every_run,  # reading the runs' tables marks unreadable ones
+            kept = kept_views.view(conn, runs_root, "run", _every_run,  # reading the runs' tables marks unreadable ones
                                 extend=_runs_extension())
             unreadable, running = catalog.unreadable(conn, runs_root), _running(conn)
             _create_view(con, "runs", _runs_select(_statuses_now(runs_root, unreadable, running)), kept,
-                         lambda: catalog.view(conn, runs_root, "run", _every_run, keep=False))
+                         lambda: kept_views.view(conn, runs_root, "run", _every_run, keep=False))
         for view in FILE_VIEWS:
             if not re.search(rf"\b{view}\b", query, re.I):
                 continue  # only the views the query names are built
@@ -421,10 +421,10 @@ def connect(runs_root: Path, query: str, con: Any = None) -> Any:
                 _create_view(con, view, "", None, None)
                 continue
             # a running run's files grow without the catalog's generation moving: such a view is not kept
-            kept = catalog.view(conn, runs_root, view, _file_rows(view), keep=not running,
+            kept = kept_views.view(conn, runs_root, view, _file_rows(view), keep=not running,
                                 extend=_file_extension(view))
             _create_view(con, view, "SELECT * FROM {source}", kept,
-                         lambda v=view: catalog.view(conn, runs_root, v, _file_rows(v), keep=False))
+                         lambda v=view: kept_views.view(conn, runs_root, v, _file_rows(v), keep=False))
         for run_id, path, why in unreadable if conn is not None else []:
             from tfmoe.harness.store.notebook import rerun_advice
 
@@ -479,7 +479,7 @@ def emit(result: Result, fmt: str) -> None:
     else:
         from rich.console import Console
 
-        from tfmoe.tables import Rows, print_rows
+        from tfmoe.contract.tables import Rows, print_rows
 
         title = f"{len(result)} row{'s' if len(result) != 1 else ''}"
         print_rows(Rows(title, result.columns, table_rows(result)), "table", Console(highlight=False))

@@ -151,7 +151,7 @@ def _numpy_item(child: Any, v: Any) -> Any:
 
 # ------------------------------------------------------------------------------------------- table
 def table_cells(col: Column) -> list[Any]:
-    """The values :func:`tfmoe.tables.cell` formats as pandas' cells printed: intervals as pandas'
+    """The values :func:`tfmoe.contract.tables.cell` formats as pandas' cells printed: intervals as pandas'
     ``str(Timedelta)``; all else as the Python value the frame's cell converts to."""
     if col.kind == "timedelta":
         return [None if v is None else timedelta_text(v, "long") for v in col.values]

@@ -26,7 +26,7 @@ from typing import Any
 import pandas as pd
 import pyarrow as pa
 
-from tfmoe.paths import CODE_PATHSPECS, PACKAGE_ROOT
+from tfmoe.contract.paths import CODE_PATHSPECS, PACKAGE_ROOT
 
 CODE_FILE = "code.parquet"
 CODE_DIR = "code"

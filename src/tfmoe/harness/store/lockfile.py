@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tfmoe.paths import CHECKOUT_ROOT
+from tfmoe.contract.paths import CHECKOUT_ROOT
 
 LOCK_FILE = "requirements.lock"
 # run.parquet column -> the package (as the lock names it) whose version it records

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tfmoe.errors import BadInput, disk_problem
+from tfmoe.contract.errors import BadInput, disk_problem
+from tfmoe.contract.paths import CODE_PATHSPECS, PACKAGE_ROOT
+from tfmoe.contract.status import Status
+from tfmoe.contract.tables import Rows
 from tfmoe.harness.store import rundir
 from tfmoe.harness.store.rundir import (
     EXPECTATIONS_FILE,
@@ -38,9 +41,6 @@ from tfmoe.harness.store.rundir import (
     write_parquet,
     write_text,
 )
-from tfmoe.paths import CODE_PATHSPECS, PACKAGE_ROOT
-from tfmoe.status import Status
-from tfmoe.tables import Rows
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -325,7 +325,7 @@ class RunWriter:
 
 
 def write_run_config(run_dir: Path, config_yaml: str, overrides: list[str]) -> None:
-    """.hydra/config.yaml and .hydra/overrides.yaml of a run made without Hydra's launcher (tfmoe.checks' record=),
+    """.hydra/config.yaml and .hydra/overrides.yaml of a run made without Hydra's launcher (tfmoe.api.checking' record=),
     as Hydra writes them, so load_run, show and rerun_advice read it like any run."""
     import yaml
 

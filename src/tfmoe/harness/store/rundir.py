@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 if TYPE_CHECKING:
     import pandas as pd

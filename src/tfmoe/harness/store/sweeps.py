@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tfmoe.status import Status
+from tfmoe.contract.status import Status
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -140,7 +140,7 @@ def sweep_experiment(sweep_dir: Path) -> str:
     """The experiment of a sweep directory (from its multirun.yaml)."""
     from omegaconf import OmegaConf
 
-    from tfmoe.errors import BadInput
+    from tfmoe.contract.errors import BadInput
 
     try:
         return str(OmegaConf.load(sweep_dir / "multirun.yaml").experiment)
@@ -171,8 +171,8 @@ def write_sweep_table(sweep_dir: Path) -> pd.DataFrame | None:
 def write_sweep_plots(sweep_dir: Path, experiment: str, df: pd.DataFrame) -> None:
     """The experiment's ``sweep_plots(df)`` PNGs in the sweep directory (a plot that raises is logged, not raised;
     a file system that refuses the PNG raises)."""
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.harness.store.rundir import atomic_replace
-    from tfmoe.registry import EXPERIMENTS
 
     plots = EXPERIMENTS[experiment].sweep_plots()
     if plots is None:

@@ -14,9 +14,9 @@ from tfmoe.components.chunked_attention import naive_attention, naive_attention_
 from tfmoe.components.comparison import compare, max_abs_err
 from tfmoe.components.reference_attention import plain_attention as independent_plain_attention
 from tfmoe.components.references import project, reference_dtype, rows_with_a_key
+from tfmoe.contract.recorder import Recorder
 from tfmoe.experiments.attn_check.layer import LayerUnderTest, record_comparison
-from tfmoe.memory import peak_memory_bytes
-from tfmoe.recorder import Recorder
+from tfmoe.rules.memory import peak_memory_bytes
 
 if TYPE_CHECKING:
     from tfmoe.experiments.attn_check.settings import ModuleSettings

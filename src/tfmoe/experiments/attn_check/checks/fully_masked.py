@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tfmoe.capabilities import fully_masked_accepts, policy_allows_nan
 from tfmoe.components.comparison import classify_rows
 from tfmoe.components.references import output, project, rows_with_a_key, visibility
 from tfmoe.experiments.attn_check.layer import LayerUnderTest
+from tfmoe.rules.capabilities import fully_masked_accepts, policy_allows_nan
 
 if TYPE_CHECKING:
     from tfmoe.experiments.attn_check.settings import ModuleSettings

@@ -6,7 +6,6 @@ import math
 
 import torch
 
-from tfmoe import capabilities as caps
 from tfmoe.adapters import ContractError
 from tfmoe.components.comparison import Comparison, compare, max_abs_err
 from tfmoe.components.references import attention_weights, plain_attention, visibility
@@ -16,6 +15,7 @@ from tfmoe.experiments.attn_check.layer import (
     precision_diagnosis,
     record_comparison,
 )
+from tfmoe.rules import capabilities as caps
 
 TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from tfmoe.components.references import project, reference_dtype
+from tfmoe.contract.tables import Rows
 from tfmoe.experiments.attn_check.layer import LayerUnderTest, projection_tensors
-from tfmoe.tables import Rows
 
 # a step whose layer the adapter does not name (separate q/k/v projections, no output layer): nothing to hook
 NO_LAYER = {"qkv": "no fused qkv layer (not judged)", "merged": "no output layer named (not judged)"}

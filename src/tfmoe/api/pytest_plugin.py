@@ -1,13 +1,13 @@
-"""tfmoe's pytest plugin (entry point ``pytest11``; before it is installed: ``pytest -p tfmoe.pytest_plugin``).
+"""tfmoe's pytest plugin (entry point ``pytest11``; before it is installed: ``pytest -p tfmoe.api.pytest_plugin``).
 
-A thin layer over :mod:`tfmoe.checks`:
+A thin layer over :mod:`tfmoe.api.checking`:
 
 - markers ``@pytest.mark.tfmoe_attention(MyAttention, **settings)``, ``tfmoe_kernel(fn, **settings)``,
   ``tfmoe_moe(MyMoE, **settings)`` and ``tfmoe_model(MyLM, **settings)`` (a whole causal LM): the marked test first judges the layer and fails, with the verdict's table,
   when a check fails (then its own body runs);
 - the fixture ``tfmoe_check``: ``tfmoe.assert_attention_conforms(...)`` and the other five functions of the API, with
   the test run's profile and record directory applied;
-- ``--tfmoe-profile quick|full`` (default quick: the reduced case matrix, :data:`tfmoe.checks.QUICK`; full: the
+- ``--tfmoe-profile quick|full`` (default quick: the reduced case matrix, :data:`tfmoe.api.checking.QUICK`; full: the
   CLI's defaults); a ``profile=`` given in a call or a marker wins;
 - ``--tfmoe-record DIR``: every check that fails leaves a normal run directory under ``DIR/<experiment>/``
   (``tfmoe show``, ``diff``, ``failures add`` read it), its path in the failure's table.
@@ -40,14 +40,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 class Checker:
-    """The ``tfmoe_check`` fixture: tfmoe.checks' functions with the test run's ``--tfmoe-profile`` and
+    """The ``tfmoe_check`` fixture: tfmoe.api.checking' functions with the test run's ``--tfmoe-profile`` and
     ``--tfmoe-record`` (failed checks only) applied."""
 
     def __init__(self, profile: str, record: str | None) -> None:
         self.profile, self.record = profile, record
 
     def _run(self, kind: str, target: Any, settings: dict[str, Any]) -> Any:
-        from tfmoe import checks
+        from tfmoe.api import checking as checks
 
         profile = settings.pop("profile", self.profile)
         record = settings.pop("record", None)
@@ -81,7 +81,7 @@ class Checker:
 
 
 def _conforms(verdict: Any) -> Any:
-    from tfmoe.checks import _conforms as conforms
+    from tfmoe.api.checking import _conforms as conforms
 
     return conforms(verdict)
 
@@ -112,7 +112,7 @@ def pytest_runtest_call(item: pytest.Item) -> None:
             if len(mark.args) != 1:
                 pytest.fail(f"@pytest.mark.{name} takes one layer and keyword settings, got {len(mark.args)} "
                             "positional arguments", pytrace=False)
-            from tfmoe.errors import BadInput
+            from tfmoe.contract.errors import BadInput
 
             try:
                 verdict = _checker(item.config)._run(kind, mark.args[0], dict(mark.kwargs))

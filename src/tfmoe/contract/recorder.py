@@ -50,7 +50,7 @@ class Recorder:
     figures: dict[str, Any] = field(default_factory=dict)  # name -> matplotlib Figure
     summary_parts: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # facts the run wants in run.parquet/summary
-    # False where no figure is kept (tfmoe.checks without record=): a recipe may skip drawing them
+    # False where no figure is kept (tfmoe.api.checking without record=): a recipe may skip drawing them
     wants_plots: bool = True
 
     # ----------------------------------------------------------------- metrics
@@ -97,7 +97,7 @@ class Recorder:
         return passed
 
     def not_applicable(self, name: str, detail: str) -> None:
-        """Record a check that is not applicable to this layer (tfmoe.capabilities): listed with ``detail``
+        """Record a check that is not applicable to this layer (tfmoe.rules.capabilities): listed with ``detail``
         ("not applicable: ..."), never counted as a failure."""
         self.checks_rows.append(CheckRow(name, True, None, None, detail, applicable=False))
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 EXPECT_DIVERGENCE_FIX = "pass expect_divergence=true (a stress test) or expect_divergence=false"
 

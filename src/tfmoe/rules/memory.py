@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from tfmoe.errors import BadInput
-from tfmoe.recorder import reset_device_peak
+from tfmoe.contract.errors import BadInput
+from tfmoe.contract.recorder import reset_device_peak
 
 
 @contextlib.contextmanager

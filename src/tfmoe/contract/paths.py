@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PACKAGE_ROOT = Path(__file__).resolve().parent  # src/tfmoe (or site-packages/tfmoe)
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # src/tfmoe (or site-packages/tfmoe)
 CHECKOUT_ROOT = PACKAGE_ROOT.parents[1]  # the repository, for an editable install from a checkout
 
 # tfmoe's own code and configs in a checkout, as git pathspecs from its top: what `git_dirty` and code/tfmoe.diff

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 # feature -> what it is (the words a refusal or an n/a detail uses)
 FEATURES: dict[str, str] = {

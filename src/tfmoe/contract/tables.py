@@ -18,7 +18,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from tfmoe.safe_text import cell_text
+from tfmoe.rules.safe_text import cell_text
 
 COMPACT_WIDTH = 14  # a column wider than this may wrap (its header never does)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
 DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+|mps|auto)$")

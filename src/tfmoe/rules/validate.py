@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 
 def _get(cfg: Any, key: str) -> Any:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 OPENAI_NAMES = ("cl100k_base", "o200k_base")
 TRAINED_NAMES = ("bpe", "wordpiece", "unigram")

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 
 @contextlib.contextmanager

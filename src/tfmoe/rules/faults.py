@@ -3,9 +3,9 @@ adapter's included (an error: the run crashes, exit 3, and the layer is never bl
 
 The rule, applied by the batteries' check wrappers (:func:`tfmoe_fault`):
 
-1. :class:`~tfmoe.errors.AdapterError` is tfmoe's by definition (raised where an adapter knows the installed
+1. :class:`~tfmoe.contract.errors.AdapterError` is tfmoe's by definition (raised where an adapter knows the installed
    library is not what it was written for).
-2. :class:`~tfmoe.errors.ContractError` (the code under test returned something the protocol forbids) is the
+2. :class:`~tfmoe.contract.errors.ContractError` (the code under test returned something the protocol forbids) is the
    user's, unless a shipped adapter produced it (``library`` is set): then the adapter broke its own contract.
 3. Otherwise the traceback decides. Walking from where the exception was raised outwards, frames inside torch
    and the standard library are passed over (they raise on behalf of their caller); the first other frame is
@@ -31,10 +31,10 @@ import traceback
 from pathlib import Path
 from types import TracebackType
 
-from tfmoe.errors import AdapterError, ContractError
+from tfmoe.contract.errors import AdapterError, ContractError
 
 RAISED = "raised "
-_TFMOE = Path(__file__).resolve().parent
+_TFMOE = Path(__file__).resolve().parents[1]
 _STDLIB = tuple(Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib"))
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 __all__ = ["BadSettings", "CheckResult", "Verdict", "QUICK", "check_attention", "check_kernel", "check_moe",
            "check_model", "assert_attention_conforms", "assert_kernel_conforms", "assert_moe_conforms",
@@ -276,7 +276,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): _plain(v) for k, v in value.items()}
     if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
-        from tfmoe.capabilities import precision_name
+        from tfmoe.rules.capabilities import precision_name
 
         return precision_name(value, "dtype")
     if isinstance(value, Path):
@@ -289,8 +289,8 @@ def compose(experiment: str, overrides: Mapping[str, Any]) -> Any:
     CLI's checks: an unknown key or a value of another type than the default's is one BadSettings line."""
     from omegaconf import OmegaConf
 
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.harness.launching.launch import CONFIG_FORMS, _compatible, _example, _type_name, config_dir
-    from tfmoe.registry import EXPERIMENTS
 
     exp = EXPERIMENTS[experiment]
     cfg = _defaults(str(config_dir()), exp.config)
@@ -373,8 +373,8 @@ def _run_model(overrides: dict[str, Any], record: str | Path | None, record_only
 def _has_key(experiment: str, key: str) -> bool:
     from omegaconf import OmegaConf
 
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.harness.launching.launch import config_dir
-    from tfmoe.registry import EXPERIMENTS
 
     cfg = _defaults(str(config_dir()), EXPERIMENTS[experiment].config)
     return OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT
@@ -383,10 +383,9 @@ def _has_key(experiment: str, key: str) -> bool:
 def _run(kind: str, overrides: dict[str, Any], record: str | Path | None, record_only_failed: bool) -> Verdict:
     from rich.console import Console
 
-    from tfmoe.harness.method.diagnosis import checks_mapping, common_exception, diagnose, same_exception_line
-    from tfmoe.recorder import Recorder
-    from tfmoe.registry import EXPERIMENTS
-    from tfmoe.runtime import (
+    from tfmoe.contract.recorder import Recorder
+    from tfmoe.contract.registry import EXPERIMENTS
+    from tfmoe.contract.runtime import (
         check_seed,
         check_threads,
         resolve_device,
@@ -394,6 +393,7 @@ def _run(kind: str, overrides: dict[str, Any], record: str | Path | None, record
         seed_everything,
         torch_threads,
     )
+    from tfmoe.harness.method.diagnosis import checks_mapping, common_exception, diagnose, same_exception_line
 
     experiment = KINDS.get(kind, kind)  # a kind, or an experiment's own name (the model battery's three)
     exp = EXPERIMENTS[experiment]
@@ -475,11 +475,11 @@ def _record(root: Path, exp: Any, cfg: Any, overrides: Mapping[str, Any], rec: A
     """A normal run directory under root/<experiment>/ written by the notebook layer."""
     from omegaconf import OmegaConf
 
+    from tfmoe.contract.recorder import device_peak
+    from tfmoe.contract.status import Status
     from tfmoe.harness.method.diagnosis import markdown
     from tfmoe.harness.store.notebook import RunWriter, environment, write_run_config
     from tfmoe.harness.store.rundir import utcnow
-    from tfmoe.recorder import device_peak
-    from tfmoe.status import Status
 
     run_dir = _new_run_dir(root / exp.name, utcnow().strftime("%Y-%m-%d_%H-%M-%S-%f"))
     name = run_dir.name

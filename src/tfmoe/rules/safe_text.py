@@ -11,7 +11,7 @@ import re
 import unicodedata
 from typing import Any
 
-from tfmoe.errors import BadInput
+from tfmoe.contract.errors import BadInput
 
 # Line breaks: folded into one space, so that a field's text stays on its line.
 LINE_BREAKS = re.compile(r"[\n\r\t\v\f\x1c-\x1e\x85\u2028\u2029]+")

@@ -1,8 +1,8 @@
-"""Exceptions that map onto the CLI's exit codes (the codes themselves: tfmoe.status)."""
+"""Exceptions that map onto the CLI's exit codes (the codes themselves: tfmoe.contract.status)."""
 
 from __future__ import annotations
 
-from tfmoe.status import signal_exit_code
+from tfmoe.contract.status import signal_exit_code
 
 
 class BadInput(Exception):

@@ -52,9 +52,9 @@ def compose(experiment: str, overrides: list[str] | None = None) -> DictConfig:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from tfmoe.contract.registry import EXPERIMENTS
     from tfmoe.harness.launching import runner
     from tfmoe.harness.launching.launch import config_dir
-    from tfmoe.registry import EXPERIMENTS
 
     del runner  # imported for its resolver
     GlobalHydra.instance().clear()
@@ -66,8 +66,8 @@ def compose(experiment: str, overrides: list[str] | None = None) -> DictConfig:
 
 def make_recorder(cfg: DictConfig):
     """A Recorder with device/dtype resolved and seeds set exactly as the runner does."""
-    from tfmoe.recorder import Recorder
-    from tfmoe.runtime import resolve_device, resolve_dtype, seed_everything
+    from tfmoe.contract.recorder import Recorder
+    from tfmoe.contract.runtime import resolve_device, resolve_dtype, seed_everything
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -79,7 +79,7 @@ def cpu_recorder(seed: int = 0, dtype=None):
     """A bare fp32 CPU Recorder for calling check functions directly in tests."""
     import torch
 
-    from tfmoe.recorder import Recorder
+    from tfmoe.contract.recorder import Recorder
 
     return Recorder(cfg=None, device=torch.device("cpu"), dtype=dtype or torch.float32, seed=seed)
 
@@ -93,9 +93,9 @@ def check_passed(rec, name: str) -> bool:
 
 def run_recorded(experiment: str, overrides: list[str] | None = None):
     """compose + make_recorder + the experiment's run(); returns the Recorder (no files written)."""
+    from tfmoe.contract.registry import EXPERIMENTS
+    from tfmoe.contract.runtime import check_threads, torch_threads
     from tfmoe.harness.launching.runner import run_module
-    from tfmoe.registry import EXPERIMENTS
-    from tfmoe.runtime import check_threads, torch_threads
 
     cfg = compose(experiment, overrides)
     rec = make_recorder(cfg)

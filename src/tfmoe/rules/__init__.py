@@ -1,0 +1,1 @@
+"""The rules every battery obeys: declared or detected capabilities and precision, finiteness, memory estimates and the size guard, one-line validation, loading user code, whose fault an exception is."""
