@@ -18,7 +18,7 @@ import torch.nn as nn
 from tfmoe.adapters.base import AttentionAdapter, ContractError, copy_linear, seeded
 from tfmoe.components.references import Projections, Rope
 from tfmoe.contract.errors import BadInput
-from tfmoe.rules.user_code import load_object
+from tfmoe.rules.user_code import built_adapter, load_object
 
 if TYPE_CHECKING:
     from tfmoe.adapters.moe_layers import LayerSizes, LayerUnderTest
@@ -107,12 +107,7 @@ def load_layer(impl: str | None, sizes: LayerSizes, seq: int = 12) -> LayerUnder
         return AdaptedLayer(SHIPPED[name](), sizes, seq)
     obj = load_object(impl, "impl", bad_form=f"impl={impl!r} is not 'pkg.module:Class' nor 'hf:<model type>': "
                       "write e.g. impl=my_moe:ToyMoE or impl=hf:mixtral")
-    if inspect.isclass(obj) and issubclass(obj, MoEAdapter):
-        try:
-            obj = obj()
-        except Exception as exc:
-            raise BadInput(f"impl={impl!r}: adapter {obj.__qualname__}() raised {type(exc).__name__}: {exc}: "
-                           "an adapter class must build with no arguments") from None
+    obj = built_adapter(obj, MoEAdapter, impl)
     if isinstance(obj, MoEAdapter):
         if obj.spec == "?":
             obj.spec = impl

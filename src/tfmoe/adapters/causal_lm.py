@@ -235,7 +235,7 @@ class ModelUnderTest:
 def load_model(spec: str, seed: int, device: torch.device, dtype: torch.dtype,
                config_lacks: Any = None) -> ModelUnderTest:
     """The model ``impl=spec`` names, built on ``device`` in ``dtype`` (BadInput, one line, for anything unusable)."""
-    from tfmoe.rules.user_code import load_object
+    from tfmoe.rules.user_code import built_adapter, load_object
 
     adapter: CausalLMAdapter
     if spec.startswith("hf:"):
@@ -243,12 +243,7 @@ def load_model(spec: str, seed: int, device: torch.device, dtype: torch.dtype,
     else:
         obj = load_object(spec, "impl", bad_form=f"impl={spec!r} is not 'pkg.module:Class' nor 'hf:<model type>': "
                           "write e.g. impl=my_lm:MyLM or impl=hf:llama")
-        if inspect.isclass(obj) and issubclass(obj, CausalLMAdapter):
-            try:
-                obj = obj()
-            except Exception as exc:
-                raise BadInput(f"impl={spec!r}: adapter {obj.__qualname__}() raised {type(exc).__name__}: {exc}: "
-                               "an adapter class must build with no arguments") from None
+        obj = built_adapter(obj, CausalLMAdapter, spec)
         if isinstance(obj, CausalLMAdapter):
             adapter = obj
             if adapter.spec == "?":

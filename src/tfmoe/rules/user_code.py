@@ -32,6 +32,20 @@ def cwd_importable() -> Iterator[None]:
             sys.path.remove(cwd)
 
 
+def built_adapter(obj: Any, base: type, spec: str) -> Any:
+    """``obj`` itself, or an instance when it is a subclass of ``base`` (an adapter class builds with no arguments;
+    its raise is the user's bad input, one line)."""
+    import inspect
+
+    if not (inspect.isclass(obj) and issubclass(obj, base)):
+        return obj
+    try:
+        return obj()
+    except Exception as exc:
+        raise BadInput(f"impl={spec!r}: adapter {obj.__qualname__}() raised {type(exc).__name__}: {exc}: "
+                       "an adapter class must build with no arguments") from None
+
+
 def load_object(spec: str, key: str, bad_form: str | None = None) -> Any:
     """'python.module:Name' (Name may be dotted) -> the object; nothing is instantiated.
 
